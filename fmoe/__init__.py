@@ -1,0 +1,16 @@
+"""fmoe: functional mixture-of-experts on PyTorch.
+
+Models are pure functions over parameter pytrees; a :class:`Plan` annotates the tree with
+placements, :func:`shard` applies it on a :class:`Mesh`, and layer functions insert exactly the
+collectives those placements need. The public namespace is made of explicit re-exports.
+"""
+
+from . import collectives, testing, tree
+from .mesh import Mesh
+from .placement import P
+from .plan import STYLES, Plan
+from .sharding import gather, placement_of, shard, to_local
+
+__all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local",
+           "collectives", "testing", "tree"]
+__version__ = "0.1.0"

@@ -1,0 +1,224 @@
+"""Differentiable collectives: ``torch.autograd.Function``s over torch.distributed.
+
+Each function is a new-style autograd Function (``forward`` + ``setup_context``), so it works
+under ``torch.autograd`` and ``torch.func.grad`` alike. Every one takes a process group and is a
+no-op when the group is None or has one rank (single process).
+
+=================  =========================  ==========================================
+function           forward                    backward
+=================  =========================  ==========================================
+all_to_all         rows to ranks by splits    the reverse exchange
+all_reduce         sum over the group         identity (grads of a replicated output)
+copy_to            identity                   sum over the group
+all_gather         concat slices (uneven ok)  reduce-scatter: sum, keep own slice
+gather_replicated  concat slices (uneven ok)  keep own slice (output used identically)
+reduce_scatter     sum, keep own slice        all-gather
+=================  =========================  ==========================================
+
+``all_gather`` is the exact adjoint for a gathered tensor that each rank uses in a *different*
+loss; ``gather_replicated`` is for the usual tensor-parallel case where every rank of the group
+computes the *same* loss on the replicated result (summing would multiply gradients by the
+group size).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_to_all", "all_reduce", "copy_to", "all_gather", "gather_replicated",
+           "reduce_scatter", "group_size", "all_gather_sizes"]
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Number of ranks in ``group`` (1 for None)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _exchange(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(x, out_splits, in_splits, group):
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.out_splits, ctx.in_splits, ctx.group = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return _AllToAll.apply(g, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+               group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Send ``x``'s rows to the ranks of ``group``: ``in_splits[r]`` rows go to rank r,
+    ``out_splits[r]`` rows arrive from rank r (empty splits allowed). Backward: the reverse.
+
+    Args:
+        x: ``[sum(in_splits), ...]``.
+        out_splits: rows received from each rank.
+        in_splits: rows sent to each rank.
+        group: process group (None: single process, requires equal splits).
+    Returns:
+        ``[sum(out_splits), ...]``.
+
+    Example:
+        >>> all_to_all(torch.ones(2, 3), [2], [2], None).shape
+        torch.Size([2, 3])
+    """
+    if x.shape[0] != sum(in_splits):
+        raise ValueError(f"all_to_all: x has {x.shape[0]} rows but in_splits sum to {sum(in_splits)}")
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group):
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _AllReduce.apply(g, ctx.group), None
+
+
+def all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Sum ``x`` over ``group``; backward passes the gradient through unchanged."""
+    return x if group_size(group) == 1 else _AllReduce.apply(x, group)
+
+
+def copy_to(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Identity; backward sums the gradient over ``group`` (a replicated input feeding
+    rank-partial computations, e.g. the input of a colwise linear)."""
+    return x if group_size(group) == 1 else _CopyTo.apply(x, group)
+
+
+def all_gather_sizes(n: int, group: Optional[dist.ProcessGroup]) -> list[int]:
+    """Every rank's ``n`` (one small all-gather)."""
+    if group_size(group) == 1:
+        return [n]
+    t = torch.tensor([n], dtype=torch.int64)
+    out = [torch.empty_like(t) for _ in range(group_size(group))]
+    dist.all_gather(out, t, group=group)
+    return [int(o.item()) for o in out]
+
+
+def _gather(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
+    xm = x.movedim(dim, 0).contiguous()
+    m = max(sizes)
+    if xm.shape[0] < m:
+        pad = xm.new_zeros((m - xm.shape[0],) + tuple(xm.shape[1:]))
+        xm = torch.cat([xm, pad])
+    out = xm.new_empty((m * len(sizes),) + tuple(xm.shape[1:]))
+    dist.all_gather_into_tensor(out, xm, group=group)
+    pieces = [out[i * m: i * m + s] for i, s in enumerate(sizes)]
+    return torch.cat(pieces).movedim(0, dim)
+
+
+def _own_slice(g: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
+    r = dist.get_rank(group)
+    start = sum(sizes[:r])
+    return g.narrow(dim, start, sizes[r]).contiguous()
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x, dim, sizes, group, replicated):
+        return _gather(x, dim, sizes, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.dim, ctx.sizes, ctx.group, ctx.replicated = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.replicated:
+            g = g.contiguous().clone()
+            dist.all_reduce(g, group=ctx.group)
+        return _own_slice(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+
+
+def _sizes_for(x: torch.Tensor, dim: int, sizes: Optional[Sequence[int]], group) -> list[int]:
+    if sizes is None:
+        return all_gather_sizes(x.shape[dim], group)
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != group_size(group) or sizes[dist.get_rank(group)] != x.shape[dim]:
+        raise ValueError(f"all_gather: sizes {sizes} do not match the group or x.shape[{dim}]={x.shape[dim]}")
+    return sizes
+
+
+def all_gather(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0,
+               sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (uneven sizes allowed; pass ``sizes`` to
+    skip the size exchange). Backward: sum over ranks, keep own slice (reduce-scatter)."""
+    if group_size(group) == 1:
+        return x
+    return _AllGather.apply(x, dim, _sizes_for(x, dim, sizes, group), group, False)
+
+
+def gather_replicated(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0,
+                      sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Like :func:`all_gather`, for a result every rank uses identically: backward keeps this
+    rank's slice of its own gradient, no sum."""
+    if group_size(group) == 1:
+        return x
+    return _AllGather.apply(x, dim, _sizes_for(x, dim, sizes, group), group, True)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(x, dim, group):
+        n = group_size(group)
+        xm = x.movedim(dim, 0).contiguous()
+        out = xm.new_empty((xm.shape[0] // n,) + tuple(xm.shape[1:]))
+        dist.reduce_scatter_tensor(out, xm, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.dim, ctx.group = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        n = group_size(ctx.group)
+        return _AllGather.apply(g, ctx.dim, [g.shape[ctx.dim]] * n, ctx.group, True), None, None
+
+
+def reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's equal slice of ``dim``. Backward: all-gather."""
+    if group_size(group) == 1:
+        return x
+    n = group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} is not divisible by group size {n}")
+    return _ReduceScatter.apply(x, dim, group)

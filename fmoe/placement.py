@@ -1,0 +1,135 @@
+"""Placements: which mesh axis shards which dimension of one tensor.
+
+``P(*axes)`` gives one entry per tensor dimension, JAX ``PartitionSpec``-style: a mesh axis
+name (``"tp"``, ``"fsdp"``, ``"ep"``, ``"efsdp"``, ``"dp_replicate"``), a tuple of axis names
+(the dim is split by the first, each piece again by the next), or ``None`` (not split).
+Dimensions past the last entry are not split; ``P()`` is fully replicated.
+
+Two keyword options cover the styles a pure placement cannot say:
+
+- ``packed=n``: the sharded dim holds ``n`` equal blocks packed one after another (a fused
+  ``[gate | up]`` projection) and each block is split separately, so the local slice is again
+  ``[gate_shard | up_shard]`` and a local ``chunk(2)`` still separates gate from up;
+- ``gather=True``: a layer that produces its output sharded along this placement gathers it
+  back to the full width (colwise with gathered output).
+
+Example:
+    >>> P("ep", None, None)          # experts [E, 2I, D] split on E
+    P('ep', None, None)
+    >>> P("tp", None, packed=2)      # fused [2I, D] gate/up, each half split over tp
+    P('tp', None, packed=2)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+from .mesh import AXES
+
+__all__ = ["P", "Axis"]
+
+Axis = Union[None, str, tuple]
+
+
+class P:
+    """Placement of one tensor: a mesh-axis entry (or None) per dimension.
+
+    ``P`` is a pytree *leaf* (not a tuple), so a tree of placements has the same structure as
+    the parameter tree it describes.
+
+    Args:
+        *axes: per-dim entry: None, an axis name, or a tuple of axis names.
+        packed: number of equal blocks packed along the sharded dim (each split separately).
+        gather: layers gather an output sharded like this back to full width.
+    """
+
+    __slots__ = ("axes", "packed", "gather")
+
+    def __init__(self, *axes: Axis, packed: int = 1, gather: bool = False):
+        norm = []
+        for i, a in enumerate(axes):
+            if a is None or isinstance(a, str):
+                norm.append(a)
+            elif isinstance(a, (tuple, list)) and a and all(isinstance(x, str) for x in a):
+                norm.append(a[0] if len(a) == 1 else tuple(a))
+            else:
+                raise TypeError(
+                    f"P: entry {i} must be None, a mesh axis name or a tuple of names, got {a!r}"
+                )
+        if isinstance(packed, bool) or not isinstance(packed, int) or packed < 1:
+            raise ValueError(f"P: packed must be an int >= 1, got {packed!r}")
+        self.axes: tuple = tuple(norm)
+        self.packed = packed
+        self.gather = bool(gather)
+
+    # ------------------------------------------------------------------ structure
+    def dim_axes(self, dim: int) -> tuple[str, ...]:
+        """Axis names splitting tensor dim ``dim`` (empty tuple if not split)."""
+        a = self.axes[dim] if dim < len(self.axes) else None
+        return () if a is None else ((a,) if isinstance(a, str) else a)
+
+    def mesh_axes(self) -> tuple[str, ...]:
+        """All axis names used, in entry order."""
+        return tuple(x for d in range(len(self.axes)) for x in self.dim_axes(d))
+
+    def sharded_dims(self) -> list[int]:
+        return [d for d in range(len(self.axes)) if self.dim_axes(d)]
+
+    def dim_of(self, axis: str) -> Optional[int]:
+        """The tensor dim that ``axis`` splits, or None."""
+        for d in range(len(self.axes)):
+            if axis in self.dim_axes(d):
+                return d
+        return None
+
+    @property
+    def is_replicated(self) -> bool:
+        return not self.mesh_axes()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for unknown axis names or an axis used twice."""
+        used = self.mesh_axes()
+        for a in used:
+            if a not in AXES:
+                raise ValueError(f"{self!r}: unknown mesh axis {a!r}; valid axes are {list(AXES)}")
+        if len(set(used)) != len(used):
+            raise ValueError(f"{self!r}: a mesh axis may split only one tensor dim")
+        dense = {"fsdp", "tp"} & set(used)
+        expert = {"efsdp", "ep"} & set(used)
+        if dense and expert:
+            raise ValueError(
+                f"{self!r}: mixes dense-mesh axes {sorted(dense)} with expert-mesh axes "
+                f"{sorted(expert)}; one placement lives on one mesh"
+            )
+        if self.packed > 1 and (len(self.sharded_dims()) != 1 or len(self.dim_axes(self.sharded_dims()[0])) != 1):
+            raise ValueError(f"{self!r}: packed placements split exactly one dim over one axis")
+
+    # ------------------------------------------------------------------ value semantics
+    def _key(self):
+        axes = list(self.axes)
+        while axes and axes[-1] is None:  # trailing Nones say nothing: P("tp") == P("tp", None)
+            axes.pop()
+        return (tuple(axes), self.packed, self.gather)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, P) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __iter__(self) -> Iterable[Axis]:
+        return iter(self.axes)
+
+    def __len__(self) -> int:
+        return len(self.axes)
+
+    def __getitem__(self, i: int) -> Axis:
+        return self.axes[i]
+
+    def __repr__(self) -> str:
+        parts = [repr(a) for a in self.axes]
+        if self.packed > 1:
+            parts.append(f"packed={self.packed}")
+        if self.gather:
+            parts.append("gather=True")
+        return f"P({', '.join(parts)})"

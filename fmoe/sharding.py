@@ -1,0 +1,187 @@
+"""Apply a plan: every rank keeps its slice of each parameter, as a DTensor.
+
+``shard(params, plan, mesh)`` resolves and validates the whole plan first (so a bad plan
+raises on every rank before anything is sliced or sent), then cuts each rank's slice out of the
+full tensor it already holds (same seed everywhere, or a checkpoint) and wraps it as a DTensor
+over the dense or the expert ``DeviceMesh``. No communication happens.
+
+Why DTensors: gradients come back with the same placements, elementwise optimizer math stays
+local, a global norm is a DTensor reduction, and ``torch.distributed.checkpoint`` reshards them.
+Hot paths never compute on DTensors: layer functions take ``to_local(t)`` and insert their own
+autograd collectives, reading the placement with ``placement_of(t)``.
+
+``gather(tree)`` turns every DTensor back into a plain full tensor on every rank (parameters or
+gradients; ``Partial`` gradients are summed): ``gather(shard(p, plan, mesh))`` equals ``p``
+bitwise.
+
+In a single process (or a one-rank world) ``shard`` validates and returns the leaves unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from . import tree as _tree
+from .mesh import DENSE_AXES, EXPERT_AXES, Mesh
+from .placement import P
+from .plan import Plan
+
+__all__ = ["shard", "gather", "placement_of", "to_local", "dtensor_placements", "slice_for_rank"]
+
+_ATTR = "_fmoe_placement"
+
+
+def dtensor_placements(p: P, mesh: Mesh):
+    """``(DeviceMesh, placements)`` that express ``p`` as a DTensor on ``mesh``."""
+    axes = set(p.mesh_axes())
+    dm = mesh.expert if axes & {"ep", "efsdp"} else mesh.dense
+    placements = []
+    for name in dm.mesh_dim_names:
+        d = p.dim_of(name)
+        if d is None:
+            placements.append(Replicate())
+        elif p.packed > 1:
+            placements.append(_StridedShard(d, split_factor=p.packed))
+        else:
+            placements.append(Shard(d))
+    return dm, placements
+
+
+def slice_for_rank(full: torch.Tensor, p: P, mesh: Mesh) -> torch.Tensor:
+    """This rank's slice of ``full`` under placement ``p`` (no communication).
+
+    Nested axes on one dim split in entry order: ``P(("fsdp", "tp"))`` splits by fsdp first,
+    then each piece by tp. Packed dims split each block separately.
+    """
+    out = full
+    for d in p.sharded_dims():
+        axes = p.dim_axes(d)
+        if p.packed > 1:
+            (a,) = axes
+            blocks = out.chunk(p.packed, dim=d)
+            out = torch.cat([b.chunk(mesh.size(a), dim=d)[mesh.rank_in(a)] for b in blocks], dim=d)
+        else:
+            for a in axes:
+                out = out.chunk(mesh.size(a), dim=d)[mesh.rank_in(a)]
+    return out
+
+
+def _order_axes_like_mesh(p: P, mesh: Mesh) -> None:
+    for d in p.sharded_dims():
+        axes = p.dim_axes(d)
+        if len(axes) > 1:
+            dm_axes = EXPERT_AXES if axes[0] in ("ep", "efsdp") else DENSE_AXES
+            if any(a not in dm_axes for a in axes) or list(axes) != sorted(axes, key=dm_axes.index):
+                raise ValueError(
+                    f"{p!r}: axes splitting one dim must follow mesh order {dm_axes}, got {axes}"
+                )
+
+
+def shard(params: Any, plan: Union[Plan, Mapping, Sequence], mesh: Optional[Mesh] = None) -> Any:
+    """Place every leaf of ``params`` per ``plan``; each rank keeps only its slices.
+
+    Args:
+        params: parameter tree of full tensors (identical on every rank).
+        plan: a :class:`Plan` (or rules for one).
+        mesh: the :class:`Mesh`; None means a single process.
+    Returns:
+        the same tree with DTensor leaves (plain tensors when the world is one process).
+
+    Example:
+        >>> import torch, fmoe
+        >>> p = {"w": torch.ones(4, 2)}
+        >>> fmoe.shard(p, {"w": fmoe.P("tp", None)}, fmoe.Mesh())["w"].shape
+        torch.Size([4, 2])
+    """
+    if not isinstance(plan, Plan):
+        plan = Plan(plan)
+    mesh = mesh if mesh is not None else Mesh()
+    flat = _tree.flatten(params)
+    for path, leaf in flat.items():
+        if isinstance(leaf, DTensor):
+            raise TypeError(f"shard: parameter {path!r} is already a DTensor; gather it first")
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"shard: parameter {path!r} must be a torch.Tensor, got {type(leaf).__name__}")
+    placements = _tree.flatten(plan.resolve(params, mesh))
+    for p in placements.values():
+        _order_axes_like_mesh(p, mesh)
+    if mesh.dense is None:
+        return params
+
+    def place(path: str, leaf: torch.Tensor) -> DTensor:
+        p = placements[path]
+        dm, pls = dtensor_placements(p, mesh)
+        local = slice_for_rank(leaf.detach(), p, mesh).contiguous().clone()
+        out = DTensor.from_local(local, dm, pls, run_check=False, shape=leaf.shape, stride=leaf.stride())
+        out.requires_grad_(leaf.requires_grad)
+        setattr(out, _ATTR, p)
+        return out
+
+    return _tree.map_with_path(place, params)
+
+
+def gather(tree: Any) -> Any:
+    """Plain full tensors on every rank (DTensor leaves all-gathered, Partial ones summed).
+
+    Call it on every rank with the same tree structure (it runs one collective per sharded leaf).
+
+    Args:
+        tree: parameters, gradients or any tree with DTensor / tensor leaves.
+    Returns:
+        the same tree with plain tensors.
+    """
+
+    def full(leaf: Any) -> Any:
+        if isinstance(leaf, DTensor):
+            return leaf.full_tensor()
+        return leaf
+
+    return _tree.map_with_path(lambda _, x: full(x), tree)
+
+
+def placement_of(t: Any) -> P:
+    """The :class:`P` of a leaf (``P()`` for a plain tensor).
+
+    The exact ``P`` given to :func:`shard` (including ``gather``) is kept on the leaf; for a
+    DTensor made elsewhere it is derived from the DTensor's placements.
+    """
+    p = getattr(t, _ATTR, None)
+    if p is not None:
+        return p
+    if not isinstance(t, DTensor):
+        return P()
+    entries: list = [None] * t.ndim
+    packed = 1
+    for name, pl in zip(t.device_mesh.mesh_dim_names, t.placements):
+        if isinstance(pl, Shard) or isinstance(pl, _StridedShard):
+            cur = entries[pl.dim]
+            entries[pl.dim] = name if cur is None else (tuple(cur) if isinstance(cur, tuple) else (cur,)) + (name,)
+            if isinstance(pl, _StridedShard):
+                packed = pl.split_factor
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries, packed=packed)
+
+
+def to_local(t: Any, partial_grad: Sequence[str] = ()) -> torch.Tensor:
+    """The local slice of a leaf for compute (identity for plain tensors); differentiable.
+
+    Args:
+        t: DTensor or tensor.
+        partial_grad: mesh axes over which this rank's gradient is a partial sum (e.g. ``("tp",)``
+            for a replicated per-head norm weight used on head-sharded activations); the DTensor
+            gradient is then marked ``Partial`` there and summed lazily (e.g. by :func:`gather`).
+    Returns:
+        a plain tensor.
+    """
+    if not isinstance(t, DTensor):
+        return t
+    if not partial_grad:
+        return t.to_local()
+    grad_pl = [Partial() if name in partial_grad and isinstance(pl, Replicate) else pl
+               for name, pl in zip(t.device_mesh.mesh_dim_names, t.placements)]
+    return t.to_local(grad_placements=grad_pl)

@@ -1,0 +1,200 @@
+"""Run a function on N local gloo ranks: the harness for tests, notebooks and benchmarks.
+
+``spawn(fn, world_size, *args)`` starts ``world_size`` fresh processes (``spawn`` start method),
+joins them into one gloo process group on a free localhost port, calls
+``fn(rank, world_size, *args)`` on each and returns the per-rank results in rank order.
+
+It never hangs and never hides a failure:
+
+- the first rank that raises ends the run: every other rank is killed and the original
+  exception is re-raised in the caller, with the rank and the remote traceback attached;
+- a rank that dies without reporting (killed, segfault, ``os._exit``) ends the run the same way;
+- after ``timeout`` seconds all ranks are killed and ``TimeoutError`` names the ranks still busy.
+
+Functions and arguments travel with cloudpickle, so functions defined in a notebook or inside
+a test work. Each rank uses ``threads`` intra-op threads (default: the machine's cores shared
+out between the ranks) and gloo collectives time out after ``timeout`` seconds.
+
+Example (in a user's pytest file)::
+
+    def check(rank, world):
+        import torch, torch.distributed as dist
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t)
+        return t.item()
+
+    def test_sum():
+        assert fmoe.testing.spawn(check, 4) == [6.0] * 4
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue as _queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import cloudpickle
+
+__all__ = ["spawn", "RemoteTraceback", "free_port"]
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised on a spawned rank (chained as ``__cause__``)."""
+
+
+def free_port() -> int:
+    """A currently free localhost TCP port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(payload: bytes, rank: int, world: int, port: int, threads: int, timeout: float, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        fn, args = cloudpickle.loads(payload)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, world, *args)
+        q.put(("ok", rank, cloudpickle.dumps(result)))
+    except BaseException as e:  # noqa: BLE001 - report everything, including SystemExit
+        tb = traceback.format_exc()
+        try:
+            blob = cloudpickle.dumps(e)
+        except Exception:  # noqa: BLE001
+            blob = None
+        q.put(("err", rank, (blob, f"{type(e).__name__}: {e}", tb)))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+          threads: Optional[int] = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results.
+
+    Args:
+        fn: function to run on each rank (any picklable or cloudpicklable callable).
+        world_size: number of ranks (>= 1).
+        *args: extra arguments passed to every rank.
+        timeout: seconds before all ranks are killed (also the gloo collective timeout).
+        threads: intra-op threads per rank (default ``max(1, cpu_count // world_size)``).
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+    Raises:
+        the first failing rank's exception (its rank and traceback attached), or
+        ``RuntimeError`` for a rank that died, or ``TimeoutError``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"spawn: world_size must be an int >= 1, got {world_size!r}")
+    if not callable(fn):
+        raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"spawn: timeout must be a positive number of seconds, got {timeout!r}")
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    payload = cloudpickle.dumps((fn, args))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(payload, r, world_size, port, threads, timeout, q),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            try:
+                kind, rank, body = q.get(timeout=0.2)
+            except _queue.Empty:
+                if _dead(procs, results):
+                    _fail(q, procs, results, first=None)
+                if time.monotonic() > deadline:
+                    busy = [r for r in range(world_size) if r not in results]
+                    raise TimeoutError(f"spawn: ranks {busy} still running after {timeout} s; "
+                                       "all ranks killed")
+                continue
+            if kind == "err":
+                _fail(q, procs, results, first=(rank, body))
+            results[rank] = cloudpickle.loads(body)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        q.close()
+    return [results[r] for r in range(world_size)]
+
+
+_SECONDARY = ("Connection reset", "Connection closed", "connection closed", "pair.cc",
+              "Timed out", "timed out", "Broken pipe", "Socket closed")
+
+
+def _dead(procs, results) -> list[int]:
+    return [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+
+
+def _fail(q, procs, results, first) -> None:
+    """Pick the root cause among the failures seen within a short grace period.
+
+    When one rank fails, its peers soon fail too, inside collectives ("connection reset").
+    Those echoes are secondary: a rank's own exception wins, then a rank that died without
+    reporting, then the first echo.
+    """
+    errors = [first] if first is not None else []
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end and len(errors) + len(results) < len(procs):
+        try:
+            kind, rank, body = q.get(timeout=0.1)
+        except _queue.Empty:
+            continue
+        if kind == "err":
+            errors.append((rank, body))
+    primary = [e for e in errors if not any(m in e[1][1] for m in _SECONDARY)]
+    if primary:
+        _raise_remote(*primary[0])
+    reported = {r for r, _ in errors}
+    dead = [r for r in _dead(procs, results) if r not in reported and procs[r].exitcode != 0]
+    if dead:
+        r = dead[0]
+        raise RuntimeError(f"spawn: rank {r} died with exit code {procs[r].exitcode} "
+                           "before reporting a result")
+    if errors:
+        _raise_remote(*errors[0])
+    r = _dead(procs, results)[0]
+    raise RuntimeError(f"spawn: rank {r} exited (code {procs[r].exitcode}) before reporting a result")
+
+
+def _raise_remote(rank: int, body) -> None:
+    blob, summary, tb = body
+    exc = None
+    if blob is not None:
+        try:
+            exc = cloudpickle.loads(blob)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if not isinstance(exc, BaseException) or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        exc = RuntimeError(f"rank {rank} failed: {summary}")
+    note = f"raised on rank {rank} of fmoe.testing.spawn"
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"[rank {rank}] {exc.args[0]}",) + tuple(exc.args[1:])
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    exc.rank = rank  # type: ignore[attr-defined]
+    raise exc from RemoteTraceback(f"{note}:\n{tb}")
