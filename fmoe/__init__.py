@@ -9,8 +9,8 @@ from . import collectives, testing, tree
 from .mesh import Mesh
 from .placement import P
 from .plan import STYLES, Plan
-from .sharding import gather, placement_of, shard, to_local
+from .sharding import gather, materialize, placement_of, shard, to_local
 
-__all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local",
+__all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "materialize",
            "collectives", "testing", "tree"]
 __version__ = "0.1.0"

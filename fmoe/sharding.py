@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.distributed
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -30,7 +31,8 @@ from .mesh import DENSE_AXES, EXPERT_AXES, Mesh
 from .placement import P
 from .plan import Plan
 
-__all__ = ["shard", "gather", "placement_of", "to_local", "dtensor_placements", "slice_for_rank"]
+__all__ = ["shard", "gather", "placement_of", "to_local", "materialize", "dtensor_placements",
+           "slice_for_rank"]
 
 _ATTR = "_fmoe_placement"
 
@@ -185,3 +187,42 @@ def to_local(t: Any, partial_grad: Sequence[str] = ()) -> torch.Tensor:
     grad_pl = [Partial() if name in partial_grad and isinstance(pl, Replicate) else pl
                for name, pl in zip(t.device_mesh.mesh_dim_names, t.placements)]
     return t.to_local(grad_placements=grad_pl)
+
+
+def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequence[str] = ()) -> torch.Tensor:
+    """The tensor a layer computes with: this rank's slice along the ``keep`` axes, every other
+    split axis (``fsdp``, ``efsdp``, ``dp_replicate``) all-gathered for the call.
+
+    The gather's backward is a reduce-scatter (sum over the gathering ranks, keep own slice):
+    the gradient of an FSDP-sharded weight is the sum of its data-parallel copies' gradients.
+    Dividing by the number of batches (the per-batch mean) is the trainer's business.
+
+    Args:
+        t: DTensor or plain tensor.
+        keep: axes whose split stays local (layers handle them with their own collectives).
+        partial_grad: passed to :func:`to_local` (axes where the gradient is a partial sum).
+    Returns:
+        a plain tensor.
+
+    Example:
+        >>> materialize(torch.ones(2)).shape
+        torch.Size([2])
+    """
+    from .collectives import all_gather
+
+    if not isinstance(t, DTensor):
+        return t
+    p = placement_of(t)
+    out = to_local(t, partial_grad)
+    for d in p.sharded_dims():
+        axes = p.dim_axes(d)
+        gathered = [a for a in axes if a not in keep]
+        if not gathered:
+            continue
+        if len(gathered) != len(axes) or p.packed > 1:
+            raise ValueError(f"materialize: placement {p!r} mixes kept axes {list(keep)} and "
+                             f"gathered axes {gathered} on dim {d} (or is packed); not supported")
+        for a in reversed(axes):      # innermost split first
+            group = t.device_mesh.get_group(a)
+            out = all_gather(out, group, dim=d, sizes=[out.shape[d]] * torch.distributed.get_world_size(group))
+    return out

@@ -50,11 +50,18 @@ def _shard_gather(rank, world):
         uneven = None
     except ValueError as err:
         uneven = str(err)
-    return slices_ok, all_dtensor, round_trip, grads_ok, rep_grad, placements, uneven
+    # materialize: fsdp-split weight gathered for compute, grad = sum over fsdp copies
+    w = fmoe.shard({"w": torch.arange(8.0).view(4, 2).requires_grad_(True)}, {"w": P("fsdp", "tp")}, mesh)["w"]
+    m = fmoe.materialize(w, keep=("tp",))
+    mat_fwd = torch.equal(m, torch.arange(8.0).view(4, 2)[:, t:t + 1])
+    (m * (f + 1)).sum().backward()
+    mat_grad = fmoe.gather(w.grad)
+    return slices_ok, all_dtensor, round_trip, grads_ok, rep_grad, placements, uneven, (mat_fwd, mat_grad)
 
 
 def test_shard_gather_round_trip_four_ranks():
-    for slices_ok, all_dtensor, round_trip, grads_ok, rep_grad, placements, uneven in spawn(_shard_gather, 4):
+    for slices_ok, all_dtensor, round_trip, grads_ok, rep_grad, placements, uneven, mat in spawn(_shard_gather, 4):
+        assert mat[0] and torch.equal(mat[1], torch.full((4, 2), 3.0))   # (0+1) + (1+1) over fsdp
         assert all(slices_ok.values()), slices_ok
         assert all_dtensor
         assert all(round_trip.values()), round_trip

@@ -1,0 +1,1 @@
+"""Checkpoints: Hugging Face safetensors interop (per-rank slice reads) and sharded resume."""
