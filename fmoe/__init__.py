@@ -5,12 +5,13 @@ placements, :func:`shard` applies it on a :class:`Mesh`, and layer functions ins
 collectives those placements need. The public namespace is made of explicit re-exports.
 """
 
-from . import collectives, testing, tree
+from . import collectives, ep, experts, routing, testing, tree
 from .mesh import Mesh
+from .moe import moe
 from .placement import P
 from .plan import STYLES, Plan
 from .sharding import gather, materialize, placement_of, shard, to_local
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "materialize",
-           "collectives", "testing", "tree"]
+           "moe", "routing", "ep", "experts", "collectives", "testing", "tree"]
 __version__ = "0.1.0"

@@ -1,0 +1,177 @@
+"""The functional mixture-of-experts layer.
+
+``y, aux = moe(params, x, router=..., mesh=..., impl=...)`` routes each of this rank's tokens
+to ``K`` of ``E`` SwiGLU experts and returns the weighted sum of their outputs::
+
+    logits = x @ router.T (+ router_bias)          # [T, E]
+    weights, ids, aux = router(logits)             # [T, K] each
+    y[t] = sum_k weights[t, k] * expert[ids[t, k]](x[t])
+
+``params`` is ``{"router": [E, D], "w_gate_up": [E, 2I, D], "w_down": [E, D, I]}`` (optionally
+``router_bias [E]``, ``b_gate_up [E, 2I]``, ``b_down [E, D]``): plain tensors in a single
+process, or as placed by ``fmoe.shard`` with experts on ``P("ep", None, None)`` (any ``efsdp``
+split is gathered for the call). Plain full expert tensors on an ``ep > 1`` mesh are sliced to
+this rank's block.
+
+Which implementation moves the tokens is chosen by ``impl`` (see :mod:`fmoe.ep` for the
+contract, the gradient semantics and the built-ins): ``"all_to_all"``, ``"all_reduce"``,
+``"auto"`` (all_reduce when the expert group shares one batch — ``ep == tp`` — and no gradient
+is needed, all_to_all otherwise) or any name given to ``fmoe.ep.register``.
+
+``aux`` holds the router's own entries plus ``tokens_per_expert`` (``[E]`` int64, this rank's
+tokens per global expert) and ``dispatch_rows`` (rows this rank sent to *other* ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import ep as _ep
+from .experts import Activation, swiglu
+from .routing import Router, validate
+from .sharding import materialize
+
+__all__ = ["moe"]
+
+_EXPERT_KEYS = ("w_gate_up", "w_down", "b_gate_up", "b_down")
+
+
+def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
+    if not isinstance(params, dict):
+        raise TypeError(f"moe: params must be a dict, got {type(params).__name__}")
+    missing = [k for k in ("router", "w_gate_up", "w_down") if k not in params]
+    if missing:
+        raise ValueError(f"moe: params is missing {missing}; expected keys router [E, D], "
+                         f"w_gate_up [E, 2I, D], w_down [E, D, I]")
+    unknown = sorted(set(params) - {"router", "router_bias", *_EXPERT_KEYS})
+    if unknown:
+        raise ValueError(f"moe: unexpected params {unknown}; valid keys: router, router_bias, "
+                         f"{', '.join(_EXPERT_KEYS)}")
+    r, gu, dn = params["router"], params["w_gate_up"], params["w_down"]
+    if r.ndim != 2:
+        raise ValueError(f"moe: router must be [E, D], got shape {tuple(r.shape)}")
+    E, D = r.shape
+    if gu.ndim != 3 or gu.shape[0] != E or gu.shape[2] != D or gu.shape[1] % 2:
+        raise ValueError(f"moe: w_gate_up must be [E={E}, 2I, D={D}], got shape {tuple(gu.shape)}")
+    I = gu.shape[1] // 2
+    if tuple(dn.shape) != (E, D, I):
+        raise ValueError(f"moe: w_down must be [E={E}, D={D}, I={I}], got shape {tuple(dn.shape)}")
+    for key, shape in (("router_bias", (E,)), ("b_gate_up", (E, 2 * I)), ("b_down", (E, D))):
+        if key in params and tuple(params[key].shape) != shape:
+            raise ValueError(f"moe: {key} must have shape {shape}, got {tuple(params[key].shape)}")
+    if not isinstance(x, torch.Tensor) or x.ndim != 2:
+        raise ValueError(f"moe: x must be a [T, D] tensor, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.shape[1] != D:
+        raise ValueError(f"moe: x has model dim {x.shape[1]} but the router expects D={D}")
+    for key in params:
+        if params[key].dtype != x.dtype:
+            raise ValueError(f"moe: x dtype {x.dtype} differs from params[{key!r}] dtype "
+                             f"{params[key].dtype}; cast one of them")
+    return E, D, I
+
+
+def _choose(impl: str, mesh, needs_grad: bool) -> str:
+    if not isinstance(impl, str):
+        raise TypeError(f"moe: impl must be a string, got {type(impl).__name__}")
+    if impl != "auto":
+        _ep.get(impl)  # ValueError listing the registered names
+    single = mesh is None or mesh.ep == 1
+    if impl == "all_reduce" and not single and mesh.ep != mesh.tp:
+        raise ValueError(f"moe: impl='all_reduce' requires ep == tp (the expert group must share "
+                         f"one batch), got ep={mesh.ep}, tp={mesh.tp}; use 'all_to_all'")
+    if impl == "auto":
+        if single:
+            return "local"
+        return "all_reduce" if mesh.ep == mesh.tp and not needs_grad else "all_to_all"
+    if single and impl in ("all_to_all", "all_reduce"):
+        return "local"
+    return impl
+
+
+def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> _ep.LocalExperts:
+    ep = 1 if mesh is None else mesh.ep
+    rng = range(0, E) if mesh is None else mesh.expert_range(E)
+    weights = {}
+    for key in _EXPERT_KEYS:
+        if key not in params:
+            continue
+        w = materialize(params[key], keep=("ep",)) if isinstance(params[key], DTensor) else params[key]
+        if ep > 1 and w.shape[0] == E:            # replicated / plain full experts: own block
+            w = w[rng.start:rng.stop]
+        if w.shape[0] != len(rng):
+            raise ValueError(f"moe: params[{key!r}] holds {w.shape[0]} experts on this rank, "
+                             f"expected {len(rng)} (E={E} over ep={ep})")
+        weights[key] = w
+    return _ep.LocalExperts(weights, rng.start, E, act=act, matmul=matmul)
+
+
+def _dispatch_rows(ids: torch.Tensor, e_local: int, mesh) -> int:
+    """Distinct (token, remote rank) pairs this rank sends in the all_to_all dispatch."""
+    start, stop = _ep.tp_slice_bounds(ids.shape[0], mesh.tp, mesh.rank_in("tp"))
+    dest = ids[start:stop] // e_local                                            # [Ts, K]
+    remote = dest != mesh.rank_in("ep")
+    sorted_dest, _ = torch.where(remote, dest, -1).sort(dim=1)
+    distinct = (sorted_dest[:, 1:] != sorted_dest[:, :-1]) & (sorted_dest[:, 1:] >= 0)
+    return int(distinct.sum() + (sorted_dest[:, :1] >= 0).sum())
+
+
+def moe(
+    params: dict,
+    x: torch.Tensor,
+    *,
+    router: Router,
+    mesh=None,
+    impl: str = "auto",
+    act: Activation = swiglu,
+    matmul: str = "auto",
+) -> tuple[torch.Tensor, dict]:
+    """Mixture-of-experts layer over this rank's tokens.
+
+    Args:
+        params: ``router [E, D]``, ``w_gate_up [E, 2I, D]``, ``w_down [E, D, I]`` (+ optional
+            ``router_bias``, ``b_gate_up``, ``b_down``); plain or placed by ``fmoe.shard``.
+        x: ``[T, D]`` this rank's tokens (T may be 0).
+        router: ``router(logits[T, E]) -> Routing`` (e.g. ``fmoe.routing.topk(2)``).
+        mesh: ``fmoe.Mesh`` or None for a single process.
+        impl: ``"auto"``, ``"all_to_all"``, ``"all_reduce"`` or a registered name.
+        act: expert activation ``act(gate, up)`` (default SwiGLU).
+        matmul: expert matmul path: ``"auto"``, ``"grouped"``, ``"loop"``.
+    Returns:
+        ``(y [T, D], aux)``.
+
+    Example:
+        >>> import torch, fmoe
+        >>> p = {"router": torch.randn(4, 8), "w_gate_up": torch.randn(4, 6, 8),
+        ...      "w_down": torch.randn(4, 8, 3)}
+        >>> y, aux = fmoe.moe(p, torch.randn(5, 8), router=fmoe.routing.topk(2))
+        >>> y.shape, aux["tokens_per_expert"].sum().item()
+        (torch.Size([5, 8]), 10)
+    """
+    E, D, I = _check_params(params, x)
+    if mesh is not None and not hasattr(mesh, "expert_range"):
+        raise TypeError(f"moe: mesh must be an fmoe.Mesh or None, got {type(mesh).__name__}")
+    if not callable(router):
+        raise TypeError(f"moe: router must be callable (e.g. fmoe.routing.topk(2)), got {router!r}")
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
+        isinstance(v, torch.Tensor) and v.requires_grad for v in params.values()))
+    name = _choose(impl, mesh, needs_grad)
+    router_w = materialize(params["router"], keep=())
+    logits = x @ router_w.t()                                                    # [T, E]
+    if "router_bias" in params:
+        logits = logits + materialize(params["router_bias"], keep=())
+    routing = validate(router(logits), x.shape[0], E)
+    experts = _local_experts(params, E, mesh, act, matmul)
+    out = _ep.get(name)(x, routing.weights, routing.expert_ids, experts, mesh)
+    extra: dict = {}
+    if isinstance(out, tuple):
+        out, extra = out
+    aux = dict(routing.aux)
+    aux["tokens_per_expert"] = torch.bincount(routing.expert_ids.flatten(), minlength=E)
+    rows = _dispatch_rows(routing.expert_ids, experts.num_local, mesh) if name == "all_to_all" else 0
+    aux["dispatch_rows"] = torch.tensor(rows)
+    aux.update(extra)
+    return out.to(x.dtype), aux
