@@ -29,10 +29,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from . import tree as _tree
 from .mesh import DENSE_AXES, EXPERT_AXES, Mesh
 from .placement import P
-from .plan import Plan
+from .plan import Plan, local_shape
 
 __all__ = ["shard", "gather", "placement_of", "to_local", "materialize", "dtensor_placements",
-           "slice_for_rank"]
+           "slice_for_rank", "from_local_slice"]
 
 _ATTR = "_fmoe_placement"
 
@@ -69,6 +69,34 @@ def slice_for_rank(full: torch.Tensor, p: P, mesh: Mesh) -> torch.Tensor:
         else:
             for a in axes:
                 out = out.chunk(mesh.size(a), dim=d)[mesh.rank_in(a)]
+    return out
+
+
+def from_local_slice(local: torch.Tensor, full_shape: Sequence[int], p: P, mesh: Mesh) -> DTensor:
+    """Wrap this rank's already-cut slice of a tensor of ``full_shape`` as a DTensor placed by ``p``.
+
+    ``local`` must be what :func:`slice_for_rank` would cut (e.g. read straight from a
+    checkpoint); nothing is communicated. :func:`shard` uses it after slicing a full tensor.
+
+    Args:
+        local: this rank's slice (contiguous).
+        full_shape: shape of the whole tensor.
+        p: its placement.
+        mesh: the :class:`Mesh` (with process groups).
+    Returns:
+        a DTensor whose :func:`placement_of` is ``p``.
+
+    Example:
+        >>> # w = from_local_slice(ck_block, (1024, 512), P("tp", None), mesh)
+    """
+    want = local_shape(tuple(full_shape), p, mesh)
+    if tuple(local.shape) != want:
+        raise ValueError(f"from_local_slice: local slice has shape {tuple(local.shape)}, but {p!r} of a "
+                         f"tensor of shape {tuple(full_shape)} gives this rank a slice of shape {want}")
+    dm, pls = dtensor_placements(p, mesh)
+    out = DTensor.from_local(local, dm, pls, run_check=False, shape=torch.Size(full_shape),
+                             stride=torch.empty(full_shape, device="meta").stride())
+    setattr(out, _ATTR, p)
     return out
 
 
@@ -116,11 +144,9 @@ def shard(params: Any, plan: Union[Plan, Mapping, Sequence], mesh: Optional[Mesh
 
     def place(path: str, leaf: torch.Tensor) -> DTensor:
         p = placements[path]
-        dm, pls = dtensor_placements(p, mesh)
         local = slice_for_rank(leaf.detach(), p, mesh).contiguous().clone()
-        out = DTensor.from_local(local, dm, pls, run_check=False, shape=leaf.shape, stride=leaf.stride())
+        out = from_local_slice(local, leaf.shape, p, mesh)
         out.requires_grad_(leaf.requires_grad)
-        setattr(out, _ATTR, p)
         return out
 
     return _tree.map_with_path(place, params)
