@@ -106,3 +106,20 @@ def check_case(mesh, impl, router_name, sizes, seed=0):
         if int(aux["dispatch_rows"]) != want_rows:
             fails.append(f"dispatch_rows {int(aux['dispatch_rows'])} != {want_rows}")
     return [f"{impl} tp={mesh.tp} ep={mesh.ep} {router_name} sizes={sizes} rank={mesh.rank}: {f}" for f in fails]
+
+
+class RandomRouter:
+    """Random expert ids (duplicates allowed) with weights from the logits; deterministic for
+    a given (seed, T) so that the single-process reference sees the same routing."""
+
+    def __init__(self, seed, k):
+        self.seed, self.k = seed, k
+
+    def __call__(self, logits):
+        T = logits.shape[0]
+        g = torch.Generator().manual_seed(self.seed * 1000 + T)
+        ids = torch.randint(0, logits.shape[1], (T, self.k), generator=g)
+        return Routing(torch.softmax(logits.gather(1, ids).float(), -1), ids, {})
+
+    def __repr__(self):
+        return f"RandomRouter(seed={self.seed}, k={self.k})"
