@@ -1,0 +1,267 @@
+"""Load and save a model's parameters as a Hugging Face checkpoint, each rank reading its slices.
+
+A model module plugs in with a few names (``fmoe.models.qwen3_moe`` and friends provide them):
+
+=====================================  =========================================================
+``Config.from_hf(d) -> cfg``           build the config from ``config.json``'s dict
+``cfg.to_hf() -> dict``                ``config.json`` content (with ``model_type``, ``architectures``)
+``hf_specs(cfg, keys=None)``           ``{fmoe_path: Spec}`` (flat dotted paths or a nested tree);
+                                       ``keys`` = the checkpoint's keys when loading (pick per-expert
+                                       or fused layout by what is there), None when saving (the
+                                       layout ``save_pretrained`` writes); a one-argument
+                                       ``hf_specs(cfg)`` is fine too
+``plan(cfg) -> Plan``                  default placements (used when ``load_hf`` gets a mesh)
+``HF_IGNORE`` (optional)               dotted globs of checkpoint keys to ignore (``"**.inv_freq"``)
+=====================================  =========================================================
+
+``load_hf`` checks everything before it reads a byte: the directory and its files, the config,
+that every key the specs name exists with the shape the config implies, that the checkpoint has
+no key the specs do not use, and (with a mesh) the plan against the parameter shapes. Then each
+rank reads only its own block of every parameter (two blocks for a packed ``[gate | up]``
+placement, one per half) and wraps it as a DTensor, so the result equals
+``fmoe.shard(full_params, plan, mesh)`` bitwise without any rank holding a full tensor.
+
+``save_hf`` gathers on every rank (parameters or a gradient tree of the same structure), rank 0
+splits every tensor back into checkpoint keys with the specs and writes ``config.json`` and the
+safetensors files into a temporary directory that replaces ``path`` atomically.
+
+Example:
+    >>> # params, cfg = load_hf(qwen3_moe, "ckpt", mesh=fmoe.Mesh(tp=2, ep=4))
+    >>> # save_hf(qwen3_moe, params, cfg, "ckpt-out")
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .. import tree as _tree
+from ..mesh import Mesh
+from ..placement import P
+from ..plan import Plan
+from ..sharding import _order_axes_like_mesh, from_local_slice, gather, shard
+from .atomic import atomic_directory, check_target
+from .safetensors_io import CONFIG, Checkpoint, write_checkpoint
+from .spec import Spec
+
+__all__ = ["load_hf", "save_hf", "hf_specs_of", "rank_blocks"]
+
+_SHOW = 8  # how many offending keys an error message lists
+
+
+def hf_specs_of(model: Any, cfg: Any, keys: Optional[list[str]] = None) -> tuple[Any, dict[str, Spec]]:
+    """The model's specs as ``(tree, {path: Spec})``, checked: Spec leaves, no key used twice.
+
+    Args:
+        model: the model module.
+        cfg: its config.
+        keys: the checkpoint's keys (None when saving).
+    Returns:
+        the spec tree (parameter-tree structure) and its flat dotted-path view.
+    """
+    fn = getattr(model, "hf_specs", None)
+    if not callable(fn):
+        raise TypeError(f"{_name(model)} has no hf_specs(cfg, keys=None) function")
+    specs = fn(cfg, keys) if len(inspect.signature(fn).parameters) >= 2 else fn(cfg)
+    if isinstance(specs, Mapping) and specs and all(isinstance(v, Spec) for v in specs.values()):
+        specs = _tree.unflatten(dict(specs))
+    flat = _tree.flatten(specs)
+    owner: dict[str, str] = {}
+    for path, s in flat.items():
+        if not isinstance(s, Spec):
+            raise TypeError(f"{_name(model)}.hf_specs: {path!r} must be a Spec, got {type(s).__name__}")
+        for k in s.leaves():
+            if k.name in owner:
+                raise ValueError(f"{_name(model)}.hf_specs: checkpoint key {k.name!r} is used by both "
+                                 f"{owner[k.name]!r} and {path!r}")
+            owner[k.name] = path
+    return specs, flat
+
+
+def _name(model: Any) -> str:
+    return getattr(model, "__name__", type(model).__name__)
+
+
+def _check_keys(model: Any, flat: Mapping[str, Spec], ck: Checkpoint) -> None:
+    """One ValueError listing every missing, mis-shaped and unexpected key."""
+    used, missing, misshaped = set(), [], []
+    for path, spec in flat.items():
+        for k in spec.leaves():
+            used.add(k.name)
+            if k.name not in ck:
+                missing.append(f"{k.name!r} (for {path!r}, shape {k.shape})")
+            elif ck.shape(k.name) != k.shape:
+                misshaped.append(f"{k.name!r} in {os.path.basename(ck.file_of(k.name))} has shape "
+                                 f"{ck.shape(k.name)}, the config implies {k.shape} (for {path!r})")
+    ignore = tuple(getattr(model, "HF_IGNORE", ()))
+    unexpected = [f"{k!r} in {os.path.basename(ck.file_of(k))}" for k in ck.keys()
+                  if k not in used and not any(_tree.glob_match(g, k) for g in ignore)]
+    problems = [f"{len(v)} {what}: {'; '.join(v[:_SHOW])}{' ...' if len(v) > _SHOW else ''}"
+                for what, v in (("missing key(s)", missing), ("mis-shaped key(s)", misshaped),
+                                ("unexpected key(s) (not used by any parameter; list them in "
+                                 f"{_name(model)}.HF_IGNORE if they are meant to be skipped)", unexpected))
+                if v]
+    if problems:
+        raise ValueError(f"checkpoint {ck.path!r} does not match {_name(model)}: " + " | ".join(problems))
+
+
+def rank_blocks(shape: tuple[int, ...], p: P, mesh: Mesh) -> tuple[list[tuple[slice, ...]], int]:
+    """The index blocks that make this rank's slice (as :func:`fmoe.sharding.slice_for_rank`).
+
+    Nested axes on one dim split in entry order; a packed placement gives one block per packed
+    part, to be concatenated along the returned dim.
+
+    Args:
+        shape: the full shape.
+        p: the placement (validated against ``mesh``).
+        mesh: the mesh.
+    Returns:
+        ``(blocks, dim)``: index tuples and the dim to concatenate them along.
+
+    Example:
+        >>> # rank_blocks((8, 4), P("tp", None, packed=2), mesh)   # tp rank 1 of 2
+        >>> # ([(slice(2, 4), slice(0, 4)), (slice(6, 8), slice(0, 4))], 0)
+    """
+    idx = [slice(0, n) for n in shape]
+    for d in p.sharded_dims():
+        axes = p.dim_axes(d)
+        if p.packed > 1:          # validated: the only sharded dim, one axis
+            blk, n = shape[d] // p.packed, mesh.size(axes[0])
+            piece, r = blk // n, mesh.rank_in(axes[0])
+            return [tuple(idx[:d] + [slice(b * blk + r * piece, b * blk + (r + 1) * piece)] + idx[d + 1:])
+                    for b in range(p.packed)], d
+        start, n = 0, shape[d]
+        for a in axes:
+            n //= mesh.size(a)
+            start += mesh.rank_in(a) * n
+        idx[d] = slice(start, start + n)
+    return [tuple(idx)], 0
+
+
+def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optional[Mesh] = None,
+            plan: Union[Plan, Mapping, None] = None, *, dtype: Optional[torch.dtype] = None) -> tuple[Any, Any]:
+    """Read a Hugging Face checkpoint into a parameter tree; with a mesh each rank reads its slices.
+
+    Args:
+        model: the model module (see the module docstring for what it provides).
+        path: the checkpoint directory, or an open :class:`Checkpoint` (to read ``bytes_read``).
+        mesh: None for full tensors; a :class:`fmoe.Mesh` for DTensor leaves, each rank reading
+            only its own blocks.
+        plan: placements (default ``model.plan(cfg)``); only used with a mesh.
+        dtype: cast every parameter to this dtype (default: keep the checkpoint's).
+    Returns:
+        ``(params, cfg)``; with a mesh ``params`` equals ``fmoe.shard(full, plan, mesh)``.
+
+    Example:
+        >>> # params, cfg = load_hf(qwen3_moe, "ckpt", mesh=fmoe.Mesh(tp=2, ep=4))
+    """
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"load_hf: dtype must be a torch.dtype or None, got {dtype!r}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"load_hf: mesh must be an fmoe.Mesh or None, got {type(mesh).__name__}")
+    ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    try:
+        cfg = _config(model, ck)
+        tree, flat = hf_specs_of(model, cfg, ck.keys())
+        _check_keys(model, flat, ck)
+        bound = {p: s.bind(ck) for p, s in flat.items()}
+        for s in bound.values():
+            _ = s.dtype                                    # parts of one parameter agree
+        if mesh is not None:
+            plan = model.plan(cfg) if plan is None else plan
+            plan = plan if isinstance(plan, Plan) else Plan(plan)
+        if mesh is None or mesh.dense is None:
+            params = _tree.map_with_path(lambda p, _: _cast(bound[p].read(), dtype), tree)
+            return (params if mesh is None else shard(params, plan, mesh)), cfg
+        shapes = _tree.map_with_path(lambda p, s: torch.empty(s.shape, device="meta"), tree)
+        placements = _tree.flatten(plan.resolve(shapes, mesh))
+        for p in placements.values():
+            _order_axes_like_mesh(p, mesh)
+
+        def read(path: str, spec: Spec) -> torch.Tensor:
+            p = placements[path]
+            blocks, d = rank_blocks(spec.shape, p, mesh)
+            parts = [bound[path].read(ix) for ix in blocks]
+            local = _cast(parts[0] if len(parts) == 1 else torch.cat(parts, dim=d), dtype)
+            return from_local_slice(local, spec.shape, p, mesh)
+
+        return _tree.map_with_path(read, tree), cfg
+    finally:
+        if ck is not path:
+            ck.close()
+
+
+def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    t = t.contiguous()
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def _config(model: Any, ck: Checkpoint) -> Any:
+    file = os.path.join(ck.path, CONFIG)
+    try:
+        cfg = model.Config.from_hf(ck.config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{file}: not a valid {_name(model)} config ({type(e).__name__}: {e})") from e
+    want = cfg.to_hf().get("model_type")
+    got = ck.config.get("model_type")
+    if want is not None and got != want:
+        raise ValueError(f"{file}: model_type is {got!r} but {_name(model)} loads model_type {want!r}")
+    return cfg
+
+
+def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
+            max_shard_size: Union[int, str] = "50GB") -> None:
+    """Write ``params`` as a Hugging Face checkpoint directory, atomically (call on every rank).
+
+    Args:
+        model: the model module.
+        params: parameter tree (full tensors or DTensors), or a gradient tree of the same structure.
+        cfg: the model config (``cfg.to_hf()`` becomes ``config.json``).
+        path: the directory to write (replaced only once the new checkpoint is complete).
+        max_shard_size: files larger than this split into numbered shards with an index
+            (transformers' default, 50GB).
+    Returns:
+        None.
+
+    Example:
+        >>> # save_hf(qwen3_moe, params, cfg, "out")   # then Qwen3MoeForCausalLM.from_pretrained("out")
+    """
+    _, flat = hf_specs_of(model, cfg, None)
+    leaves = _tree.flatten(params)
+    missing, extra = sorted(set(flat) - set(leaves)), sorted(set(leaves) - set(flat))
+    if missing or extra:
+        raise ValueError(f"save_hf: params do not match {_name(model)}.hf_specs: missing {missing[:_SHOW]}, "
+                         f"unexpected {extra[:_SHOW]}")
+    for p, t in leaves.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"save_hf: params[{p!r}] must be a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != flat[p].shape:
+            raise ValueError(f"save_hf: params[{p!r}] has shape {tuple(t.shape)}, the config implies "
+                             f"{flat[p].shape}")
+    config = cfg.to_hf()
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"save_hf: cfg.to_hf() must return a dict with 'model_type', got {config!r}")
+    check_target(path)
+    full = _tree.flatten(gather(params))
+    distributed = dist.is_available() and dist.is_initialized()
+    error: Optional[BaseException] = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            tensors: dict[str, torch.Tensor] = {}
+            for p, spec in flat.items():
+                tensors.update(spec.split(full[p].detach()))
+            with atomic_directory(path) as tmp:
+                write_checkpoint(tmp, tensors, config, max_shard_size)
+        except BaseException as e:  # noqa: BLE001 - every rank must learn that the save failed
+            error = e
+    if distributed and dist.get_world_size() > 1:
+        status = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(status, src=0)
+        if error is None and status[0] is not None:
+            raise RuntimeError(f"save_hf: rank 0 failed to write {os.fspath(path)!r}: {status[0]}")
+    if error is not None:
+        raise error

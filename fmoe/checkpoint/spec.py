@@ -1,0 +1,381 @@
+"""Source specs: how one fmoe parameter is made of Hugging Face checkpoint tensors.
+
+An fmoe parameter and the checkpoint tensors it comes from rarely line up one to one. Qwen3-MoE
+stores one ``gate_proj``/``up_proj`` per expert where fmoe keeps one fused ``w_gate_up [E, 2I, D]``;
+gpt-oss stores ``gate_up_proj [E, D, 2I]`` transposed, with gate and up interleaved. A *spec* is
+a small expression tree that says how the full parameter is built::
+
+    Cat([Stack([Key("...experts.0.gate_proj.weight", (I, D)), ...]),      # [E, I, D]
+         Stack([Key("...experts.0.up_proj.weight", (I, D)), ...])], dim=1)  # -> [E, 2I, D]
+
+    Transpose(Deinterleave(Key("...experts.gate_up_proj", (E, D, 2 * I)), dim=2), 1, 2)
+
+Every node knows its ``.shape`` without reading anything (a :class:`Key` declares the shape the
+config implies, so a checkpoint that disagrees is caught before any read) and its ``.dtype`` once
+bound to a source. ``read(index)`` returns exactly ``full[index]`` for a tuple of slices by
+pushing the index down the tree: a ``Cat`` asks only the parts the range overlaps, a ``Stack``
+only the stacked entries in range, a ``Transpose`` swaps the index entries, a ``Deinterleave``
+turns each block's range into a strided range of its part, so the leaves read only the elements
+asked for (``safe_open(...).get_slice(key)[...]``). ``split(full)`` is the
+inverse used for saving: ``{hf_key: tensor}``.
+
+A source is anything with ``read(name, index) -> Tensor`` and ``dtype(name) -> torch.dtype``
+(:class:`fmoe.checkpoint.Checkpoint`); ``spec.bind(source)`` attaches it to every leaf.
+
+Example:
+    >>> import torch
+    >>> s = Cat([Key("gate", (2, 3)), Key("up", (2, 3))], dim=0)
+    >>> s.shape
+    (4, 3)
+    >>> sorted(s.split(torch.arange(12.0).view(4, 3)))
+    ['gate', 'up']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import einops
+import torch
+
+__all__ = ["Spec", "Key", "Cat", "Stack", "Transpose", "Deinterleave", "normalize_index"]
+
+Index = tuple  # tuple[slice, ...], one slice with explicit start, stop, step >= 1 per dim
+
+
+def normalize_index(index: Any, shape: Sequence[int]) -> Index:
+    """Explicit ``(slice(start, stop), ...)`` for every dim of ``shape``.
+
+    Args:
+        index: a slice or tuple of slices (positive steps; fewer entries than dims means the rest
+            in full).
+        shape: the full shape the index applies to.
+    Returns:
+        a tuple of ``len(shape)`` slices with integer bounds and steps.
+    """
+    if isinstance(index, slice):
+        index = (index,)
+    if not isinstance(index, tuple):
+        raise TypeError(f"read: index must be a tuple of slices, got {index!r}")
+    if len(index) > len(shape):
+        raise ValueError(f"read: index {index!r} has {len(index)} entries but the tensor has "
+                         f"{len(shape)} dims (shape {tuple(shape)})")
+    out = []
+    for d, n in enumerate(shape):
+        s = index[d] if d < len(index) else slice(None)
+        if not isinstance(s, slice):
+            raise TypeError(f"read: index entry {d} must be a slice, got {s!r}; use slice(i, i + 1) "
+                            "for a single position")
+        if s.step is not None and (isinstance(s.step, bool) or not isinstance(s.step, int) or s.step < 1):
+            raise ValueError(f"read: index entry {d} has step {s.step!r}; steps must be ints >= 1")
+        start, stop, step = s.indices(n)
+        out.append(slice(start, max(start, stop), step))
+    return tuple(out)
+
+
+def _replace(index: Index, dim: int, s: slice) -> Index:
+    return index[:dim] + (s,) + index[dim + 1:]
+
+
+def _size(s: slice) -> int:
+    return len(range(s.start, s.stop, s.step))
+
+
+def _clip(s: slice, lo: int, hi: int) -> slice:
+    """The positions of ``s`` that fall in ``[lo, hi)``, shifted by ``-lo`` (maybe empty)."""
+    first = s.start + max(0, -(-(lo - s.start) // s.step)) * s.step
+    stop = min(s.stop, hi)
+    return slice(first - lo, max(first, stop) - lo, s.step)
+
+
+def _check_dim(node: str, dim: int, ndim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"{node}: dim must be an int in [{-ndim}, {ndim}), got {dim!r}")
+    return dim % ndim
+
+
+class Spec:
+    """A full fmoe tensor described in terms of checkpoint tensors (see the module docstring)."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the checkpoint tensors (all leaves of one spec must agree)."""
+        leaves = self.leaves()
+        dtypes = {k.dtype for k in leaves}
+        if len(dtypes) != 1:
+            found = {k.name: str(k.dtype) for k in leaves}
+            raise ValueError(f"{self!r}: checkpoint tensors of one parameter have different dtypes {found}")
+        return dtypes.pop()
+
+    def leaves(self) -> list["Key"]:
+        """The :class:`Key` leaves, in order."""
+        raise NotImplementedError
+
+    def bind(self, source: Any) -> "Spec":
+        """A copy of this spec whose leaves read from ``source``."""
+        raise NotImplementedError
+
+    def read(self, index: Any = ()) -> torch.Tensor:
+        """Exactly ``full[index]``, reading only the checkpoint blocks that overlap it.
+
+        Args:
+            index: tuple of slices with steps >= 1 (missing trailing dims mean the whole dim).
+        Returns:
+            the block as a tensor.
+
+        Example:
+            >>> # spec.read((slice(0, 2), slice(None)))   # first two rows only
+        """
+        idx = normalize_index(index, self.shape)
+        if any(_size(s) == 0 for s in idx):
+            return torch.empty([_size(s) for s in idx], dtype=self.dtype)
+        return self._read(idx)
+
+    def _read(self, idx: Index) -> torch.Tensor:
+        raise NotImplementedError
+
+    def split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Inverse of reading: the checkpoint tensors ``{hf_key: tensor}`` that make ``full``.
+
+        Args:
+            full: a tensor of shape ``self.shape``.
+        Returns:
+            dict from checkpoint key to tensor (views of ``full`` where possible).
+        """
+        if not isinstance(full, torch.Tensor):
+            raise TypeError(f"split: expected a tensor for {self!r}, got {type(full).__name__}")
+        if tuple(full.shape) != self.shape:
+            raise ValueError(f"split: {self!r} has shape {self.shape}, got a tensor of shape "
+                             f"{tuple(full.shape)}")
+        return self._split(full)
+
+    def _split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class Key(Spec):
+    """One checkpoint tensor ``name`` of the ``shape`` the config implies.
+
+    Args:
+        name: the Hugging Face key, e.g. ``"model.layers.0.mlp.gate.weight"``.
+        shape: its expected shape (checked against the checkpoint before reading).
+        source: what to read from (normally set by :meth:`Spec.bind`).
+    """
+
+    def __init__(self, name: str, shape: Sequence[int], source: Any = None):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Key: name must be a non-empty string, got {name!r}")
+        try:
+            shape = tuple(int(n) for n in shape)
+        except TypeError:
+            raise TypeError(f"Key {name!r}: shape must be a sequence of ints, got {shape!r}") from None
+        if any(n < 0 for n in shape):
+            raise ValueError(f"Key {name!r}: shape must have sizes >= 0, got {shape}")
+        self.name, self.shape, self.source = name, shape, source
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._source().dtype(self.name)
+
+    def _source(self) -> Any:
+        if self.source is None:
+            raise ValueError(f"{self!r} is not bound to a checkpoint; call spec.bind(checkpoint) first")
+        return self.source
+
+    def leaves(self) -> list["Key"]:
+        return [self]
+
+    def bind(self, source: Any) -> "Key":
+        return Key(self.name, self.shape, source)
+
+    def _read(self, idx: Index) -> torch.Tensor:
+        return self._source().read(self.name, idx)
+
+    def _split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {self.name: full}
+
+    def __repr__(self) -> str:
+        return f"Key({self.name!r}, {self.shape})"
+
+
+def _check_parts(node: str, parts: Sequence[Spec]) -> list[Spec]:
+    parts = list(parts) if isinstance(parts, (list, tuple)) else None
+    if not parts or not all(isinstance(p, Spec) for p in parts):
+        raise TypeError(f"{node}: parts must be a non-empty list of specs")
+    return parts
+
+
+class Cat(Spec):
+    """Concatenation of ``parts`` along ``dim`` (e.g. fused ``[gate | up]`` rows).
+
+    Args:
+        parts: specs whose shapes agree on every dim but ``dim``.
+        dim: the concatenation dim.
+    """
+
+    def __init__(self, parts: Sequence[Spec], dim: int):
+        self.parts = _check_parts("Cat", parts)
+        first = self.parts[0].shape
+        self.dim = _check_dim("Cat", dim, len(first))
+        for p in self.parts:
+            if len(p.shape) != len(first) or any(a != b for i, (a, b) in enumerate(zip(p.shape, first))
+                                                 if i != self.dim):
+                raise ValueError(f"Cat: part shapes must agree except on dim {self.dim}, got "
+                                 f"{[q.shape for q in self.parts]} ({self.parts!r})")
+        self.shape = _replace(first, self.dim, sum(p.shape[self.dim] for p in self.parts))
+
+    def leaves(self) -> list[Key]:
+        return [k for p in self.parts for k in p.leaves()]
+
+    def bind(self, source: Any) -> "Cat":
+        return Cat([p.bind(source) for p in self.parts], self.dim)
+
+    def _read(self, idx: Index) -> torch.Tensor:
+        d, pieces, off = self.dim, [], 0
+        for p in self.parts:
+            local = _clip(idx[d], off, off + p.shape[d])
+            if _size(local):
+                pieces.append(p._read(_replace(idx, d, local)))
+            off += p.shape[d]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+
+    def _split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        chunks = torch.split(full, [p.shape[self.dim] for p in self.parts], dim=self.dim)
+        return _merge(p._split(c) for p, c in zip(self.parts, chunks))
+
+    def __repr__(self) -> str:
+        return f"Cat({self.parts!r}, dim={self.dim})"
+
+
+class Stack(Spec):
+    """``parts`` of equal shape stacked along a new ``dim`` (per-expert keys -> ``[E, ...]``).
+
+    Args:
+        parts: specs of one shape.
+        dim: position of the new dim (default 0).
+    """
+
+    def __init__(self, parts: Sequence[Spec], dim: int = 0):
+        self.parts = _check_parts("Stack", parts)
+        first = self.parts[0].shape
+        if any(p.shape != first for p in self.parts):
+            raise ValueError(f"Stack: parts must share one shape, got {sorted({p.shape for p in self.parts})} "
+                             f"({self.parts!r})")
+        self.dim = _check_dim("Stack", dim, len(first) + 1)
+        self.shape = first[:self.dim] + (len(self.parts),) + first[self.dim:]
+
+    def leaves(self) -> list[Key]:
+        return [k for p in self.parts for k in p.leaves()]
+
+    def bind(self, source: Any) -> "Stack":
+        return Stack([p.bind(source) for p in self.parts], self.dim)
+
+    def _read(self, idx: Index) -> torch.Tensor:
+        d = self.dim
+        rest = idx[:d] + idx[d + 1:]
+        return torch.stack([p._read(rest) for p in self.parts[idx[d]]], dim=d)
+
+    def _split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return _merge(p._split(t) for p, t in zip(self.parts, full.unbind(self.dim)))
+
+    def __repr__(self) -> str:
+        return f"Stack({self.parts!r}, dim={self.dim})"
+
+
+class Transpose(Spec):
+    """``part`` with dims ``d0`` and ``d1`` swapped (HF ``x @ W`` layouts vs fmoe ``W @ x``).
+
+    Args:
+        part: the spec to transpose.
+        d0, d1: the two dims to swap.
+    """
+
+    def __init__(self, part: Spec, d0: int, d1: int):
+        if not isinstance(part, Spec):
+            raise TypeError(f"Transpose: part must be a spec, got {part!r}")
+        nd = len(part.shape)
+        self.part, self.d0, self.d1 = part, _check_dim("Transpose", d0, nd), _check_dim("Transpose", d1, nd)
+        s = list(part.shape)
+        s[self.d0], s[self.d1] = s[self.d1], s[self.d0]
+        self.shape = tuple(s)
+
+    def _swap(self, seq: tuple) -> tuple:
+        s = list(seq)
+        s[self.d0], s[self.d1] = s[self.d1], s[self.d0]
+        return tuple(s)
+
+    def leaves(self) -> list[Key]:
+        return self.part.leaves()
+
+    def bind(self, source: Any) -> "Transpose":
+        return Transpose(self.part.bind(source), self.d0, self.d1)
+
+    def _read(self, idx: Index) -> torch.Tensor:
+        return self.part._read(self._swap(idx)).transpose(self.d0, self.d1)
+
+    def _split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.part._split(full.transpose(self.d0, self.d1))
+
+    def __repr__(self) -> str:
+        return f"Transpose({self.part!r}, {self.d0}, {self.d1})"
+
+
+class Deinterleave(Spec):
+    """``part`` with ``n`` interleaved streams on ``dim`` laid out one block after another.
+
+    gpt-oss keeps gate and up interleaved (``gate = x[..., ::2]``, ``up = x[..., 1::2]``);
+    ``Deinterleave(part, dim, 2)`` is ``cat([x[..., ::2], x[..., 1::2]], dim)``: position
+    ``k * L/n + j`` of the result is position ``j * n + k`` of ``part``. A range inside block
+    ``k`` is a strided range of ``part``, so a read copies only the elements asked for.
+
+    Args:
+        part: the interleaved spec.
+        dim: the interleaved dim (its size must be divisible by ``n``).
+        n: number of interleaved streams.
+    """
+
+    def __init__(self, part: Spec, dim: int, n: int = 2):
+        if not isinstance(part, Spec):
+            raise TypeError(f"Deinterleave: part must be a spec, got {part!r}")
+        self.dim = _check_dim("Deinterleave", dim, len(part.shape))
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or part.shape[self.dim] % n:
+            raise ValueError(f"Deinterleave: n must be an int >= 1 dividing dim {self.dim} of size "
+                             f"{part.shape[self.dim]}, got n={n!r} ({part!r})")
+        self.part, self.n, self.shape = part, n, part.shape
+
+    def leaves(self) -> list[Key]:
+        return self.part.leaves()
+
+    def bind(self, source: Any) -> "Deinterleave":
+        return Deinterleave(self.part.bind(source), self.dim, self.n)
+
+    def _read(self, idx: Index) -> torch.Tensor:
+        d, n = self.dim, self.n
+        blk = self.shape[d] // n
+        pieces = []
+        for k in range(n):                       # block k of the result = stream k of part
+            j = _clip(idx[d], k * blk, (k + 1) * blk)
+            if _size(j):
+                src = slice(j.start * n + k, (j.stop - 1) * n + k + 1, j.step * n)
+                pieces.append(self.part._read(_replace(idx, d, src)))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+
+    def _split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = full.movedim(self.dim, -1)
+        x = einops.rearrange(x, "... (b j) -> ... (j b)", b=self.n)   # blocks back to interleaved
+        return self.part._split(x.movedim(-1, self.dim))
+
+    def __repr__(self) -> str:
+        return f"Deinterleave({self.part!r}, dim={self.dim}, n={self.n})"
+
+
+def _merge(dicts) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for d in dicts:
+        for k, v in d.items():
+            if k in out:
+                raise ValueError(f"split: checkpoint key {k!r} appears twice in one spec")
+            out[k] = v
+    return out
