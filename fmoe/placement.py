@@ -7,8 +7,9 @@ Dimensions past the last entry are not split; ``P()`` is fully replicated.
 
 Two keyword options cover the styles a pure placement cannot say:
 
-- ``packed=n``: the sharded dim holds ``n`` equal blocks packed one after another (a fused
-  ``[gate | up]`` projection) and each block is split separately, so the local slice is again
+- ``packed=n``: the *packed dim* (the dim split by ``tp`` if any, else the first split dim)
+  holds ``n`` equal blocks packed one after another (a fused ``[gate | up]`` projection) and
+  each block is split separately, so the local slice is again
   ``[gate_shard | up_shard]`` and a local ``chunk(2)`` still separates gate from up;
 - ``gather=True``: a layer that produces its output sharded along this placement gathers it
   back to the full width (colwise with gathered output).
@@ -75,6 +76,14 @@ class P:
     def sharded_dims(self) -> list[int]:
         return [d for d in range(len(self.axes)) if self.dim_axes(d)]
 
+    @property
+    def packed_dim(self) -> Optional[int]:
+        """The dim holding the packed blocks: the one split by ``tp``, else the first split dim."""
+        if self.packed == 1 or not self.sharded_dims():
+            return None
+        d = self.dim_of("tp")
+        return d if d is not None else self.sharded_dims()[0]
+
     def dim_of(self, axis: str) -> Optional[int]:
         """The tensor dim that ``axis`` splits, or None."""
         for d in range(len(self.axes)):
@@ -101,8 +110,8 @@ class P:
                 f"{self!r}: mixes dense-mesh axes {sorted(dense)} with expert-mesh axes "
                 f"{sorted(expert)}; one placement lives on one mesh"
             )
-        if self.packed > 1 and (len(self.sharded_dims()) != 1 or len(self.dim_axes(self.sharded_dims()[0])) != 1):
-            raise ValueError(f"{self!r}: packed placements split exactly one dim over one axis")
+        if self.packed > 1 and (not self.sharded_dims() or len(self.dim_axes(self.packed_dim)) != 1):
+            raise ValueError(f"{self!r}: the packed dim must be split by exactly one axis")
 
     # ------------------------------------------------------------------ value semantics
     def _key(self):

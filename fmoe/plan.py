@@ -252,10 +252,11 @@ def _check_leaf(path: str, leaf: Any, p: P, glob: Optional[str], mesh) -> None:
         n = 1
         for a in axes:
             n *= mesh.size(a)
-        n *= p.packed
+        packed = p.packed if d == p.packed_dim else 1
+        n *= packed
         if leaf.shape[d] % n:
             sizes = ", ".join(f"{a}={mesh.size(a)}" for a in axes)
-            extra = f" x packed={p.packed}" if p.packed > 1 else ""
+            extra = f" x packed={packed}" if packed > 1 else ""
             raise ValueError(
                 f"{where}: dim {d} of size {leaf.shape[d]} is not divisible by {sizes}{extra} "
                 f"(= {n}); uneven shards are not supported"

@@ -46,7 +46,7 @@ def dtensor_placements(p: P, mesh: Mesh):
         d = p.dim_of(name)
         if d is None:
             placements.append(Replicate())
-        elif p.packed > 1:
+        elif d == p.packed_dim:
             placements.append(_StridedShard(d, split_factor=p.packed))
         else:
             placements.append(Shard(d))
@@ -62,7 +62,7 @@ def slice_for_rank(full: torch.Tensor, p: P, mesh: Mesh) -> torch.Tensor:
     out = full
     for d in p.sharded_dims():
         axes = p.dim_axes(d)
-        if p.packed > 1:
+        if d == p.packed_dim:
             (a,) = axes
             blocks = out.chunk(p.packed, dim=d)
             out = torch.cat([b.chunk(mesh.size(a), dim=d)[mesh.rank_in(a)] for b in blocks], dim=d)
@@ -188,7 +188,7 @@ def placement_of(t: Any) -> P:
         if isinstance(pl, Shard) or isinstance(pl, _StridedShard):
             cur = entries[pl.dim]
             entries[pl.dim] = name if cur is None else (tuple(cur) if isinstance(cur, tuple) else (cur,)) + (name,)
-            if isinstance(pl, _StridedShard):
+            if isinstance(pl, _StridedShard) and pl.split_factor > 1:
                 packed = pl.split_factor
     while entries and entries[-1] is None:
         entries.pop()
@@ -245,7 +245,7 @@ def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequen
         gathered = [a for a in axes if a not in keep]
         if not gathered:
             continue
-        if len(gathered) != len(axes) or p.packed > 1:
+        if len(gathered) != len(axes) or d == p.packed_dim:
             raise ValueError(f"materialize: placement {p!r} mixes kept axes {list(keep)} and "
                              f"gathered axes {gathered} on dim {d} (or is packed); not supported")
         for a in reversed(axes):      # innermost split first

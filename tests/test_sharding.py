@@ -11,12 +11,12 @@ def full_params():
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)
     return {"colwise": r(8, 6), "rowwise": r(6, 8), "experts": r(8, 3, 2), "rep": r(5),
-            "packed": r(8, 3), "nested": r(8, 2), "bias": r(4)}
+            "packed": r(8, 3), "nested": r(8, 2), "bias": r(4), "packed_fsdp": r(8, 4)}
 
 
 PLAN = {"colwise": P("tp", None), "rowwise": P(None, "tp"), "experts": P("ep", None, None),
         "rep": P(), "packed": P("tp", None, packed=2), "nested": P(("fsdp", "tp"), None),
-        "bias": P("fsdp")}
+        "bias": P("fsdp"), "packed_fsdp": P("tp", "fsdp", packed=2)}
 
 
 def _shard_gather(rank, world):
@@ -30,7 +30,8 @@ def _shard_gather(rank, world):
     want = {"colwise": full["colwise"][4 * t:4 * t + 4], "rowwise": full["rowwise"][:, 4 * t:4 * t + 4],
             "experts": full["experts"][2 * e:2 * e + 2], "rep": full["rep"],
             "packed": torch.cat([full["packed"][2 * t:2 * t + 2], full["packed"][4 + 2 * t:4 + 2 * t + 2]]),
-            "nested": full["nested"][4 * f + 2 * t:4 * f + 2 * t + 2], "bias": full["bias"][2 * f:2 * f + 2]}
+            "nested": full["nested"][4 * f + 2 * t:4 * f + 2 * t + 2], "bias": full["bias"][2 * f:2 * f + 2],
+            "packed_fsdp": torch.cat([full["packed_fsdp"][2 * t:2 * t + 2], full["packed_fsdp"][4 + 2 * t:4 + 2 * t + 2]])[:, 2 * f:2 * f + 2]}
     slices_ok = {k: torch.equal(local[k], want[k]) for k in want}
     all_dtensor = all(isinstance(v, DTensor) and v.requires_grad and v.is_leaf for v in sh.values())
     gathered = fmoe.gather(sh)
@@ -68,6 +69,7 @@ def test_shard_gather_round_trip_four_ranks():
         assert all(grads_ok.values()), grads_ok
         assert torch.equal(rep_grad, torch.full((5,), 3.0))      # (0 + 1) + (1 + 1) summed over tp
         assert placements["packed"] == P("tp", None, packed=2)
+        assert placements["packed_fsdp"] == P("tp", "fsdp", packed=2)
         assert placements["experts"] == P("ep", None, None) and placements["rowwise"] == P(None, "tp")
         assert "'odd'" in uneven and "dim 0 of size 5 is not divisible by tp=2" in uneven
 
