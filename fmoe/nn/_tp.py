@@ -1,0 +1,63 @@
+"""Private helpers shared by the layer functions: which tensor-parallel group a parameter lives
+in, and how to cut this rank's part out of a replicated activation.
+
+A parameter's process groups come from the parameter itself (a DTensor knows its DeviceMesh),
+so layer functions never need a mesh argument: a plain tensor means "single process".
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+from torch.distributed.tensor import DTensor
+
+from ..collectives import group_size
+
+
+def check_tensor(fn: str, name: str, t: object, ndim: Optional[int] = None) -> None:
+    """Raise ``TypeError`` unless ``t`` is a tensor (with ``ndim`` dims when given)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.ndim != ndim:
+        raise ValueError(f"{fn}: {name} must have {ndim} dims, got shape {tuple(t.shape)}")
+
+
+def axis_group(t: torch.Tensor, axis: str = "tp") -> Optional[dist.ProcessGroup]:
+    """The process group of mesh axis ``axis`` that DTensor ``t`` lives on (None otherwise)."""
+    if isinstance(t, DTensor) and axis in (t.device_mesh.mesh_dim_names or ()):
+        return t.device_mesh.get_group(axis)
+    return None
+
+
+def rank_of(group: Optional[dist.ProcessGroup]) -> int:
+    """This rank's index in ``group`` (0 for None)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def own_part(x: torch.Tensor, n: int, r: int, packed: int = 1) -> torch.Tensor:
+    """Rank ``r``'s part of the last dim of ``x`` split ``n`` ways, each of the ``packed``
+    blocks split separately: ``[g | u]`` -> ``[g_r | u_r]``.
+
+    Example:
+        >>> own_part(torch.arange(8), n=2, r=1, packed=2)
+        tensor([2, 3, 6, 7])
+    """
+    parts = rearrange(x, "... (k n c) -> ... n (k c)", k=packed, n=n)
+    return parts[..., r, :]
+
+
+def unpack_gathered(y: torch.Tensor, n: int, packed: int) -> torch.Tensor:
+    """Reorder a last dim gathered from ``n`` ranks that each held ``[g_r | u_r]`` into the
+    full ``[g | u]`` layout (identity when ``packed == 1``)."""
+    if packed == 1:
+        return y
+    return rearrange(y, "... (n k c) -> ... (k n c)", n=n, k=packed)
+
+
+def tp_size_rank(t: torch.Tensor) -> tuple[Optional[dist.ProcessGroup], int, int]:
+    """``(group, size, rank)`` of the tp group ``t`` lives on (``(None, 1, 0)`` when none)."""
+    g = axis_group(t, "tp")
+    return g, group_size(g), rank_of(g)

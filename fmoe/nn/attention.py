@@ -1,0 +1,115 @@
+"""Scaled dot-product attention over this rank's heads: GQA, causal, sliding window, sinks.
+
+Attention is independent per head, so tensor parallelism needs no collective here: a plan that
+splits the q/k/v projections colwise gives each rank ``Hq / tp`` query heads and ``Hkv / tp``
+KV heads, and the function infers everything from the shapes it receives
+(q ``[B, S, Hq_local, hd]``, k/v ``[B, Sk, Hkv_local, hd]``). The output projection (rowwise)
+then sums the heads' contributions.
+
+A key at position ``j`` is visible from a query at position ``i`` when ``j <= i`` (causal) and,
+with a sliding ``window``, when ``i - j < window`` (transformers' convention: the window counts
+the query itself). With ``Sk > S`` the queries are the last ``S`` positions.
+
+Attention *sinks* (gpt-oss) are one learned logit per query head that joins the softmax
+denominator but has no value: ``p = softmax([scores, sink])[:-1]``. The sink parameter is placed
+like the heads (style ``local``, ``P("tp")``), so each rank uses its own slice.
+
+The math is plain matmul + fp32 softmax in the same order as transformers' eager attention, so
+fp32 results match to rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+
+from ..sharding import materialize
+from ._tp import check_tensor
+
+__all__ = ["attention", "visible"]
+
+
+def visible(q_len: int, k_len: int, causal: bool = True, window: Optional[int] = None,
+            device: Optional[torch.device] = None) -> torch.Tensor:
+    """Boolean ``[q_len, k_len]`` table: which keys each query may attend to.
+
+    Example:
+        >>> visible(3, 3, window=2).int().tolist()
+        [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    ok = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        ok = ok & (k_pos <= q_pos)
+    if window is not None:
+        ok = ok & (q_pos - k_pos < window)
+    return ok
+
+
+def _check(q, k, v, window, sinks, num_kv_groups) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor("attention", name, t, 4)
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.shape[1] > k.shape[1]:
+        raise ValueError(f"attention: expected q [B, S, Hq, hd], k = v [B, Sk >= S, Hkv, hd]; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    hq, hkv = q.shape[2], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"attention: q has {hq} heads, not a multiple of the {hkv} k/v heads")
+    if num_kv_groups is not None and hq != hkv * num_kv_groups:
+        raise ValueError(f"attention: q has {hq} heads and k/v {hkv}, but num_kv_groups={num_kv_groups} "
+                         "query heads share a KV head; the plan must shard q and k/v alike")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention: window must be None or an int >= 1, got {window!r}")
+    if sinks is not None:
+        check_tensor("attention", "sinks", sinks, 1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+              scale: Optional[float] = None, num_kv_groups: Optional[int] = None) -> torch.Tensor:
+    """Multi-head attention with grouped KV heads.
+
+    Args:
+        q: ``[B, S, Hq, hd]`` (this rank's query heads, rotary already applied).
+        k: ``[B, Sk, Hkv, hd]``; ``Hq`` must be a multiple of ``Hkv``.
+        v: ``[B, Sk, Hkv, hd]``.
+        causal: mask future keys.
+        window: sliding window length (``i - j < window``), or None.
+        sinks: per-query-head sink logits ``[Hq]`` (plain, or a DTensor placed ``P("tp")``).
+        scale: score scale; default ``hd ** -0.5``.
+        num_kv_groups: the model's ``Hq_total / Hkv_total``, if given it is checked against the
+            shapes, catching a plan that shards q and k/v differently.
+    Returns:
+        ``[B, S, Hq, hd]``.
+
+    Example:
+        >>> attention(torch.ones(1, 4, 2, 8), torch.ones(1, 4, 1, 8), torch.ones(1, 4, 1, 8)).shape
+        torch.Size([1, 4, 2, 8])
+    """
+    _check(q, k, v, window, sinks, num_kv_groups)
+    hd = q.shape[-1]
+    scale = hd ** -0.5 if scale is None else scale
+    rep = q.shape[2] // k.shape[2]
+    qh = rearrange(q, "b s h d -> b h s d")
+    kh = repeat(k, "b s g d -> b (g r) s d", r=rep)  # query head h uses KV head h // rep
+    vh = repeat(v, "b s g d -> b (g r) s d", r=rep)
+    scores = torch.matmul(qh, kh.transpose(2, 3)) * scale  # [B, Hq, S, Sk]
+    ok = visible(q.shape[1], k.shape[1], causal, window, device=q.device)
+    scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
+    if sinks is None:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sl = materialize(sinks, keep=("tp",))
+        if sl.shape[0] != q.shape[2]:
+            raise ValueError(f"attention: sinks has {sl.shape[0]} local entries but q has {q.shape[2]} "
+                             "heads; place sinks like the query heads (style 'local')")
+        sink = repeat(sl, "h -> b h s 1", b=q.shape[0], s=q.shape[1]).to(scores.dtype)
+        logits = torch.cat([scores, sink], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+    out = torch.matmul(probs, vh)  # [B, Hq, S, hd]
+    return rearrange(out, "b h s d -> b s h d")

@@ -1,0 +1,155 @@
+"""Linear layers and embeddings that read the placement of their weight.
+
+The weight is in the Hugging Face layout ``w [out, in]``, ``y = x @ w.T + b``. What ``linear``
+does on a rank depends only on ``placement_of(w)`` and on the width of ``x``:
+
+====================  ==============================  ========================================
+placement of ``w``    input ``x``                     output, collectives
+====================  ==============================  ========================================
+``P()``               full width                      full; none
+colwise ``P("tp",     full width (replicated over     this rank's slice of the out features;
+None)``               tp; wrapped in ``copy_to``,     with ``gather=True`` gathered to full
+                      so ``dx`` is summed over tp)    width (``gather_replicated``)
+rowwise ``P(None,     this rank's slice of the in     partial products summed with
+"tp")``               features, or the full width     ``all_reduce``; the bias (replicated) is
+                      (own part sliced out)           added once, after the sum
+====================  ==============================  ========================================
+
+``packed=2`` (a fused ``[gate | up]`` weight) splits each block separately: a colwise output
+is locally ``[gate_r | up_r]``, so ``chunk(2, -1)`` still separates gate from up, and a
+rowwise layer slices a full-width input block by block. Splits over ``fsdp`` / ``efsdp`` /
+``dp_replicate`` are gathered for the call by :func:`fmoe.materialize` (gradients
+reduce-scattered back).
+
+``embedding`` does the same for a lookup table ``[V, D]``: replicated, vocabulary-parallel
+``P("tp", None)`` (each rank looks up the tokens in its row range, others give zeros, the
+partial lookups are all-reduced) or split on ``D`` (local lookup, features gathered).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..collectives import all_reduce, copy_to, gather_replicated
+from ..sharding import materialize, placement_of
+from ._tp import check_tensor, own_part, tp_size_rank, unpack_gathered
+
+__all__ = ["linear", "embedding"]
+
+
+def _check_weight(fn: str, name: str, w: torch.Tensor, ndim: int) -> None:
+    check_tensor(fn, name, w, ndim)
+    p = placement_of(w)
+    if {"ep", "efsdp"} & set(p.mesh_axes()):
+        raise ValueError(f"{fn}: {name} is placed {p!r} on the expert mesh; expert weights are "
+                         "computed by fmoe.moe, not by dense layers")
+
+
+def _colwise_bias(b: torch.Tensor, width: int, n: int, r: int, packed: int) -> torch.Tensor:
+    """The bias slice matching a colwise output of local ``width``."""
+    if placement_of(b).dim_of("tp") is not None:
+        bl = materialize(b, keep=("tp",))
+    else:  # replicated bias: slice own part; its gradient is then a partial sum over tp
+        bl = own_part(materialize(b, keep=("tp",), partial_grad=("tp",)), n, r, packed)
+    if bl.shape[-1] != width:
+        raise ValueError(f"linear: b has {b.shape[-1]} features but the colwise weight gives "
+                         f"{width * n} (local {width}); place b like the weight's rows (style colwise)")
+    return bl
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
+           gather: Optional[bool] = None) -> torch.Tensor:
+    """``y = x @ w.T + b`` with the collectives that ``w``'s placement needs (see module doc).
+
+    Args:
+        x: input ``[..., in]`` (or ``[..., in / tp]`` for a rowwise weight fed a local slice).
+        w: weight ``[out, in]``: plain tensor or DTensor from :func:`fmoe.shard`.
+        b: optional bias ``[out]``.
+        gather: for a colwise weight, gather the output to full width (True), keep the local
+            slice (False), or do what the placement says (None: ``P(..., gather=True)``).
+    Returns:
+        ``[..., out]``, or ``[..., out / tp]`` for a colwise weight that is not gathered.
+
+    Example:
+        >>> linear(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(4)).shape
+        torch.Size([2, 4])
+    """
+    check_tensor("linear", "x", x)
+    _check_weight("linear", "w", w, 2)
+    if b is not None:
+        _check_weight("linear", "b", b, 1)
+        if b.shape[0] != w.shape[0]:
+            raise ValueError(f"linear: b has shape {tuple(b.shape)} but w has {w.shape[0]} output features")
+    p = placement_of(w)
+    tp_dim = p.dim_of("tp")
+    group, n, r = tp_size_rank(w)
+    wl = materialize(w, keep=("tp",))
+    if tp_dim is None or n == 1:
+        if x.shape[-1] != wl.shape[1]:
+            raise ValueError(f"linear: x has {x.shape[-1]} features but w {tuple(w.shape)} expects {wl.shape[1]}")
+        if b is not None and placement_of(b).dim_of("tp") is not None and n > 1:
+            raise ValueError(f"linear: b is split over tp ({placement_of(b)!r}) but w is not ({p!r})")
+        return F.linear(x, wl, None if b is None else materialize(b, keep=("tp",)))
+    if tp_dim == 0:  # colwise: [out/tp, in]
+        if x.shape[-1] != wl.shape[1]:
+            raise ValueError(f"linear: colwise w {tuple(w.shape)} needs the full input width "
+                             f"{wl.shape[1]}, but x has {x.shape[-1]} features")
+        bl = None if b is None else _colwise_bias(b, wl.shape[0], n, r, p.packed)
+        y = F.linear(copy_to(x, group), wl, bl)
+        if gather or (gather is None and p.gather):
+            y = gather_replicated(y, group, dim=-1, sizes=[y.shape[-1]] * n)
+            y = unpack_gathered(y, n, p.packed)
+        return y
+    # rowwise: [out, in/tp]
+    in_local = wl.shape[1]
+    if x.shape[-1] == in_local:
+        xl = x
+    elif x.shape[-1] == in_local * n:  # replicated input: own part; dx summed over tp in backward
+        xl = own_part(copy_to(x, group), n, r, p.packed)
+    else:
+        raise ValueError(f"linear: rowwise w {tuple(w.shape)} takes x with {in_local} (local slice) "
+                         f"or {in_local * n} (full) features, got {x.shape[-1]}")
+    y = all_reduce(F.linear(xl, wl), group)
+    if b is not None:
+        if placement_of(b).dim_of("tp") is not None:
+            raise ValueError(f"linear: a rowwise layer's bias must be replicated over tp, got {placement_of(b)!r}")
+        y = y + materialize(b, keep=("tp",))
+    return y
+
+
+def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Look up ``tokens`` in ``table [V, D]``, replicated or sharded over tp (see module doc).
+
+    Args:
+        tokens: integer ids ``[...]`` in ``[0, V)``.
+        table: ``[V, D]``: plain, vocabulary-parallel ``P("tp", None)`` or ``P(None, "tp")``.
+    Returns:
+        ``[..., D]``, identical on every rank of the tp group.
+
+    Example:
+        >>> embedding(torch.tensor([[1, 0]]), torch.eye(3)).tolist()
+        [[[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]]
+    """
+    check_tensor("embedding", "tokens", tokens)
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"embedding: tokens must be an integer tensor, got dtype {tokens.dtype}")
+    _check_weight("embedding", "table", table, 2)
+    vocab = table.shape[0]
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(f"embedding: token ids must lie in [0, {vocab}), got min {int(tokens.min())}, "
+                         f"max {int(tokens.max())}")
+    tp_dim = placement_of(table).dim_of("tp")
+    group, n, r = tp_size_rank(table)
+    tl = materialize(table, keep=("tp",))
+    if tp_dim is None or n == 1:
+        return F.embedding(tokens, tl)
+    if tp_dim == 1:  # features split: local lookup, gather the features
+        return gather_replicated(F.embedding(tokens, tl), group, dim=-1, sizes=[tl.shape[1]] * n)
+    rows = tl.shape[0]  # vocabulary-parallel: this rank holds rows [r*rows, (r+1)*rows)
+    local = tokens - r * rows
+    outside = (local < 0) | (local >= rows)
+    out = F.embedding(local.masked_fill(outside, 0), tl).masked_fill(outside.unsqueeze(-1), 0.0)
+    return all_reduce(out, group)

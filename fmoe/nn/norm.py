@@ -1,0 +1,89 @@
+"""RMS normalisation, over the model dim or per attention head.
+
+Both normalise in fp32 and scale by a learned weight, in exactly the order of transformers'
+``LlamaRMSNorm`` (so logits match bit for bit in fp32)::
+
+    y = w * (x * rsqrt(mean(x**2, -1) + eps))
+
+The weight is replicated over tp (its input is replicated too). A per-head norm (the q/k norms
+of Qwen3 and friends) is the one subtle case: its weight ``[hd]`` is replicated, but when a plan
+shards attention heads over tp each rank normalises only its own heads, so its weight gradient
+is a *partial* sum over tp. ``head_rms_norm`` infers that from the number of heads it sees
+versus the configured ``num_heads`` and marks the gradient ``Partial`` (summed by
+:func:`fmoe.gather` / DTensor reductions); with replicated attention the gradient is already
+complete on every rank. Either way gathered gradients equal single-process gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sharding import materialize, placement_of
+from ._tp import check_tensor
+
+__all__ = ["rms_norm", "head_rms_norm"]
+
+
+def _norm(x: torch.Tensor, wl: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return wl * h.to(dtype)
+
+
+def _check(fn: str, x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+    check_tensor(fn, "x", x)
+    check_tensor(fn, "w", w, 1)
+    if placement_of(w).dim_of("tp") is not None:
+        raise ValueError(f"{fn}: w must be replicated over tp, got placement {placement_of(w)!r}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"{fn}: x has last dim {x.shape[-1]} but w has {w.shape[0]} entries")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"{fn}: eps must be a number >= 0, got {eps!r}")
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMS-normalise the last dim of ``x`` and scale by ``w``.
+
+    Args:
+        x: ``[..., D]`` (replicated over tp).
+        w: ``[D]``, replicated (or split over fsdp: gathered for the call).
+        eps: added to the mean square.
+    Returns:
+        ``[..., D]`` in ``x``'s dtype (times ``w``'s dtype promotion).
+
+    Example:
+        >>> rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), eps=0.0)
+        tensor([[0.8485, 1.1314]])
+    """
+    _check("rms_norm", x, w, eps)
+    return _norm(x, materialize(w, keep=("tp",)), eps)
+
+
+def head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, num_heads: int) -> torch.Tensor:
+    """RMS-normalise each head of ``x`` (q/k norm) with a weight shared by all heads.
+
+    Args:
+        x: ``[..., H_local, hd]``: this rank's heads (all ``num_heads`` or a tp share of them).
+        w: ``[hd]``, replicated over tp.
+        eps: added to the mean square.
+        num_heads: the configured (global) number of heads of this projection.
+    Returns:
+        ``[..., H_local, hd]``.
+
+    Example:
+        >>> head_rms_norm(torch.ones(2, 4, 8), torch.ones(8), 1e-6, num_heads=4).shape
+        torch.Size([2, 4, 8])
+    """
+    _check("head_rms_norm", x, w, eps)
+    if x.ndim < 2:
+        raise ValueError(f"head_rms_norm: x must be [..., heads, head_dim], got shape {tuple(x.shape)}")
+    local = x.shape[-2]
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 \
+            or local > num_heads or num_heads % local:
+        raise ValueError(f"head_rms_norm: num_heads={num_heads!r} must be a positive multiple of "
+                         f"the {local} heads x holds")
+    sharded = local < num_heads  # heads split over tp: this rank's weight gradient is partial
+    wl = materialize(w, keep=("tp",), partial_grad=("tp",) if sharded else ())
+    return _norm(x, wl, eps)
