@@ -18,20 +18,32 @@ contract, the gradient semantics and the built-ins): ``"all_to_all"``, ``"all_re
 ``"auto"`` (all_reduce when the expert group shares one batch — ``ep == tp`` — and no gradient
 is needed, all_to_all otherwise) or any name given to ``fmoe.ep.register``.
 
-``aux`` holds the router's own entries plus ``tokens_per_expert`` (``[E]`` int64, this rank's
-tokens per global expert) and ``dispatch_rows`` (rows this rank sent to *other* ranks).
+Routers may take keyword inputs besides the logits (:func:`fmoe.routing.call`): ``expert_bias``
+(from ``params["expert_bias"] [E]``, detached: selection-only state updated by
+``fmoe.routing.update_bias``, never by gradients) and every entry of ``router_inputs`` (per-batch
+tensors such as ``token_ids [T]`` or ``seq_ids [T]``). ``params["shared"]`` adds shared experts
+(:mod:`fmoe.shared_experts`).
+
+``aux`` holds the router's own entries, with every :class:`fmoe.load_stats.GlobalStat` (aux
+losses, drop rates) reduced over the data-parallel batches and finished, plus
+``tokens_per_expert`` (``[E]`` int64, this rank's slots per global expert), ``dispatch_rows``
+(rows this rank sent to *other* ranks), ``load`` (``[E]`` int64, routed slots per expert over all
+batches) and ``imbalance`` (max / mean of ``load``). All statistics travel in one small
+all-reduce over the batches.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from . import ep as _ep
 from .experts import Activation, swiglu
-from .routing import Router, validate
+from .load_stats import finalize, routed_load
+from .routing import Router, call, validate
+from .shared_experts import check_shared, shared_expert
 from .sharding import materialize
 
 __all__ = ["moe"]
@@ -46,10 +58,10 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
     if missing:
         raise ValueError(f"moe: params is missing {missing}; expected keys router [E, D], "
                          f"w_gate_up [E, 2I, D], w_down [E, D, I]")
-    unknown = sorted(set(params) - {"router", "router_bias", *_EXPERT_KEYS})
+    unknown = sorted(set(params) - {"router", "router_bias", "expert_bias", "shared", *_EXPERT_KEYS})
     if unknown:
         raise ValueError(f"moe: unexpected params {unknown}; valid keys: router, router_bias, "
-                         f"{', '.join(_EXPERT_KEYS)}")
+                         f"expert_bias, shared, {', '.join(_EXPERT_KEYS)}")
     r, gu, dn = params["router"], params["w_gate_up"], params["w_down"]
     if r.ndim != 2:
         raise ValueError(f"moe: router must be [E, D], got shape {tuple(r.shape)}")
@@ -59,7 +71,7 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
     I = gu.shape[1] // 2
     if tuple(dn.shape) != (E, D, I):
         raise ValueError(f"moe: w_down must be [E={E}, D={D}, I={I}], got shape {tuple(dn.shape)}")
-    for key, shape in (("router_bias", (E,)), ("b_gate_up", (E, 2 * I)), ("b_down", (E, D))):
+    for key, shape in (("router_bias", (E,)), ("expert_bias", (E,)), ("b_gate_up", (E, 2 * I)), ("b_down", (E, D))):
         if key in params and tuple(params[key].shape) != shape:
             raise ValueError(f"moe: {key} must have shape {shape}, got {tuple(params[key].shape)}")
     if not isinstance(x, torch.Tensor) or x.ndim != 2:
@@ -67,7 +79,13 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     if x.shape[1] != D:
         raise ValueError(f"moe: x has model dim {x.shape[1]} but the router expects D={D}")
+    if "shared" in params:
+        check_shared(params["shared"], D, x.dtype)
+    if "expert_bias" in params and not params["expert_bias"].dtype.is_floating_point:
+        raise ValueError(f"moe: expert_bias must be floating point, got {params['expert_bias'].dtype}")
     for key in params:
+        if key in ("shared", "expert_bias"):        # checked above; the bias may stay fp32
+            continue
         if params[key].dtype != x.dtype:
             raise ValueError(f"moe: x dtype {x.dtype} differs from params[{key!r}] dtype "
                              f"{params[key].dtype}; cast one of them")
@@ -109,6 +127,22 @@ def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> 
     return _ep.LocalExperts(weights, rng.start, E, act=act, matmul=matmul)
 
 
+def _router_inputs(params: dict, router_inputs: Optional[Mapping[str, Any]]) -> dict:
+    """Keyword inputs for the router: ``expert_bias`` (detached) and ``router_inputs``."""
+    if router_inputs is not None and not isinstance(router_inputs, Mapping):
+        raise TypeError(f"moe: router_inputs must be a mapping of name -> value, got "
+                        f"{type(router_inputs).__name__}")
+    inputs = dict(router_inputs or {})
+    bad = [k for k in inputs if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"moe: router_inputs keys must be strings, got {bad}")
+    if "expert_bias" in params:
+        if "expert_bias" in inputs:
+            raise ValueError("moe: expert_bias is given both in params and in router_inputs; keep one")
+        inputs["expert_bias"] = materialize(params["expert_bias"], keep=()).detach()
+    return inputs
+
+
 def _dispatch_rows(ids: torch.Tensor, e_local: int, mesh) -> int:
     """Distinct (token, remote rank) pairs this rank sends in the all_to_all dispatch."""
     start, stop = _ep.tp_slice_bounds(ids.shape[0], mesh.tp, mesh.rank_in("tp"))
@@ -128,6 +162,7 @@ def moe(
     impl: str = "auto",
     act: Activation = swiglu,
     matmul: str = "auto",
+    router_inputs: Optional[Mapping[str, Any]] = None,
 ) -> tuple[torch.Tensor, dict]:
     """Mixture-of-experts layer over this rank's tokens.
 
@@ -140,6 +175,7 @@ def moe(
         impl: ``"auto"``, ``"all_to_all"``, ``"all_reduce"`` or a registered name.
         act: expert activation ``act(gate, up)`` (default SwiGLU).
         matmul: expert matmul path: ``"auto"``, ``"grouped"``, ``"loop"``.
+        router_inputs: extra keyword inputs for the router, e.g. ``{"token_ids": ids [T]}``.
     Returns:
         ``(y [T, D], aux)``.
 
@@ -156,20 +192,23 @@ def moe(
         raise TypeError(f"moe: mesh must be an fmoe.Mesh or None, got {type(mesh).__name__}")
     if not callable(router):
         raise TypeError(f"moe: router must be callable (e.g. fmoe.routing.topk(2)), got {router!r}")
+    inputs = _router_inputs(params, router_inputs)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
-        isinstance(v, torch.Tensor) and v.requires_grad for v in params.values()))
+        isinstance(v, torch.Tensor) and v.requires_grad for k, v in params.items() if k != "expert_bias"))
     name = _choose(impl, mesh, needs_grad)
     router_w = materialize(params["router"], keep=())
     logits = x @ router_w.t()                                                    # [T, E]
     if "router_bias" in params:
         logits = logits + materialize(params["router_bias"], keep=())
-    routing = validate(router(logits), x.shape[0], E)
+    routing = validate(call(router, logits, inputs), x.shape[0], E)
     experts = _local_experts(params, E, mesh, act, matmul)
     out = _ep.get(name)(x, routing.weights, routing.expert_ids, experts, mesh)
     extra: dict = {}
     if isinstance(out, tuple):
         out, extra = out
-    aux = dict(routing.aux)
+    if "shared" in params:
+        out = out + shared_expert(params["shared"], x, act=act).to(out.dtype)
+    aux = finalize({**routing.aux, **routed_load(routing.weights, routing.expert_ids, E)}, mesh)
     aux["tokens_per_expert"] = torch.bincount(routing.expert_ids.flatten(), minlength=E)
     rows = _dispatch_rows(routing.expert_ids, experts.num_local, mesh) if name == "all_to_all" else 0
     aux["dispatch_rows"] = torch.tensor(rows)

@@ -1,28 +1,34 @@
-"""Routers: pure functions from router logits to a routing decision.
+"""The router contract: ``Routing``, its validation, and how a router receives extra inputs.
 
 A router is any callable ``router(logits[T, E]) -> Routing``. It sees only this rank's token
 logits and never communicates, so a scheme written in a notebook runs distributed unchanged:
-``fmoe.moe`` does the dispatch. A ``Routing`` holds, per token, ``K`` global expert ids and
-the weights their outputs are mixed with, plus ``aux`` (losses and statistics, any tensors).
+``fmoe.moe`` does the dispatch and reduces any global statistics (see
+:class:`fmoe.load_stats.GlobalStat`). A ``Routing`` holds, per token, ``K`` global expert ids
+and the weights their outputs are mixed with, plus ``aux`` (losses and statistics).
 
-The Qwen3-MoE / Mixtral scheme is :func:`topk`: softmax over all experts in fp32, keep the
-``k`` largest probabilities, optionally renormalise them to sum to one. gpt-oss uses
-:func:`topk_softmax`: top-k on the raw logits, softmax over the ``k`` kept logits.
+Extra inputs are keyword arguments. A router that needs more than the logits declares them::
 
-Example:
-    >>> import torch
-    >>> r = topk(2)(torch.tensor([[0.0, 1.0, 2.0, 3.0]]))
-    >>> r.expert_ids.tolist(), [round(w, 4) for w in r.weights[0].tolist()]
-    ([[3, 2]], [0.7311, 0.2689])
+    def router(logits, *, token_ids): ...          # hash routing
+    def router(logits, *, expert_bias=None): ...   # aux-loss-free balancing
+
+``fmoe.moe`` passes ``expert_bias`` when its params hold one (detached: it never receives a
+gradient) and every entry of its ``router_inputs=`` mapping; :func:`call` checks that the
+router accepts them (or takes ``**inputs``) before calling it.
+
+A slot with weight exactly 0 contributes nothing to the output or to any gradient that
+reaches the router (its weight is a constant), so routers that give a token fewer than ``K``
+experts (capacity dropping, expert choice) fill the spare slots with weight 0 and an expert id
+the token already uses: every id stays in ``[0, E)`` and no extra token is sent.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import inspect
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-__all__ = ["Routing", "Router", "topk", "topk_softmax", "validate"]
+__all__ = ["Routing", "Router", "validate", "call", "check_k", "check_logits"]
 
 
 class Routing(NamedTuple):
@@ -31,7 +37,8 @@ class Routing(NamedTuple):
     Attributes:
         weights: ``[T, K]`` floating mixing weights (differentiable: gradients reach the router).
         expert_ids: ``[T, K]`` int64 global expert ids in ``[0, E)``.
-        aux: extra tensors (aux losses, statistics); ``fmoe.moe`` adds load statistics.
+        aux: extra entries: tensors, or :class:`fmoe.load_stats.GlobalStat` for quantities over
+            all data-parallel batches (``fmoe.moe`` reduces and finishes those).
     """
 
     weights: torch.Tensor
@@ -39,63 +46,67 @@ class Routing(NamedTuple):
     aux: dict
 
 
-Router = Callable[[torch.Tensor], Routing]
+Router = Callable[..., Routing]
 
 
-def _check_k(k: int) -> None:
+def check_k(k: int, name: str = "k") -> None:
+    """``ValueError`` unless ``k`` is an int >= 1 (a factory argument)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"router: k must be an int >= 1, got k={k!r}")
+        raise ValueError(f"router: {name} must be an int >= 1, got {name}={k!r}")
 
 
-def _check_logits(logits: torch.Tensor, k: int) -> None:
-    if logits.ndim != 2:
-        raise ValueError(f"router: logits must be [T, E], got shape {tuple(logits.shape)}")
+def check_logits(logits: torch.Tensor, k: int) -> None:
+    """``ValueError`` unless ``logits`` is ``[T, E]`` with ``k <= E``."""
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 2:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"router: logits must be [T, E], got shape {shape}")
     if k > logits.shape[1]:
         raise ValueError(f"router: k={k} exceeds the number of experts E={logits.shape[1]}")
 
 
-def topk(k: int, normalize: bool = True) -> Router:
-    """Softmax over experts (fp32) -> top-k -> optional renormalisation (Qwen3-MoE, Mixtral).
+def _accepted(router: Callable) -> tuple[bool, set, set]:
+    """(takes **kwargs, keyword names it accepts, keyword-only names it requires)."""
+    try:
+        sig = inspect.signature(router)
+    except (TypeError, ValueError):       # builtins without a signature: assume anything goes
+        return True, set(), set()
+    params = list(sig.parameters.values())
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    names = {p.name for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    return var_kw, names, required
+
+
+def call(router: Callable, logits: torch.Tensor, inputs: Mapping[str, Any] | None = None) -> Any:
+    """Call ``router(logits, **inputs)``, first checking that the router takes those keywords.
 
     Args:
-        k: experts per token (1 <= k <= E).
-        normalize: rescale the k kept probabilities to sum to 1.
+        router: the router.
+        logits: ``[T, E]``.
+        inputs: extra keyword inputs (e.g. ``{"token_ids": ids}``); None or empty: ``router(logits)``.
     Returns:
-        a router; its weights are fp32.
+        whatever the router returns (``fmoe.moe`` validates it).
 
     Example:
-        >>> topk(1)(torch.zeros(3, 4)).expert_ids.shape
-        torch.Size([3, 1])
+        >>> def r(logits, *, token_ids):
+        ...     return token_ids
+        >>> call(r, torch.zeros(2, 4), {"token_ids": 7})
+        7
     """
-    _check_k(k)
-
-    def router(logits: torch.Tensor) -> Routing:
-        _check_logits(logits, k)
-        probs = torch.softmax(logits.float(), dim=-1)                    # [T, E]
-        weights, ids = torch.topk(probs, k, dim=-1)                      # [T, K]
-        if normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return Routing(weights, ids, {})
-
-    return router
-
-
-def topk_softmax(k: int) -> Router:
-    """Top-k on the raw logits, then softmax over the k kept logits (gpt-oss).
-
-    Example:
-        >>> r = topk_softmax(2)(torch.tensor([[0.0, 1.0, 1.0]]))
-        >>> r.weights.tolist()
-        [[0.5, 0.5]]
-    """
-    _check_k(k)
-
-    def router(logits: torch.Tensor) -> Routing:
-        _check_logits(logits, k)
-        top, ids = torch.topk(logits.float(), k, dim=-1)                 # [T, K]
-        return Routing(torch.softmax(top, dim=-1), ids, {})
-
-    return router
+    inputs = dict(inputs or {})
+    var_kw, names, required = _accepted(router)
+    missing = sorted(required - set(inputs))
+    if missing:
+        raise ValueError(f"router {getattr(router, '__name__', router)!r} needs keyword input(s) "
+                         f"{missing}; pass them with fmoe.moe(..., router_inputs={{...}})")
+    if not var_kw:
+        unknown = sorted(set(inputs) - names)
+        if unknown:
+            raise ValueError(f"router {getattr(router, '__name__', router)!r} does not accept "
+                             f"keyword input(s) {unknown} (it accepts {sorted(names)}); declare "
+                             f"them, e.g. def router(logits, *, {unknown[0]}): ..., or drop them "
+                             f"(expert_bias comes from params['expert_bias'])")
+    return router(logits, **inputs)
 
 
 def validate(routing: object, num_tokens: int, num_experts: int) -> Routing:
@@ -109,6 +120,10 @@ def validate(routing: object, num_tokens: int, num_experts: int) -> Routing:
         num_experts: E.
     Returns:
         the routing, with ``expert_ids`` as int64.
+
+    Example:
+        >>> validate((torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), {}), 2, 4).expert_ids.dtype
+        torch.int64
     """
     if not isinstance(routing, Routing):
         if isinstance(routing, tuple) and len(routing) == 3:

@@ -1,0 +1,50 @@
+"""Routers: pure functions from router logits to a routing decision.
+
+A router is any callable ``router(logits[T, E]) -> Routing(weights[T, K], expert_ids[T, K],
+aux)``. It sees only this rank's tokens and never communicates, so a scheme written in a few
+lines runs distributed unchanged: ``fmoe.moe`` dispatches the tokens and reduces the global
+statistics a router reports (:class:`fmoe.load_stats.GlobalStat`). Extra per-batch inputs
+(token ids, the expert bias) arrive as keyword arguments (see :mod:`fmoe.routing.core`).
+
+A new scheme, e.g. top-1 on noisy logits::
+
+    def noisy_top1(logits):
+        probs = torch.softmax(logits.float() + torch.randn_like(logits), -1)
+        w, ids = probs.max(-1, keepdim=True)
+        return Routing(w, ids, {})
+
+The built-in schemes:
+
+==========================  ===========================================================
+``topk(k, normalize)``      softmax -> top-k (-> renormalise): Qwen3-MoE, Mixtral
+``topk_softmax(k)``         top-k logits -> softmax over them: gpt-oss
+``group_topk(k, G, g)``     best ``g`` of ``G`` expert groups, then top-k: DeepSeek-V2
+``sigmoid_topk(k, ...)``    sigmoid scores, selection biased by ``expert_bias``: DeepSeek-V3
+                            (aux-loss-free balancing; :func:`update_bias` after each step)
+``switch(cf, k)``           top-k with expert capacity, overflow dropped (weight 0)
+``expert_choice(cf, k)``    each expert picks its top-C tokens
+``hash_router(k)``          fixed experts per token id (``router_inputs={"token_ids": ...}``)
+``balanced(k)``             round-robin by position (benchmarks)
+``random_topk(k, seed)``    random distinct experts (benchmarks)
+==========================  ===========================================================
+
+Aux losses (load balancing, sequence balance, z-loss) wrap any router:
+:func:`fmoe.aux_losses.with_losses`. Shared experts are params, not a router
+(:mod:`fmoe.shared_experts`).
+
+Example:
+    >>> import torch
+    >>> r = topk(2)(torch.tensor([[0.0, 1.0, 2.0, 3.0]]))
+    >>> r.expert_ids.tolist(), [round(w, 4) for w in r.weights[0].tolist()]
+    ([[3, 2]], [0.7311, 0.2689])
+"""
+
+from .bias import sigmoid_topk, update_bias
+from .capacity import capacity, expert_choice, switch
+from .core import Router, Routing, call, validate
+from .fixed import balanced, hash_router, random_topk, token_hash
+from .topk import group_mask, group_topk, topk, topk_softmax
+
+__all__ = ["Routing", "Router", "validate", "call", "topk", "topk_softmax", "group_topk", "group_mask",
+           "sigmoid_topk", "update_bias", "switch", "expert_choice", "capacity", "hash_router",
+           "token_hash", "balanced", "random_topk"]
