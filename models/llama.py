@@ -83,7 +83,7 @@ class Config:
 
     @classmethod
     def small(cls) -> "Config":
-        """A 4-layer model for examples and benchmarks (about 5M parameters)."""
+        """A 4-layer model for examples and benchmarks (about 4M parameters)."""
         return cls(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024)
 
@@ -141,8 +141,13 @@ def _layout(cfg: Config) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Random parameters (normal(0, initializer_range) weights, unit norms, zero biases);
-    the same seed gives the same tree on every process.
+    """Random parameters (normal(0, initializer_range) weights, unit norms, zero biases).
+
+    Args:
+        cfg: the config; seed: the same seed gives the same tree on every process;
+        dtype: parameter dtype.
+    Returns:
+        the nested parameter dict (layout in the module docstring).
 
     Example:
         >>> init(Config.tiny())["layers"][0]["attn"]["wq"].shape
@@ -230,12 +235,20 @@ def check_plan(cfg: Config, plan: Optional[Plan] = None, tp: int = 1) -> None:
     """Raise ``ValueError`` (naming the config field) unless ``plan`` can shard this model
     over ``tp`` ranks: tp divides the query heads and the KV heads of every head-split
     projection, and each half of a split fused gate/up (which must be packed) divides by tp.
+    (Divisibility of whole dims by every mesh axis is checked again by :func:`fmoe.shard`.)
+
+    Args:
+        cfg: the config.
+        plan: the plan to check (default: :func:`plan`).
+        tp: tensor-parallel size.
 
     Example:
         >>> check_plan(Config.tiny(), tp=4)
         Traceback (most recent call last):
         ValueError: check_plan: tp=4 does not divide num_key_value_heads=2 (layers.0.attn.wk is split over tp by rule 'layers.*.attn.w[qkv]')
     """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"check_plan: tp must be an int >= 1, got {tp!r}")
     plan = _default_plan(cfg) if plan is None else plan
     shapes = {k: torch.empty(s, device="meta") for k, (s, _) in _layout(cfg).items()}
     placements = fmoe.tree.flatten(plan.resolve(fmoe.tree.unflatten(shapes)))

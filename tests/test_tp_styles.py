@@ -114,6 +114,11 @@ def _ranks(rank, world):
         bad = None
     except ValueError as e:
         bad = str(e)
+    unpacked = fmoe.shard({"w": torch.ones(2 * I, D)}, {"w": "colwise"}, mesh)["w"]  # gate|up split as one block
+    try:
+        nn.swiglu_mlp(torch.ones(2, D), unpacked, sharded["mlp"]["w_down"])
+    except ValueError as e:
+        bad += " | " + str(e)
     return run(sharded, make_inputs()), local, bad
 
 
@@ -140,5 +145,6 @@ def test_every_tp_style_matches_single_process():
         assert local["attn.sinks"] == (HQ // TP,) and local["attn.wk"] == (HKV * HD // TP, D)
         assert local["attn_rep.wq"] == (HQ * HD, D) and local["attn.q_norm"] == (HD,)
         assert "takes x with 3 (local slice) or 12 (full) features, got 5" in bad
+        assert "must be split per half: use style 'packed_colwise'" in bad
     # the q/k norm gradient of sharded heads is a real sum over ranks, not one rank's share
     assert fmoe.tree.flatten(ref_grads)["attn.q_norm"].abs().sum() > 0

@@ -36,6 +36,15 @@ def visible(q_len: int, k_len: int, causal: bool = True, window: Optional[int] =
             device: Optional[torch.device] = None) -> torch.Tensor:
     """Boolean ``[q_len, k_len]`` table: which keys each query may attend to.
 
+    Args:
+        q_len: number of queries (the last ``q_len`` of the ``k_len`` positions).
+        k_len: number of keys.
+        causal: key ``j`` visible from query ``i`` only if ``j <= i``.
+        window: and only if ``i - j < window`` (None: no window).
+        device: device of the table.
+    Returns:
+        bool tensor ``[q_len, k_len]``.
+
     Example:
         >>> visible(3, 3, window=2).int().tolist()
         [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
