@@ -50,7 +50,8 @@ class Mesh:
 
     Args:
         tp: tensor-parallel size (consecutive ranks).
-        ep: expert-parallel size (consecutive ranks holding one full expert set).
+        ep: expert-parallel size (consecutive ranks holding one full expert set); default
+            ``tp``, the smallest valid size (so a dense model only says ``Mesh(tp=2)``).
         fsdp: data-parallel shards; default ``world // (tp * dp_replicate)``.
         dp_replicate: HSDP replicas (outermost).
 
@@ -65,9 +66,10 @@ class Mesh:
         range(0, 8)
     """
 
-    def __init__(self, tp: int = 1, ep: int = 1, fsdp: Optional[int] = None, dp_replicate: int = 1):
+    def __init__(self, tp: int = 1, ep: Optional[int] = None, fsdp: Optional[int] = None,
+                 dp_replicate: int = 1):
         tp = _check_size("tp", tp)
-        ep = _check_size("ep", ep)
+        ep = _check_size("ep", tp if ep is None else ep)
         dp_replicate = _check_size("dp_replicate", dp_replicate)
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1

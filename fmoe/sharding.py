@@ -235,6 +235,7 @@ def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequen
         torch.Size([2])
     """
     from .collectives import all_gather
+    from .regather import register_gathered
 
     if not isinstance(t, DTensor):
         return t
@@ -250,5 +251,7 @@ def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequen
                              f"gathered axes {gathered} on dim {d} (or is packed); not supported")
         for a in reversed(axes):      # innermost split first
             group = t.device_mesh.get_group(a)
-            out = all_gather(out, group, dim=d, sizes=[out.shape[d]] * torch.distributed.get_world_size(group))
+            piece = out
+            out = all_gather(piece, group, dim=d, sizes=[piece.shape[d]] * torch.distributed.get_world_size(group))
+            register_gathered(out, piece, group, d)   # lets regather_in_backward drop it
     return out

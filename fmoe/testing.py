@@ -85,15 +85,16 @@ def _worker(payload: bytes, rank: int, world: int, port: int, threads: int, time
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-          threads: Optional[int] = None) -> list[Any]:
+          threads: Optional[int] = None, collective_timeout: Optional[float] = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results.
 
     Args:
         fn: function to run on each rank (any picklable or cloudpicklable callable).
         world_size: number of ranks (>= 1).
         *args: extra arguments passed to every rank.
-        timeout: seconds before all ranks are killed (also the gloo collective timeout).
+        timeout: seconds before all ranks are killed.
         threads: intra-op threads per rank (default ``max(1, cpu_count // world_size)``).
+        collective_timeout: gloo collective timeout in seconds (default: ``timeout``).
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
     Raises:
@@ -111,7 +112,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(payload, r, world_size, port, threads, timeout, q),
+    coll = float(collective_timeout or timeout)
+    procs = [ctx.Process(target=_worker, args=(payload, r, world_size, port, threads, coll, q),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,0 +1,52 @@
+"""Shared pieces of the training tests (imported by spawned ranks)."""
+
+import importlib
+
+import torch
+
+import fmoe
+from fmoe.train.data import Corpus
+from fmoe.train.fsdp import data_parallel_plan
+from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
+from fmoe.train.step import StepConfig, train_step
+
+B, S, STEPS, LR = 2, 16, 3, 3e-3
+STEP_CFG = StepConfig(opt=AdamWConfig(weight_decay=0.1, max_grad_norm=0.5))   # clipping active
+
+
+def corpus():
+    return Corpus.stdlib(max_bytes=200_000)
+
+
+def model_and_cfg(name):
+    model = importlib.import_module(f"fmoe.models.{name}")
+    cfg = model.Config.tiny()
+    return model, cfg
+
+
+def train(name, mesh, steps=STEPS, num_batches=None):
+    """Train ``steps`` steps; with ``mesh=None`` one process trains on the union of
+    ``num_batches`` batches. Returns (losses, grad norms, gathered params)."""
+    model, cfg = model_and_cfg(name)
+    full = {k: v for k, v in model.init(cfg, seed=0).items()}
+    full = fmoe.tree.map_with_path(lambda _, t: t.detach().requires_grad_(True), full)
+    data = corpus()
+    if mesh is None:
+        mesh_ = fmoe.Mesh()
+        params = full
+    else:
+        mesh_ = mesh
+        params = fmoe.shard(full, data_parallel_plan(model.plan(cfg), full, mesh), mesh)
+    state = adamw_init(params)
+    losses, norms = [], []
+    for step in range(1, steps + 1):
+        if mesh is None:
+            parts = [data.batch(step, b, B, S, seed=0) for b in range(num_batches)]
+            batch = (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+        else:
+            batch = data.batch(step, mesh.batch_index, B, S, seed=0)
+        params, state, m = train_step(model, cfg, params, state, batch, mesh=mesh_, step_cfg=STEP_CFG,
+                                      lr=lr_at(step, LR, 1, steps))
+        losses.append(m["loss"])
+        norms.append(m["grad_norm"])
+    return losses, norms, {k: v.detach() for k, v in fmoe.tree.flatten(fmoe.gather(params)).items()}
