@@ -65,7 +65,7 @@ def toy_hf_specs(cfg, keys=None):
 
 
 PLAN = {"embed": P(("fsdp", "tp"), None), "layers.0.wq": "colwise", "layers.0.wo": "rowwise",
-        "layers.0.w_gate_up": "packed_colwise", "layers.*.moe.w_down": P("ep", None, None),
+        "layers.0.w_gate_up": P("tp", "fsdp", packed=2), "layers.*.moe.w_down": P("ep", None, None),
         "layers.0.moe.w_gate_up": P("ep", None, None), "layers.1.moe.w_gate_up": P(None, "tp", None, packed=2),
         "layers.1.moe.b_gate_up": P(None, "tp", packed=2), "norm": P(), "lm_head": P("fsdp", "tp")}
 

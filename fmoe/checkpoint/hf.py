@@ -113,7 +113,7 @@ def rank_blocks(shape: tuple[int, ...], p: P, mesh: Mesh) -> tuple[list[tuple[sl
     """The index blocks that make this rank's slice (as :func:`fmoe.sharding.slice_for_rank`).
 
     Nested axes on one dim split in entry order; a packed placement gives one block per packed
-    part, to be concatenated along the returned dim.
+    part of its packed dim (``p.packed_dim``), to be concatenated along that dim.
 
     Args:
         shape: the full shape.
@@ -127,19 +127,22 @@ def rank_blocks(shape: tuple[int, ...], p: P, mesh: Mesh) -> tuple[list[tuple[sl
         >>> # ([(slice(2, 4), slice(0, 4)), (slice(6, 8), slice(0, 4))], 0)
     """
     idx = [slice(0, n) for n in shape]
+    packed = p.packed_dim
     for d in p.sharded_dims():
-        axes = p.dim_axes(d)
-        if p.packed > 1:          # validated: the only sharded dim, one axis
-            blk, n = shape[d] // p.packed, mesh.size(axes[0])
-            piece, r = blk // n, mesh.rank_in(axes[0])
-            return [tuple(idx[:d] + [slice(b * blk + r * piece, b * blk + (r + 1) * piece)] + idx[d + 1:])
-                    for b in range(p.packed)], d
+        if d == packed:
+            continue
         start, n = 0, shape[d]
-        for a in axes:
+        for a in p.dim_axes(d):
             n //= mesh.size(a)
             start += mesh.rank_in(a) * n
         idx[d] = slice(start, start + n)
-    return [tuple(idx)], 0
+    if packed is None:
+        return [tuple(idx)], 0
+    (a,) = p.dim_axes(packed)                 # validated: the packed dim has one axis
+    blk = shape[packed] // p.packed
+    piece, r = blk // mesh.size(a), mesh.rank_in(a)
+    return [tuple(idx[:packed] + [slice(b * blk + r * piece, b * blk + (r + 1) * piece)] + idx[packed + 1:])
+            for b in range(p.packed)], packed
 
 
 def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optional[Mesh] = None,
