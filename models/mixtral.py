@@ -1,0 +1,303 @@
+"""Mixtral: a decoder with a top-2 mixture of SwiGLU experts in every layer, as pure functions.
+
+Numerics follow transformers' ``MixtralForCausalLM`` op for op: GQA attention with RoPE and an
+optional sliding window (every layer), softmax-top-k routing always renormalised, no biases.
+Parameters (D hidden, H query heads, G KV heads, hd head dim, E experts, I expert hidden)::
+
+    embed                     [V, D]
+    layers.N.attn_norm        [D]
+    layers.N.attn.wq          [H*hd, D]     wk, wv [G*hd, D]     wo [D, H*hd]
+    layers.N.mlp_norm         [D]
+    layers.N.moe.router       [E, D]
+    layers.N.moe.w_gate_up    [E, 2I, D]    gate (w1) rows first, then up (w3)
+    layers.N.moe.w_down       [E, D, I]     (w2)
+    norm                      [D]
+    lm_head                   [V, D]        (absent with tie_word_embeddings)
+
+Parallelism lives in :func:`plan`; :func:`forward` runs unchanged on one process or many and
+returns the full logits on every rank. ``router_jitter_noise`` (training-time noise on the
+router input) is not applied: forward is deterministic.
+
+Example:
+    >>> cfg = Config.tiny()
+    >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
+    torch.Size([2, 5, 128])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+from einops import rearrange
+
+import fmoe
+import fmoe.checkpoint as ckpt
+import fmoe.nn as nn
+from fmoe import P, Plan
+from fmoe.checkpoint import Cat, Key, Spec, Stack
+
+HF_IGNORE = ("**.rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Mixtral hyper-parameters, named and defaulted as in transformers' ``MixtralConfig``."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 14336       # I, per expert
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1000000.0
+    rope_scaling: tuple = ()             # sorted (key, value) pairs of a non-default rope_parameters
+    max_position_embeddings: int = 131072
+    sliding_window: Optional[int] = None
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    router_aux_loss_coef: float = 0.001
+
+    @property
+    def num_experts(self) -> int:
+        """E (``num_local_experts`` in the HF config)."""
+        return self.num_local_experts
+
+    def __post_init__(self):
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok",
+                  "max_position_embeddings"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Config: {f} must be an int >= 1, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"Config: num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(f"Config: num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                             f"num_local_experts={self.num_local_experts}")
+        if not isinstance(self.rope_scaling, tuple):
+            raise TypeError(f"Config: rope_scaling must be a tuple of (key, value) pairs, got {self.rope_scaling!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"Config: sliding_window must be None or an int >= 1, got {self.sliding_window!r}")
+        nn.rope_frequencies(self.head_dim, self.rope_theta, dict(self.rope_scaling) or None,
+                            self.max_position_embeddings)
+
+    @classmethod
+    def tiny(cls, **changes: Any) -> "Config":
+        """2 layers, D=64, 8 query / 4 KV heads, 8 experts top-2: tp <= 4 and ep <= 8 divide it.
+        ``Config.tiny(num_key_value_heads=8)`` is the variant for tp=8."""
+        return cls(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_local_experts=8,
+                           max_position_embeddings=256), **changes})
+
+    @classmethod
+    def small(cls) -> "Config":
+        """4 layers, D=256, 8 experts top-2: for examples and benchmarks (about 13M parameters)."""
+        return cls(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "Config":
+        """Read a Hugging Face ``config.json`` dict.
+
+        Example:
+            >>> Config.from_hf(Config.tiny(sliding_window=4).to_hf()) == Config.tiny(sliding_window=4)
+            True
+        """
+        for key, want in (("model_type", "mixtral"), ("hidden_act", "silu")):
+            if hf.get(key, want) != want:
+                raise ValueError(f"Config.from_hf: {key} must be {want!r}, got {hf.get(key)!r}")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", cls.rope_theta))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        kw = {f.name: hf[f.name] for f in fields(cls) if f.name in hf and f.name not in ("rope_theta", "rope_scaling")}
+        kw["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        kw["num_key_value_heads"] = hf.get("num_key_value_heads") or hf.get("num_attention_heads",
+                                                                           cls.num_attention_heads)
+        return cls(rope_theta=float(theta), rope_scaling=() if kind == "default" else tuple(sorted(rope.items())), **kw)
+
+    def to_hf(self) -> dict:
+        """The ``config.json`` fields transformers' ``MixtralConfig`` reads."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("rope_theta", "rope_scaling")}
+        rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
+        return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_act": "silu", **out,
+                "rope_parameters": rope}
+
+
+def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
+    """Every parameter path -> how it is made of checkpoint tensors (shapes included).
+
+    The hub layout (what ``save_pretrained`` writes) keeps one key per expert under
+    ``block_sparse_moe`` (``experts.3.w1.weight``: gate, ``w3``: up, ``w2``: down); when ``keys``
+    holds transformers' fused in-memory names (``mlp.experts.gate_up_proj``) those are read.
+
+    Example:
+        >>> hf_specs(Config.tiny())["layers.0.moe.router"]
+        Key('model.layers.0.block_sparse_moe.gate.weight', (8, 64))
+    """
+    V, D, E, I = cfg.vocab_size, cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    keys = set(keys or ())
+    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
+    for i in range(cfg.num_hidden_layers):
+        p, k = f"layers.{i}.", f"model.layers.{i}."
+        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
+        for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
+            s[p + f"attn.w{x}"] = Key(k + f"self_attn.{x}_proj.weight", shape)
+        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
+        if k + "mlp.experts.gate_up_proj" in keys:  # fused layout (transformers' in-memory names)
+            s[p + "moe.router"] = Key(k + "mlp.gate.weight", (E, D))
+            s[p + "moe.w_gate_up"] = Key(k + "mlp.experts.gate_up_proj", (E, 2 * I, D))
+            s[p + "moe.w_down"] = Key(k + "mlp.experts.down_proj", (E, D, I))
+            continue
+        m = k + "block_sparse_moe."
+        per = lambda w, shape: Stack([Key(f"{m}experts.{e}.{w}.weight", shape) for e in range(E)])  # noqa: E731
+        s[p + "moe.router"] = Key(m + "gate.weight", (E, D))
+        s[p + "moe.w_gate_up"] = Cat([per("w1", (I, D)), per("w3", (I, D))], dim=1)
+        s[p + "moe.w_down"] = per("w2", (D, I))
+    s["norm"] = Key("model.norm.weight", (D,))
+    if not cfg.tie_word_embeddings:
+        s["lm_head"] = Key("lm_head.weight", (V, D))
+    return s
+
+
+def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """Random parameters (normal(0, initializer_range) weights, unit norms); the same seed gives
+    the same tree on every process.
+
+    Example:
+        >>> init(Config.tiny())["layers"][1]["moe"]["w_down"].shape
+        torch.Size([8, 64, 32])
+    """
+    g = torch.Generator().manual_seed(seed)
+    make = lambda path, shape: (torch.ones(shape) if path.endswith("norm")  # noqa: E731
+                                else torch.randn(shape, generator=g) * cfg.initializer_range)
+    return fmoe.tree.unflatten({path: make(path, s.shape).to(dtype) for path, s in hf_specs(cfg).items()})
+
+
+def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) -> torch.Tensor:
+    heads = lambda t: rearrange(t, "b s (h d) -> b s h d", d=cfg.head_dim)  # noqa: E731
+    q = nn.apply_rope(heads(nn.linear(x, a["wq"])), cos, sin)  # [B, S, H_local, hd]
+    k = nn.apply_rope(heads(nn.linear(x, a["wk"])), cos, sin)  # [B, S, G_local, hd]
+    v = heads(nn.linear(x, a["wv"]))
+    o = nn.attention(q, k, v, causal=True, window=cfg.sliding_window,
+                     num_kv_groups=cfg.num_attention_heads // cfg.num_key_value_heads)
+    return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"])  # [B, S, D]
+
+
+def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str) -> tuple[torch.Tensor, dict]:
+    if mesh is None and fmoe.placement_of(m["w_gate_up"]).dim_of("ep") is not None:
+        raise ValueError("forward: the experts are sharded over ep; pass the mesh (forward(..., mesh=mesh))")
+    router = fmoe.routing.topk(cfg.num_experts_per_tok, normalize=True)
+    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=router, mesh=mesh, impl=impl)  # [T, D]
+    return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
+
+
+def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
+            impl: str = "auto", return_aux: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, dict]]:
+    """Logits of the causal language model.
+
+    Args:
+        params: tree from :func:`init` / :func:`load_hf` (plain, or sharded by a plan).
+        tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
+        cfg: the config.
+        mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep).
+        impl: expert-parallel implementation for ``fmoe.moe`` (``"auto"``, ``"all_to_all"``, ...).
+        return_aux: also return ``{"moe": [aux of each layer's fmoe.moe, in order]}``.
+    Returns:
+        logits ``[B, S, V]``, full on every rank; ``(logits, aux)`` with ``return_aux``.
+    """
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
+        raise ValueError(f"forward: tokens must be a [B, S] tensor, got {getattr(tokens, 'shape', tokens)!r}")
+    inv_freq, scaling = nn.rope_frequencies(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling) or None,
+                                            cfg.max_position_embeddings)
+    h = nn.embedding(tokens, params["embed"])  # [B, S, D]
+    cos, sin = nn.rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), inv_freq, scaling, h.dtype)
+    auxes = []
+    for layer in params["layers"]:
+        h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg)
+        y, aux = _moe(layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, impl)
+        h = h + y
+        auxes.append(aux)
+    h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
+    logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
+    return (logits, {"moe": auxes}) if return_aux else logits
+
+
+def plan(cfg: Config) -> Plan:
+    """Default plan (non-strict; unnamed leaves replicated): q/k/v colwise, o rowwise, experts
+    on ``ep``, router replicated, embedding vocab-parallel, lm_head colwise with gathered output.
+
+    Example:
+        >>> plan(Config.tiny()).match("layers.0.attn.wo")
+        ('layers.*.attn.wo', 'rowwise')
+    """
+    return Plan({
+        "embed": "vocab", "layers.*.attn.w[qkv]": "colwise", "layers.*.attn.wo": "rowwise",
+        "layers.*.moe.router": "replicate", "layers.*.moe.w_*": "expert",
+        **({} if cfg.tie_word_embeddings else {"lm_head": "colwise_gather"}),
+    }, default=P(), strict=False)
+
+
+_default_plan = plan
+# (parameter name, tensor dim) whose split over tp must respect a config field
+_TP_FIELDS = {("attn.wq", 0): "num_attention_heads", ("attn.wo", 1): "num_attention_heads",
+              ("attn.wk", 0): "num_key_value_heads", ("attn.wv", 0): "num_key_value_heads"}
+
+
+def check_plan(cfg: Config, plan: Optional[Plan] = None, tp: int = 1) -> None:
+    """Raise ``ValueError`` (naming the config field) unless ``plan`` splits whole query and KV
+    heads over ``tp`` ranks."""
+    plan = _default_plan(cfg) if plan is None else plan
+    shapes = {k: torch.empty(s.shape, device="meta") for k, s in hf_specs(cfg).items()}
+    for path, p in fmoe.tree.flatten(plan.resolve(fmoe.tree.unflatten(shapes))).items():
+        name = path.split(".", 2)[2] if path.startswith("layers.") else path
+        field = _TP_FIELDS.get((name, p.dim_of("tp")))
+        if field and tp > 1 and getattr(cfg, field) % tp:
+            raise ValueError(f"check_plan: tp={tp} does not divide {field}={getattr(cfg, field)} ({path} is "
+                             f"split over tp by rule {(plan.match(path) or ('<default>',))[0]!r})")
+
+
+def _resolve(cfg: Config, plan: Union[Plan, Mapping[str, Union[str, P]], None], tp: int) -> Plan:
+    if plan is None or not isinstance(plan, Plan):
+        plan = _default_plan(cfg) if plan is None else _default_plan(cfg).override(plan)
+    check_plan(cfg, plan, tp)
+    return plan
+
+
+def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping, None] = None) -> dict:
+    """Validate ``plan`` (a Plan, user rules merged over :func:`plan` by key, or None for the
+    default) against the config, then :func:`fmoe.shard` the full ``params``."""
+    return fmoe.shard(params, _resolve(cfg, plan, mesh.tp), mesh)
+
+
+def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
+            plan: Union[Plan, Mapping, None] = None) -> tuple[dict, Config]:
+    """Load a Hugging Face checkpoint directory; with a mesh each rank reads only its slices.
+
+    Args:
+        path: directory with ``config.json`` and safetensors (single file or indexed shards).
+        mesh: None for full tensors, else the :class:`fmoe.Mesh` to shard on.
+        plan: a Plan, user rules merged over the default plan by key, or None (default plan).
+    Returns:
+        ``(params, cfg)``; with a mesh the params equal ``shard(full_params, cfg, mesh, plan)``.
+    """
+    if mesh is not None:  # validate the plan against the config before any tensor is read
+        with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
+            plan = _resolve(Config.from_hf(json.load(f)), plan, mesh.tp)
+    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
+
+
+def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
+    """Write ``params`` (or a gradient tree) in the hub layout ``save_pretrained`` writes
+    (per-expert ``block_sparse_moe`` keys); call on every rank."""
+    ckpt.save_hf(sys.modules[__name__], params, cfg, path)
