@@ -5,7 +5,7 @@ placements, :func:`shard` applies it on a :class:`Mesh`, and layer functions ins
 collectives those placements need. The public namespace is made of explicit re-exports.
 """
 
-from . import collectives, ep, experts, routing, testing, tree
+from . import collectives, ep, experts, nn, routing, testing, tree
 from .mesh import Mesh
 from .moe import moe
 from .placement import P
@@ -13,5 +13,5 @@ from .plan import STYLES, Plan
 from .sharding import gather, materialize, placement_of, shard, to_local
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "materialize",
-           "moe", "routing", "ep", "experts", "collectives", "testing", "tree"]
+           "moe", "nn", "routing", "ep", "experts", "collectives", "testing", "tree"]
 __version__ = "0.1.0"

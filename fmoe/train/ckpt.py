@@ -6,8 +6,9 @@ own shards (DCP), so saving never gathers a model, and loading on another mesh r
 reads, for each destination shard, exactly the overlapping pieces of the saved shards.
 
 Packed placements (a fused ``[gate | up]`` weight split per block) are not contiguous chunks of
-the full tensor, which DCP cannot describe; such a leaf is stored as one DTensor per block
-(``path.__block0``, ``path.__block1``), each a plain chunked shard, so it reshards like any other.
+the full tensor, which DCP cannot describe; such a leaf is stored as one tensor per block
+(``path.__block0``, ``path.__block1``), each a plain chunked shard, so it reshards like any other
+— also to and from a single process, where the same leaf is a plain tensor.
 
 Atomicity: all ranks write into ``OUT/.step-N.tmp``; after a barrier rank 0 writes
 ``meta.json`` into it and renames the directory to ``OUT/step-N``. A crash at any point leaves
@@ -31,7 +32,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import tree as _tree
 
-__all__ = ["save", "load", "latest", "read_meta"]
+__all__ = ["save", "load", "latest", "read_meta", "packed_layout"]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -45,39 +46,77 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _dcp_view(tree: Any) -> dict[str, Any]:
+def packed_layout(plan: Any, params: Any, mesh: Any = None) -> dict[str, tuple[int, int]]:
+    """``{path: (blocks, dim)}`` of every packed leaf under ``plan`` (mesh-independent)."""
+    out = {}
+    for path, p in _tree.flatten(plan.resolve(params, mesh)).items():
+        if p.packed > 1:
+            out[path] = (p.packed, p.packed_dim)
+    return out
+
+
+def _blocks(path: str, leaf: Any, k: int, d: int) -> list[Any]:
+    """The ``k`` blocks of a packed leaf along ``d``, each a plain-chunked tensor/DTensor."""
+    if not isinstance(leaf, DTensor):
+        return [b.contiguous() for b in leaf.detach().chunk(k, dim=d)]
+    pls = []
+    for p in leaf.placements:
+        if isinstance(p, _StridedShard) and p.dim == d and p.split_factor == k:
+            pls.append(Shard(d))
+        elif isinstance(p, Shard) and not isinstance(p, _StridedShard) and p.dim == d:
+            raise ValueError(f"checkpoint: {path!r} is saved as {k} packed blocks on dim {d}, but this "
+                             f"DTensor splits dim {d} without packing ({leaf.placements})")
+        else:
+            pls.append(p)
+    shape = list(leaf.shape)
+    shape[d] //= k
+    return [DTensor.from_local(b.contiguous(), leaf.device_mesh, pls, run_check=False,
+                               shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+            for b in leaf._local_tensor.detach().chunk(k, dim=d)]
+
+
+def _dcp_view(tree: Any, packed: dict[str, tuple[int, int]]) -> dict[str, Any]:
     """Flat ``{key: tensor}`` that DCP can save/load; packed leaves split into blocks."""
     out: dict[str, Any] = {}
     for path, leaf in _tree.flatten(tree).items():
-        if isinstance(leaf, DTensor) and any(isinstance(p, _StridedShard) for p in leaf.placements):
-            (d, k) = next((p.dim, p.split_factor) for p in leaf.placements if isinstance(p, _StridedShard))
-            pls = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in leaf.placements]
-            shape = list(leaf.shape)
-            shape[d] //= k
-            for j, block in enumerate(leaf._local_tensor.chunk(k, dim=d)):
-                out[f"{path}.__block{j}"] = DTensor.from_local(
-                    block.contiguous(), leaf.device_mesh, pls, run_check=False, shape=torch.Size(shape),
-                    stride=torch.empty(shape, device="meta").stride())
+        if path in packed:
+            for j, b in enumerate(_blocks(path, leaf, *packed[path])):
+                out[f"{path}.__block{j}"] = b
         else:
             out[path] = leaf
     return out
 
 
-def _restore(tree: Any, view: dict[str, Any]) -> None:
+def _restore(tree: Any, view: dict[str, Any], packed: dict[str, tuple[int, int]]) -> None:
     """Copy loaded packed blocks back into their leaves (other leaves were loaded in place)."""
     with torch.no_grad():
         for path, leaf in _tree.flatten(tree).items():
-            if f"{path}.__block0" in view:
-                d = next(p.dim for p in leaf.placements if isinstance(p, _StridedShard))
-                blocks, j = [], 0
-                while f"{path}.__block{j}" in view:
-                    blocks.append(view[f"{path}.__block{j}"]._local_tensor)
-                    j += 1
-                leaf._local_tensor.copy_(torch.cat(blocks, dim=d))
+            if path in packed:
+                k, d = packed[path]
+                blocks = [view[f"{path}.__block{j}"] for j in range(k)]
+                blocks = [b._local_tensor if isinstance(b, DTensor) else b for b in blocks]
+                dst = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+                dst.copy_(torch.cat(blocks, dim=d))
 
 
-def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict) -> str:
-    """Write ``out_dir/step-{step}`` atomically; call on every rank. Returns the final path."""
+def _views(params: Any, opt_state: Any, packed: dict) -> dict:
+    return {"params": _dcp_view(params, packed),
+            "opt": {"step": opt_state["step"], "m": _dcp_view(opt_state["m"], packed),
+                    "v": _dcp_view(opt_state["v"], packed)}}
+
+
+def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
+         packed: Optional[dict] = None) -> str:
+    """Write ``out_dir/step-{step}`` atomically; call on every rank. Returns the final path.
+
+    Args:
+        out_dir: the run directory.
+        step: steps done.
+        params, opt_state: trees to save (any placements).
+        meta: JSON-able job description (config, mesh, data settings).
+        packed: :func:`packed_layout` of the params (leaves stored as blocks).
+    """
+    packed = packed or {}
     final = os.path.join(out_dir, f"step-{step}")
     tmp = os.path.join(out_dir, f".step-{step}.tmp")
     rank0 = not _dist() or dist.get_rank() == 0
@@ -88,8 +127,7 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict) -> st
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    state = {"params": _dcp_view(params), "opt": _dcp_view(opt_state)}
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(_views(params, opt_state, packed), checkpoint_id=tmp)
     _barrier()
     if rank0:
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -128,13 +166,16 @@ def read_meta(ckpt: str) -> dict:
         return json.load(f)
 
 
-def load(ckpt: str, params: Any, opt_state: Any) -> dict:
+def load(ckpt: str, params: Any, opt_state: Any, packed: Optional[dict] = None) -> dict:
     """Load a checkpoint into ``params`` and ``opt_state`` in place (any mesh: DCP reshards);
-    call on every rank. Returns the checkpoint's meta (with ``step``)."""
+    call on every rank with the same ``packed`` layout as the save. Returns the meta."""
     meta = read_meta(ckpt)
-    state = {"params": _dcp_view(params), "opt": _dcp_view(opt_state)}
+    packed = packed or {}
+    state = _views(params, opt_state, packed)
     with torch.no_grad():
         dcp.load(state, checkpoint_id=ckpt)
-    _restore(params, state["params"])
-    _restore(opt_state, state["opt"])
+        opt_state["step"].copy_(state["opt"]["step"])
+    _restore(params, state["params"], packed)
+    _restore(opt_state["m"], state["opt"]["m"], packed)
+    _restore(opt_state["v"], state["opt"]["v"], packed)
     return meta

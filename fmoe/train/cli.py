@@ -154,6 +154,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         cfg = getattr(model.Config, args.preset)()
         full = model.init(cfg, seed=args.seed)
     plan = data_parallel_plan(model.plan(cfg), full, mesh)
+    packed = ckpt.packed_layout(plan, full)
     params = fmoe.shard(fmoe.tree.map_with_path(lambda _, t: t.detach().requires_grad_(True), full), plan, mesh)
     del full
     opt_state = adamw_init(params)
@@ -162,7 +163,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         path = ckpt.latest(args.resume)
         if path is None:
             raise ValueError(f"--resume {args.resume!r}: no complete step-N checkpoint there")
-        meta = ckpt.load(path, params, opt_state)
+        meta = ckpt.load(path, params, opt_state, packed)
         start = meta["step"]
     step_cfg = StepConfig(opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
                           aux_weight=args.aux_weight, impl=args.impl)
@@ -185,7 +186,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
                 f.write(json.dumps(last) + "\n")
         bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            ckpt.save(args.out, step, params, opt_state, meta)
+            ckpt.save(args.out, step, params, opt_state, meta, packed)
     if args.export_hf:
         model.save_hf(params, cfg, args.export_hf)
     return last
