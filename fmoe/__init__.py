@@ -5,7 +5,7 @@ placements, :func:`shard` applies it on a :class:`Mesh`, and layer functions ins
 collectives those placements need. The public namespace is made of explicit re-exports.
 """
 
-from . import collectives, ep, experts, nn, routing, testing, tree
+from . import collectives, ep, experts, nn, regather, routing, testing, tree
 from .mesh import Mesh
 from .moe import moe
 from .placement import P

@@ -64,14 +64,19 @@ def _train_meshes(rank, world, name, meshes):
     out = []
     for kw in meshes:
         mesh = fmoe.Mesh(**kw)
+        before = fmoe.regather.stats()
         losses, norms, params = train(name, mesh)
-        out.append((kw, mesh.num_batches, losses, norms, params))
+        after = fmoe.regather.stats()
+        regathered = (after["packed"] - before["packed"], after["regathered"] - before["regathered"])
+        out.append((kw, mesh.num_batches, losses, norms, params, regathered, mesh.fsdp))
     return out
 
 
 def compare(results, name):
     refs = {}
-    for kw, nb, losses, norms, params in results:
+    for kw, nb, losses, norms, params, (packed, regathered), fsdp in results:
+        if fsdp > 1:      # gathered FSDP weights were saved as recipes and gathered again in backward
+            assert packed > 0 and regathered == packed, (kw, packed, regathered)
         if nb not in refs:
             refs[nb] = train(name, None, num_batches=nb)
         rl, rn, rp = refs[nb]
