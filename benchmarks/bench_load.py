@@ -96,7 +96,7 @@ def _status_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024                          # kB
+                return int(line.split()[1]) * 1024 / 1e6                    # kB (KiB) -> MB
     raise KeyError(field)
 
 
@@ -107,11 +107,13 @@ def _reset_peak() -> tuple[str, float]:
             f.write("5")                                                    # reset VmHWM to VmRSS
         return "VmHWM", _status_mb("VmRSS")
     except OSError:
-        return "ru_maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return "ru_maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
 
 
 def _peak_mb(method: str) -> float:
-    return _status_mb("VmHWM") if method == "VmHWM" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if method == "VmHWM":
+        return _status_mb("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
 
 
 def _measure(rank, world, path, mode, tp, ep):
@@ -122,6 +124,7 @@ def _measure(rank, world, path, mode, tp, ep):
     mesh = fmoe.Mesh(tp=tp, ep=ep)
     gc.collect()
     method, rss0 = _reset_peak()
+    file0 = _status_mb("RssFile")
     t0 = time.perf_counter()
     with Checkpoint(path) as ck:
         if mode == "sharded":
@@ -131,10 +134,11 @@ def _measure(rank, world, path, mode, tp, ep):
             params = fmoe.shard(full, bench.plan(cfg), mesh)
             del full
         read = ck.bytes_read
+        mapped = _status_mb("RssFile") - file0          # file pages the reads touched, still mapped
     seconds = time.perf_counter() - t0
     local = [fmoe.to_local(t) for t in fmoe.tree.leaves(params)]
     return {"rank": rank, "mode": mode, "bytes_read": read, "peak_rss_delta_mb": _peak_mb(method) - rss0,
-            "rss_method": method,
+            "rss_method": method, "mapped_file_mb": mapped,
             "seconds": seconds, "local_param_bytes": sum(t.numel() * t.element_size() for t in local),
             "checksum": float(sum(t.double().abs().sum() for t in local))}
 
@@ -173,10 +177,12 @@ def main(argv=None) -> dict:
             raise RuntimeError(f"rank {r}: full and sharded loads disagree: {a} vs {b}")
     print(f"checkpoint: {total / 1e6:.1f} MB in {len(files)} files (written by save_hf in {save_s:.1f} s); "
           f"{args.world} gloo ranks, Mesh(tp={args.tp}, ep={args.ep})")
-    print(f"{'mode':8} {'rank':>4} {'read MB':>9} {'of ckpt':>8} {'held MB':>8} {'peak RSS +MB':>13} {'time s':>7}")
+    print(f"{'mode':8} {'rank':>4} {'read MB':>9} {'of ckpt':>8} {'held MB':>8} {'peak RSS +MB':>13} "
+          f"{'mapped MB':>10} {'time s':>7}")
     for r in rows:
         print(f"{r['mode']:8} {r['rank']:>4} {r['bytes_read'] / 1e6:>9.1f} {r['bytes_read'] / total:>8.1%} "
-              f"{r['local_param_bytes'] / 1e6:>8.1f} {r['peak_rss_delta_mb']:>13.1f} {r['seconds']:>7.2f}")
+              f"{r['local_param_bytes'] / 1e6:>8.1f} {r['peak_rss_delta_mb']:>13.1f} {r['mapped_file_mb']:>10.1f} "
+              f"{r['seconds']:>7.2f}")
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {os.cpu_count()} vCPU, {platform.system()} {platform.release()}",
               "command": "python benchmarks/bench_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
