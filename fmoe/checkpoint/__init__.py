@@ -1,8 +1,8 @@
 """Checkpoints: Hugging Face safetensors interop with per-rank slice reads.
 
-- :mod:`~fmoe.checkpoint.spec`: how one fmoe parameter is made of checkpoint tensors
-  (:class:`Key`, :class:`Cat`, :class:`Stack`, :class:`Transpose`, :class:`Deinterleave`), able to
-  read only a requested block;
+- :mod:`~fmoe.checkpoint.spec` and :mod:`~fmoe.checkpoint.nodes`: how one fmoe parameter is made
+  of checkpoint tensors (:class:`Key`, :class:`Cat`, :class:`Stack`, :class:`Transpose`,
+  :class:`Deinterleave`), able to read only a requested block;
 - :mod:`~fmoe.checkpoint.safetensors_io`: the hub directory layout (:class:`Checkpoint` reader,
   :func:`write_checkpoint`);
 - :mod:`~fmoe.checkpoint.atomic`: :func:`atomic_directory`, a directory replaced only when complete;
@@ -12,7 +12,8 @@
 from .atomic import atomic_directory
 from .hf import hf_specs_of, load_hf, rank_blocks, save_hf
 from .safetensors_io import Checkpoint, write_checkpoint
-from .spec import Cat, Deinterleave, Key, Spec, Stack, Transpose
+from .nodes import Cat, Deinterleave, Stack, Transpose
+from .spec import Key, Spec
 
 __all__ = ["load_hf", "save_hf", "hf_specs_of", "rank_blocks", "Checkpoint", "write_checkpoint",
            "atomic_directory", "Spec", "Key", "Cat", "Stack", "Transpose", "Deinterleave"]
