@@ -34,8 +34,10 @@ import multiprocessing as mp
 import os
 import queue as _queue
 import socket
+import sys
 import time
 import traceback
+import types
 from typing import Any, Callable, Optional
 
 import cloudpickle
@@ -115,8 +117,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     coll = float(collective_timeout or timeout)
     procs = [ctx.Process(target=_worker, args=(payload, r, world_size, port, threads, coll, q),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    _start_without_main(procs)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -142,6 +143,23 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
             p.join(timeout=5)
         q.close()
     return [results[r] for r in range(world_size)]
+
+
+def _start_without_main(procs) -> None:
+    """Start the ranks without re-importing the caller's ``__main__`` in each of them.
+
+    ``fn`` travels by value (cloudpickle), so the ranks never need the caller's script; not
+    importing it makes a script without an ``if __name__ == "__main__"`` guard work too (and
+    start faster).
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
 
 
 _SECONDARY = ("Connection reset", "Connection closed", "connection closed", "pair.cc",

@@ -91,3 +91,19 @@ def compare(results, name):
 def test_llama_training_matches_single_process_on_four_ranks():
     meshes = [dict(tp=2), dict(tp=1), dict(tp=2, dp_replicate=2)]
     compare(spawn(_train_meshes, 4, "llama", meshes, timeout=600)[0], "llama")
+
+
+def test_qwen3_moe_training_matches_single_process_on_four_ranks():
+    meshes = [dict(tp=2, ep=4), dict(tp=1, ep=2, dp_replicate=2), dict(tp=2, ep=2)]
+    compare(spawn(_train_meshes, 4, "qwen3_moe", meshes, timeout=900)[0], "qwen3_moe")
+
+
+@pytest.mark.slow
+def test_qwen3_moe_training_reference_configs_on_eight_ranks():
+    # the four eight-rank configurations of the reference, plus HSDP with efsdp > 1
+    meshes = [dict(tp=4, ep=4), dict(tp=1, ep=4), dict(tp=2, ep=4), dict(tp=8, ep=8),
+              dict(tp=2, ep=2, dp_replicate=2)]
+    results = spawn(_train_meshes, 8, "qwen3_moe", meshes, timeout=1200)[0]
+    assert [(kw, nb) for kw, nb, *_ in results] == [(meshes[0], 2), (meshes[1], 8), (meshes[2], 4),
+                                                    (meshes[3], 1), (meshes[4], 4)]
+    compare(results, "qwen3_moe")
