@@ -274,7 +274,6 @@ def plan(cfg: Config) -> Plan:
     }, default=P(), strict=False)
 
 
-_default_plan = plan
 # (parameter name, tensor dim) whose split over tp must respect a config field
 _TP_FIELDS = {("attn.wq", 0): "num_attention_heads", ("attn.bq", 0): "num_attention_heads",
               ("attn.wo", 1): "num_attention_heads", ("attn.sinks", 0): "num_attention_heads",
@@ -282,30 +281,29 @@ _TP_FIELDS = {("attn.wq", 0): "num_attention_heads", ("attn.bq", 0): "num_attent
               ("attn.wv", 0): "num_key_value_heads", ("attn.bv", 0): "num_key_value_heads"}
 
 
-def check_plan(cfg: Config, plan: Optional[Plan] = None, tp: int = 1) -> None:
-    """Raise ``ValueError`` (naming the config field) unless ``plan`` splits whole query and KV
-    heads (projections, their biases, sinks) over ``tp`` ranks."""
-    plan = _default_plan(cfg) if plan is None else plan
-    shapes = {k: torch.empty(s.shape, device="meta") for k, s in hf_specs(cfg).items()}
-    for path, p in fmoe.tree.flatten(plan.resolve(fmoe.tree.unflatten(shapes))).items():
-        name = path.split(".", 2)[2] if path.startswith("layers.") else path
-        field = _TP_FIELDS.get((name, p.dim_of("tp")))
+def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 1) -> Plan:
+    """The plan (``rules``: a Plan, user rules merged over :func:`plan` by key, or None for the
+    default), after checking that it splits whole query and KV heads (projections, their biases, sinks) over ``tp``
+    ranks; ``ValueError`` naming the config field otherwise.
+
+    Example:
+        >>> check_plan(Config.tiny(), tp=8)
+        Traceback (most recent call last):
+        ValueError: check_plan: tp=8 does not divide num_key_value_heads=4 (layers.0.attn.bk is split over tp by rule 'layers.*.attn.[wb][qkv]')
+    """
+    pl = rules if isinstance(rules, Plan) else plan(cfg) if rules is None else plan(cfg).override(rules)
+    shapes = fmoe.tree.unflatten({k: torch.empty(s.shape, device="meta") for k, s in hf_specs(cfg).items()})
+    for path, p in fmoe.tree.flatten(pl.resolve(shapes)).items():
+        field = _TP_FIELDS.get((path.split(".", 2)[-1], p.dim_of("tp")))
         if field and tp > 1 and getattr(cfg, field) % tp:
             raise ValueError(f"check_plan: tp={tp} does not divide {field}={getattr(cfg, field)} ({path} is "
-                             f"split over tp by rule {(plan.match(path) or ('<default>',))[0]!r})")
-
-
-def _resolve(cfg: Config, plan: Union[Plan, Mapping[str, Union[str, P]], None], tp: int) -> Plan:
-    if plan is None or not isinstance(plan, Plan):
-        plan = _default_plan(cfg) if plan is None else _default_plan(cfg).override(plan)
-    check_plan(cfg, plan, tp)
-    return plan
+                             f"split over tp by rule {(pl.match(path) or ('<default>',))[0]!r})")
+    return pl
 
 
 def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping, None] = None) -> dict:
-    """Validate ``plan`` (a Plan, user rules merged over :func:`plan` by key, or None for the
-    default) against the config, then :func:`fmoe.shard` the full ``params``."""
-    return fmoe.shard(params, _resolve(cfg, plan, mesh.tp), mesh)
+    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first."""
+    return fmoe.shard(params, check_plan(cfg, plan, mesh.tp), mesh)
 
 
 def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
@@ -319,9 +317,9 @@ def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
     Returns:
         ``(params, cfg)``; with a mesh the params equal ``shard(full_params, cfg, mesh, plan)``.
     """
-    if mesh is not None:  # validate the plan against the config before any tensor is read
+    if mesh is not None:  # check the plan against the config before any tensor is read
         with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
-            plan = _resolve(Config.from_hf(json.load(f)), plan, mesh.tp)
+            plan = check_plan(Config.from_hf(json.load(f)), plan, mesh.tp)
     return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
 
 

@@ -104,8 +104,9 @@ class Config:
         """2 layers, D=64, 8 query / 4 KV heads, 8 experts top-2: tp <= 4 and ep <= 8 divide it.
         ``Config.tiny(num_key_value_heads=8)`` is the variant for tp=8."""
         return cls(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
-                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256), **changes})
+                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256),
+                      **changes})
 
     @classmethod
     def small(cls) -> "Config":
@@ -179,7 +180,7 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
             s[p + "moe.w_gate_up"] = Key(m + "experts.gate_up_proj", (E, 2 * I, D))
             s[p + "moe.w_down"] = Key(m + "experts.down_proj", (E, D, I))
         else:  # one key per expert and projection, stacked on a new expert dim
-            per = lambda name, shape: Stack([Key(f"{m}experts.{e}.{name}.weight", shape) for e in range(E)])  # noqa: E731
+            per = lambda n, shape: Stack([Key(f"{m}experts.{e}.{n}.weight", shape) for e in range(E)])  # noqa: E731
             s[p + "moe.w_gate_up"] = Cat([per("gate_proj", (I, D)), per("up_proj", (I, D))], dim=1)
             s[p + "moe.w_down"] = per("down_proj", (D, I))
     s["norm"] = Key("model.norm.weight", (D,))
@@ -268,29 +269,34 @@ def plan(cfg: Config) -> Plan:
     return Plan({
         "embed": "vocab", "layers.*.attn.w[qkv]": "colwise", "layers.*.attn.wo": "rowwise",
         "layers.*.attn.[qk]_norm": "replicate", "layers.*.moe.router": "replicate", "layers.*.moe.w_*": "expert",
-        "layers.*.mlp.w_gate_up": "packed_colwise", "layers.*.mlp.w_down": "rowwise",
+        **({} if all(map(cfg.is_sparse, range(cfg.num_hidden_layers))) else
+           {"layers.*.mlp.w_gate_up": "packed_colwise", "layers.*.mlp.w_down": "rowwise"}),
         **({} if cfg.tie_word_embeddings else {"lm_head": "colwise_gather"}),
     }, default=P(), strict=False)
 
 
-_default_plan = plan
 # (parameter name, tensor dim) whose split over tp must respect a config field
 _TP_FIELDS = {("attn.wq", 0): "num_attention_heads", ("attn.wo", 1): "num_attention_heads",
               ("attn.wk", 0): "num_key_value_heads", ("attn.wv", 0): "num_key_value_heads",
               ("mlp.w_gate_up", 0): "intermediate_size", ("mlp.w_down", 1): "intermediate_size"}
 
 
-def check_plan(cfg: Config, plan: Optional[Plan] = None, tp: int = 1) -> None:
-    """Raise ``ValueError`` (naming the config field) unless ``plan`` splits whole heads over
-    ``tp`` ranks, and a dense fused gate/up per half (style ``packed_colwise``)."""
-    plan = _default_plan(cfg) if plan is None else plan
-    shapes = {k: torch.empty(s.shape, device="meta") for k, s in hf_specs(cfg).items()}
-    for path, p in fmoe.tree.flatten(plan.resolve(fmoe.tree.unflatten(shapes))).items():
-        d = p.dim_of("tp")
+def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 1) -> Plan:
+    """The plan (``rules``: a Plan, user rules merged over :func:`plan` by key, or None for the
+    default), after checking that it splits whole heads over ``tp`` ranks and a dense fused
+    gate/up per half; ``ValueError`` naming the config field otherwise.
+
+    Example:
+        >>> check_plan(Config.tiny(), tp=8)
+        Traceback (most recent call last):
+        ValueError: check_plan: tp=8 does not divide num_key_value_heads=4 (layers.0.attn.wk is split over tp by rule 'layers.*.attn.w[qkv]')
+    """
+    pl = rules if isinstance(rules, Plan) else plan(cfg) if rules is None else plan(cfg).override(rules)
+    shapes = fmoe.tree.unflatten({k: torch.empty(s.shape, device="meta") for k, s in hf_specs(cfg).items()})
+    for path, p in fmoe.tree.flatten(pl.resolve(shapes)).items():
+        name, d, rule = path.split(".", 2)[-1], p.dim_of("tp"), (pl.match(path) or ("<default>",))[0]
         if d is None or tp == 1:
             continue
-        name = path.split(".", 2)[2] if path.startswith("layers.") else path
-        rule = (plan.match(path) or ("<default>",))[0]
         if name == "mlp.w_gate_up" and p.packed != 2:
             raise ValueError(f"check_plan: {path} is split over tp as {p!r} by rule {rule!r}; the fused "
                              "[gate | up] weight must be split per half (style 'packed_colwise')")
@@ -298,27 +304,21 @@ def check_plan(cfg: Config, plan: Optional[Plan] = None, tp: int = 1) -> None:
         if field and getattr(cfg, field) % tp:
             raise ValueError(f"check_plan: tp={tp} does not divide {field}={getattr(cfg, field)} "
                              f"({path} is split over tp by rule {rule!r})")
-
-
-def _resolve(cfg: Config, plan: Union[Plan, Mapping[str, Union[str, P]], None], tp: int) -> Plan:
-    if plan is None or not isinstance(plan, Plan):
-        plan = _default_plan(cfg) if plan is None else _default_plan(cfg).override(plan)
-    check_plan(cfg, plan, tp)
-    return plan
+    return pl
 
 
 def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping, None] = None) -> dict:
-    """Validate ``plan`` (a Plan, user rules merged over :func:`plan` by key, or None for the
-    default) against the config, then :func:`fmoe.shard` the full ``params``."""
-    return fmoe.shard(params, _resolve(cfg, plan, mesh.tp), mesh)
+    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first."""
+    return fmoe.shard(params, check_plan(cfg, plan, mesh.tp), mesh)
 
 
 def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
             plan: Union[Plan, Mapping, None] = None) -> tuple[dict, Config]:
-    """Load a Hugging Face checkpoint directory; with a mesh each rank reads only its slices.
+    """Load a Hugging Face checkpoint directory (``config.json`` + safetensors, one file or an
+    indexed set); with a mesh each rank reads only its own slices.
 
     Args:
-        path: directory with ``config.json`` and safetensors (single file or indexed shards).
+        path: the checkpoint directory.
         mesh: None for full tensors, else the :class:`fmoe.Mesh` to shard on.
         plan: a Plan, user rules merged over the default plan by key, or None (default plan).
     Returns:
@@ -327,17 +327,13 @@ def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
     Example:
         >>> # params, cfg = load_hf("Qwen3-30B-A3B", mesh=fmoe.Mesh(tp=2, ep=4))
     """
-    if mesh is not None:  # validate the plan against the config before any tensor is read
+    if mesh is not None:  # check the plan against the config before any tensor is read
         with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
-            plan = _resolve(Config.from_hf(json.load(f)), plan, mesh.tp)
+            plan = check_plan(Config.from_hf(json.load(f)), plan, mesh.tp)
     return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
 
 
 def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
-    """Write ``params`` (or a gradient tree) as a checkpoint that transformers' ``from_pretrained``
-    loads: per-expert keys, as ``save_pretrained`` writes them. Call on every rank.
-
-    Example:
-        >>> # save_hf(params, cfg, "out"); Qwen3MoeForCausalLM.from_pretrained("out")
-    """
+    """Write ``params`` (or a gradient tree) with the per-expert keys ``save_pretrained`` writes,
+    atomically; transformers' ``from_pretrained`` loads the result. Call on every rank."""
     ckpt.save_hf(sys.modules[__name__], params, cfg, path)
