@@ -123,3 +123,108 @@ class RandomRouter:
 
     def __repr__(self):
         return f"RandomRouter(seed={self.seed}, k={self.k})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing kit (tests/test_routing_parity.py): any router, extra params (expert_bias, shared
+# experts), per-batch router inputs, and the layer's global aux (losses, rates, load).
+
+SHARED_TP_RULES = {"shared.w_gate_up": "packed_colwise", "shared.w_down": "rowwise"}
+
+
+def shared_params(seed=0, d=D, i=4, gate=True):
+    g = torch.Generator().manual_seed(500 + seed)
+    out = {"w_gate_up": torch.randn(2 * i, d, generator=g) / d ** 0.5,
+           "w_down": torch.randn(d, i, generator=g) / i ** 0.5}
+    if gate:
+        out["gate"] = torch.randn(1, d, generator=g)
+    return out
+
+
+def _tree_map(fn, tree, path=""):
+    if isinstance(tree, dict):
+        return {k: _tree_map(fn, v, f"{path}.{k}" if path else k) for k, v in tree.items()}
+    return fn(path, tree)
+
+
+def run_inputs(params, x, coef, router, mesh, impl, router_inputs=None):
+    """Forward + backward of loss = sum(y * coef) with router inputs; returns y, grad x, aux."""
+    x = x.clone().requires_grad_(True)
+    y, aux = fmoe.moe(params, x, router=router, mesh=mesh, impl=impl, router_inputs=router_inputs)
+    (y * coef).sum().backward()
+    return y.detach(), x.grad, aux
+
+
+def _global_reference(full, router, sizes, inputs):
+    """Per-batch single-process routing stats summed over all batches, then finished."""
+    from fmoe.load_stats import GlobalStat
+    from fmoe.routing import call
+    sums, finishes, load = {}, {}, None
+    for bb, n in enumerate(sizes):
+        xb, _ = batch(bb, n)
+        extra = {"expert_bias": full["expert_bias"]} if "expert_bias" in full else {}
+        r = call(router, xb @ full["router"].t(), {**(inputs(bb, n) if inputs else {}), **extra})
+        for key, st in r.aux.items():
+            if isinstance(st, GlobalStat):
+                finishes[key] = st.finish
+                acc = sums.setdefault(key, {})
+                for name, t in st.sums.items():
+                    acc[name] = acc[name] + t.detach() if name in acc else t.detach()
+        counts = torch.zeros(E, dtype=torch.int64)
+        for t, k in zip(*torch.nonzero(r.weights != 0, as_tuple=True)):
+            counts[int(r.expert_ids[t, k])] += 1
+        load = counts if load is None else load + counts
+    want = {key: finishes[key](s) for key, s in sums.items()}
+    want["load"] = load
+    want["imbalance"] = (load.max() * E / load.sum()).float() if load.sum() > 0 else torch.tensor(1.0)
+    return want
+
+
+def check_router_case(mesh, impl, router, sizes, name, extra=None, inputs=None, rules=None, seed=0):
+    """Distributed fmoe.moe vs single process for any router: outputs, gradients (x, router,
+    experts, shared experts), no gradient for expert_bias, and the layer's global aux entries
+    (every GlobalStat, load, imbalance) vs per-batch single-process routing summed over batches."""
+    full = {**full_params(seed), **(extra or {})}
+    leaves = _tree_map(lambda p, v: v.clone().requires_grad_(p != "expert_bias"), full)
+    sharded = fmoe.shard(leaves, Plan({"w_*": P("ep", None, None), **(rules or {})}, default=P()), mesh)
+    b = mesh.batch_index
+    x, coef = batch(b, sizes[b])
+    y, gx, aux = run_inputs(sharded, x, coef, router, mesh, impl, inputs(b, sizes[b]) if inputs else None)
+    grads = fmoe.gather(_tree_map(lambda p, v: v.grad, {k: v for k, v in sharded.items() if k != "expert_bias"}))
+    group_batches = sorted({r // mesh.tp for r in mesh.ranks("ep")})          # batch of rank r
+    ref = {}
+    for bb in group_batches:
+        p1 = _tree_map(lambda p, v: v.clone().requires_grad_(p != "expert_bias"), full)
+        xb, cb = batch(bb, sizes[bb])
+        yb, gxb, auxb = run_inputs(p1, xb, cb, router, None, "auto", inputs(bb, sizes[bb]) if inputs else None)
+        ref[bb] = (yb, gxb, _tree_map(lambda p, v: v.grad, {k: v for k, v in p1.items() if k != "expert_bias"}), auxb)
+    fails = []
+
+    def close(what, got, want):
+        scale = want.abs().max().item() if want.numel() else 0.0
+        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-5,
+                                                         atol=1e-5 * max(scale, 1e-3)):
+            err = (got - want).abs().max().item() if got.shape == want.shape else \
+                f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
+            fails.append(f"{what}: {err} (scale {scale})")
+
+    yb, gxb, gpb, auxb = ref[b]
+    close("y", y, yb)
+    close("grad x", gx, gxb)
+    close("grad router", grads["router"], gpb["router"])
+    for k in ("w_gate_up", "w_down"):
+        close(f"grad {k}", grads[k], sum(ref[bb][2][k] for bb in group_batches))
+    for k in (extra or {}).get("shared", {}):
+        close(f"grad shared.{k}", grads["shared"][k], gpb["shared"][k])
+    if "expert_bias" in sharded and sharded["expert_bias"].grad is not None:
+        fails.append("expert_bias received a gradient")
+    if not torch.equal(aux["tokens_per_expert"], auxb["tokens_per_expert"]):
+        fails.append("tokens_per_expert")
+    want = _global_reference(full, router, sizes, inputs)
+    for key, value in want.items():
+        if key not in aux:
+            fails.append(f"aux[{key!r}] missing")
+        else:
+            close(f"aux[{key!r}]", aux[key].detach(), value)
+    return [f"{name} {impl} tp={mesh.tp} ep={mesh.ep} dpr={mesh.dp_replicate} sizes={sizes} "
+            f"rank={mesh.rank}: {f}" for f in fails]
