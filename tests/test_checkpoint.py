@@ -163,6 +163,10 @@ def test_full_load_every_layout(dirs, layout):
     assert_trees_equal(params, expected_params(dirs["hf"]))
     one, _ = load_hf(toy, dirs[layout], mesh=fmoe.Mesh())   # a one-process mesh: same plain tensors
     assert_trees_equal(one, params)
+    with Checkpoint(dirs[layout]) as ck:                    # a bad plan fails before anything is read
+        with pytest.raises(ValueError, match="'nope' matches no parameter"):
+            load_hf(toy, ck, mesh=fmoe.Mesh(), plan=Plan(PLAN).override({"nope": P()}))
+        assert ck.bytes_read == 0
     as64, _ = load_hf(toy, dirs[layout], dtype=torch.float64)
     assert as64["norm"].dtype == torch.float64 and torch.equal(as64["norm"], params["norm"].double())
 

@@ -43,7 +43,7 @@ from .. import tree as _tree
 from ..mesh import Mesh
 from ..placement import P
 from ..plan import Plan
-from ..sharding import _order_axes_like_mesh, from_local_slice, gather, shard
+from ..sharding import _order_axes_like_mesh, from_local_slice, gather
 from .atomic import atomic_directory, check_target
 from .safetensors_io import CONFIG, Checkpoint, write_checkpoint
 from .spec import Spec
@@ -174,16 +174,15 @@ def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optiona
         bound = {p: s.bind(ck) for p, s in flat.items()}
         for s in bound.values():
             _ = s.dtype                                    # parts of one parameter agree
-        if mesh is not None:
+        if mesh is not None:                               # validate the plan before reading
             plan = model.plan(cfg) if plan is None else plan
             plan = plan if isinstance(plan, Plan) else Plan(plan)
-        if mesh is None or mesh.dense is None:
-            params = _tree.map_with_path(lambda p, _: _cast(bound[p].read(), dtype), tree)
-            return (params if mesh is None else shard(params, plan, mesh)), cfg
-        shapes = _tree.map_with_path(lambda p, s: torch.empty(s.shape, device="meta"), tree)
-        placements = _tree.flatten(plan.resolve(shapes, mesh))
-        for p in placements.values():
-            _order_axes_like_mesh(p, mesh)
+            shapes = _tree.map_with_path(lambda p, s: torch.empty(s.shape, device="meta"), tree)
+            placements = _tree.flatten(plan.resolve(shapes, mesh))
+            for p in placements.values():
+                _order_axes_like_mesh(p, mesh)
+        if mesh is None or mesh.dense is None:             # one process: full tensors
+            return _tree.map_with_path(lambda p, _: _cast(bound[p].read(), dtype), tree), cfg
 
         def read(path: str, spec: Spec) -> torch.Tensor:
             p = placements[path]
