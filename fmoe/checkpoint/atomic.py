@@ -114,6 +114,9 @@ def atomic_directory(path: Union[str, os.PathLike]) -> Iterator[str]:
         path: the final directory (it may exist: it is replaced only on success).
     Returns:
         a context manager yielding the temporary directory to write into.
+
+    Example:
+        >>> # with atomic_directory("ckpt") as tmp: write_checkpoint(tmp, tensors, config)
     """
     path = check_target(path)
     parent, name = os.path.split(path)

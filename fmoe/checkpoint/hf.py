@@ -62,6 +62,10 @@ def hf_specs_of(model: Any, cfg: Any, keys: Optional[list[str]] = None) -> tuple
         keys: the checkpoint's keys (None when saving).
     Returns:
         the spec tree (parameter-tree structure) and its flat dotted-path view.
+
+    Example:
+        >>> # tree, flat = hf_specs_of(qwen3_moe, cfg, Checkpoint("ckpt").keys())
+        >>> # flat["layers.0.moe.w_down"].shape   # (E, D, I)
     """
     fn = getattr(model, "hf_specs", None)
     if not callable(fn):

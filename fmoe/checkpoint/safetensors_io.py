@@ -220,6 +220,9 @@ def write_checkpoint(directory: str, tensors: Mapping[str, torch.Tensor], config
         max_shard_size: largest file size in bytes (int or ``"50GB"``-style string).
     Returns:
         the names of the files written.
+
+    Example:
+        >>> # write_checkpoint(tmp, {"lm_head.weight": w}, cfg.to_hf())   # config.json, model.safetensors
     """
     limit = parse_size(max_shard_size)
     shards: list[list[str]] = [[]]
