@@ -12,6 +12,7 @@ Face checkpoint, ``--export-hf`` writes one at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -152,7 +153,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         full, cfg = model.load_hf(args.init_hf)
     else:
         cfg = getattr(model.Config, args.preset)()
+        if cfg.vocab_size < 256:                     # the corpus is byte tokens 0..255
+            cfg = dataclasses.replace(cfg, vocab_size=256)
         full = model.init(cfg, seed=args.seed)
+    if cfg.vocab_size < 256:
+        raise ValueError(f"--init-hf {args.init_hf!r}: vocab_size {cfg.vocab_size} < 256; the built-in "
+                         "corpus is byte-level and needs token ids 0..255")
     plan = data_parallel_plan(model.plan(cfg), full, mesh)
     packed = ckpt.packed_layout(plan, full)
     params = fmoe.shard(fmoe.tree.map_with_path(lambda _, t: t.detach().requires_grad_(True), full), plan, mesh)
