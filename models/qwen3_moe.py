@@ -215,8 +215,6 @@ def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c
 
 
 def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str) -> tuple[torch.Tensor, dict]:
-    if mesh is None and fmoe.placement_of(m["w_gate_up"]).dim_of("ep") is not None:
-        raise ValueError("forward: the experts are sharded over ep; pass the mesh (forward(..., mesh=mesh))")
     router = fmoe.routing.topk(cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
     y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=router, mesh=mesh, impl=impl)  # [T, D]
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
@@ -238,6 +236,9 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     """
     if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
         raise ValueError(f"forward: tokens must be a [B, S] tensor, got {getattr(tokens, 'shape', tokens)!r}")
+    if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
+                            for layer in params["layers"] if "moe" in layer):
+        raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
     inv_freq, scaling = nn.rope_frequencies(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling) or None,
                                             cfg.max_position_embeddings)
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]

@@ -74,6 +74,8 @@ def _rank_case(name: str, path: str, tp: int, ep: int, plan) -> dict:
         assert torch.equal(fmoe.to_local(a), fmoe.to_local(b)), f"{k}: sliced read differs from shard"
     params = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(), params)
     tokens = tokens_of(cfg, mesh.batch_index)
+    with pytest.raises(ValueError, match="mesh is None but the experts are sharded over ep"):
+        model.forward(params, tokens, cfg)   # raised before any communication
     logits, aux = model.forward(params, tokens, cfg, mesh, return_aux=True)
     nn.cross_entropy(logits[:, :-1], tokens[:, 1:]).backward()
     with torch.no_grad():
