@@ -101,7 +101,7 @@ class Config:
 
     @classmethod
     def small(cls) -> "Config":
-        """4 layers, D=256, 8 experts top-2: for examples and benchmarks (about 13M parameters)."""
+        """4 layers, D=256, 8 experts top-2: for examples and benchmarks (about 14M parameters)."""
         return cls(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024)
 

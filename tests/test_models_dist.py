@@ -13,7 +13,8 @@ reference, computed once in the test process, is the same model on each batch. C
   gradient reduce-scattered, so it gets the SUM over the fsdp batches; an expert gets the SUM over
   the distinct batches of its EP group (``ep / tp`` batches; see :mod:`fmoe.ep`).
 
-fp32 throughout; rtol 1e-5, with an atol of 1e-6 of each tensor's scale for entries that cancel
+In the 4-rank test ``save_hf`` of the sharded parameters must write back the very checkpoint they
+were loaded from. fp32 throughout; rtol 1e-5, with an atol of 1e-6 of each tensor's scale for entries that cancel
 to about zero (sums taken in another order across ranks).
 """
 
@@ -21,6 +22,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import fmoe
 import fmoe.nn as nn
@@ -62,8 +64,9 @@ def write_checkpoint(name: str, directory: str) -> str:
     return path
 
 
-def _rank_case(name: str, path: str, tp: int, ep: int, plan) -> dict:
-    """One configuration on this rank: load sharded, forward + backward, gather the gradients."""
+def _rank_case(name: str, path: str, tp: int, ep: int, plan, save_to=None) -> dict:
+    """One configuration on this rank: load sharded, forward + backward, gather the gradients
+    (and, with ``save_to``, save the sharded parameters back as a checkpoint)."""
     model, cfg = MODELS[name.split("-")[0]], CFGS[name]
     mesh = fmoe.Mesh(tp=tp, ep=ep)
     params, loaded_cfg = model.load_hf(path, mesh=mesh, plan=plan)
@@ -72,6 +75,8 @@ def _rank_case(name: str, path: str, tp: int, ep: int, plan) -> dict:
     for (k, a), (_, b) in zip(sorted(fmoe.tree.flatten(params).items()), sorted(fmoe.tree.flatten(want).items())):
         assert fmoe.placement_of(a) == fmoe.placement_of(b), k
         assert torch.equal(fmoe.to_local(a), fmoe.to_local(b)), f"{k}: sliced read differs from shard"
+    if save_to is not None:
+        model.save_hf(params, cfg, save_to)
     params = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(), params)
     tokens = tokens_of(cfg, mesh.batch_index)
     with pytest.raises(ValueError, match="mesh is None but the experts are sharded over ep"):
@@ -103,7 +108,7 @@ def reference(name: str, path: str, b: int):
 
 def check(cases: list, results: list) -> None:
     refs = {}
-    for i, (name, path, tp, ep, _) in enumerate(cases):
+    for i, (name, path, tp, ep, *_) in enumerate(cases):
         for rank, per_case in enumerate(results):
             r, what = per_case[i], f"{name} tp={tp} ep={ep} rank {rank}"
             for b in range(r["num_batches"]):
@@ -127,12 +132,16 @@ def check(cases: list, results: list) -> None:
 
 def test_four_ranks_tp2_ep4_user_override_gpt_oss_and_mixtral(tmp_path):
     paths = {n: write_checkpoint(n, str(tmp_path)) for n in ("qwen3_moe", "mixtral", "gpt_oss")}
-    cases = [("qwen3_moe", paths["qwen3_moe"], 2, 4, None),
+    saved = {n: str(tmp_path / f"saved-{n}") for n in paths}
+    cases = [("qwen3_moe", paths["qwen3_moe"], 2, 4, None, saved["qwen3_moe"]),
              ("qwen3_moe", paths["qwen3_moe"], 2, 4, OVERRIDE),
-             ("gpt_oss", paths["gpt_oss"], 2, 4, None),
-             ("mixtral", paths["mixtral"], 4, 4, None)]
+             ("gpt_oss", paths["gpt_oss"], 2, 4, None, saved["gpt_oss"]),
+             ("mixtral", paths["mixtral"], 4, 4, None, saved["mixtral"])]
     results = spawn(_ranks, 4, cases, timeout=600)
     check(cases, results)
+    for n, path in paths.items():  # save_hf of sharded params gathers them back into the same checkpoint
+        a, b = load_file(os.path.join(path, "model.safetensors")), load_file(os.path.join(saved[n], "model.safetensors"))
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), n
     placed = results[0][1]["placed"]
     assert placed["layers.1.attn.wq"] == P("tp", None, gather=True) and placed["layers.0.attn.wq"] == P("tp", None)
     assert placed["embed"] == P(None, "tp") and placed["layers.0.moe.router"] == P("fsdp", None)
