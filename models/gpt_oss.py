@@ -23,11 +23,6 @@ The checkpoint stores experts for ``x @ W``: ``gate_up_proj [E, D, 2I]`` with ga
 *interleaved* on the last dim (gate = ``[..., ::2]``) and ``down_proj [E, I, D]``; the specs
 de-interleave and transpose them (per-rank reads stay strided slices of the file). MXFP4
 quantized checkpoints (``*_blocks`` / ``*_scales`` keys) must be dequantized first.
-
-Example:
-    >>> cfg = Config.tiny()
-    >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
-    torch.Size([2, 5, 128])
 """
 
 from __future__ import annotations
@@ -134,10 +129,7 @@ class Config:
         """
         if hf.get("model_type", "gpt_oss") != "gpt_oss":
             raise ValueError(f"Config.from_hf: model_type must be 'gpt_oss', got {hf.get('model_type')!r}")
-        if "rope_parameters" in hf or "rope_scaling" in hf:
-            rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {"rope_type": "default"})
-        else:
-            rope = dict(_YARN)
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or _YARN)  # none given: gpt-oss's YaRN
         theta = rope.pop("rope_theta", hf.get("rope_theta", cls.rope_theta))
         kind = rope.get("rope_type", rope.get("type", "default"))
         kw = {f.name: hf[f.name] for f in fields(cls)
@@ -237,6 +229,11 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         return_aux: also return ``{"moe": [aux of each layer's fmoe.moe, in order]}``.
     Returns:
         logits ``[B, S, V]``, full on every rank; ``(logits, aux)`` with ``return_aux``.
+
+    Example:
+        >>> cfg = Config.tiny()
+        >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
+        torch.Size([2, 5, 128])
     """
     if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
         raise ValueError(f"forward: tokens must be a [B, S] tensor, got {getattr(tokens, 'shape', tokens)!r}")
@@ -303,7 +300,11 @@ def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 
 
 
 def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping, None] = None) -> dict:
-    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first."""
+    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first.
+
+    Example:
+        >>> # sharded = shard(init(cfg), cfg, fmoe.Mesh(tp=2, ep=4), {"layers.0.attn.wq": "colwise_gather"})
+    """
     return fmoe.shard(params, check_plan(cfg, plan, mesh.tp), mesh)
 
 
@@ -317,6 +318,9 @@ def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
         plan: a Plan, user rules merged over the default plan by key, or None (default plan).
     Returns:
         ``(params, cfg)``; with a mesh the params equal ``shard(full_params, cfg, mesh, plan)``.
+
+    Example:
+        >>> # params, cfg = load_hf("gpt-oss-20b-BF16", mesh=fmoe.Mesh(tp=2, ep=4))
     """
     if mesh is not None:  # check the plan against the config before any tensor is read
         with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
@@ -326,5 +330,9 @@ def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
 
 def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
     """Write ``params`` (or a gradient tree) in the layout ``save_pretrained`` writes
-    (interleaved, transposed ``gate_up_proj``); call on every rank."""
+    (interleaved, transposed ``gate_up_proj``); call on every rank.
+
+    Example:
+        >>> # save_hf(params, cfg, "out"); transformers.GptOssForCausalLM.from_pretrained("out")
+    """
     ckpt.save_hf(sys.modules[__name__], params, cfg, path)

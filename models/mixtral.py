@@ -17,11 +17,6 @@ Parameters (D hidden, H query heads, G KV heads, hd head dim, E experts, I exper
 Parallelism lives in :func:`plan`; :func:`forward` runs unchanged on one process or many and
 returns the full logits on every rank. ``router_jitter_noise`` (training-time noise on the
 router input) is not applied: forward is deterministic.
-
-Example:
-    >>> cfg = Config.tiny()
-    >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
-    torch.Size([2, 5, 128])
 """
 
 from __future__ import annotations
@@ -213,6 +208,11 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         return_aux: also return ``{"moe": [aux of each layer's fmoe.moe, in order]}``.
     Returns:
         logits ``[B, S, V]``, full on every rank; ``(logits, aux)`` with ``return_aux``.
+
+    Example:
+        >>> cfg = Config.tiny()
+        >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
+        torch.Size([2, 5, 128])
     """
     if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
         raise ValueError(f"forward: tokens must be a [B, S] tensor, got {getattr(tokens, 'shape', tokens)!r}")
@@ -275,7 +275,11 @@ def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 
 
 
 def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping, None] = None) -> dict:
-    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first."""
+    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first.
+
+    Example:
+        >>> # sharded = shard(init(cfg), cfg, fmoe.Mesh(tp=2, ep=4), {"layers.0.attn.wq": "colwise_gather"})
+    """
     return fmoe.shard(params, check_plan(cfg, plan, mesh.tp), mesh)
 
 
@@ -289,6 +293,9 @@ def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
         plan: a Plan, user rules merged over the default plan by key, or None (default plan).
     Returns:
         ``(params, cfg)``; with a mesh the params equal ``shard(full_params, cfg, mesh, plan)``.
+
+    Example:
+        >>> # params, cfg = load_hf("Mixtral-8x7B-v0.1", mesh=fmoe.Mesh(tp=2, ep=4))
     """
     if mesh is not None:  # check the plan against the config before any tensor is read
         with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
@@ -298,5 +305,9 @@ def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
 
 def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
     """Write ``params`` (or a gradient tree) in the hub layout ``save_pretrained`` writes
-    (per-expert ``block_sparse_moe`` keys); call on every rank."""
+    (per-expert ``block_sparse_moe`` keys); call on every rank.
+
+    Example:
+        >>> # save_hf(params, cfg, "out"); transformers.MixtralForCausalLM.from_pretrained("out")
+    """
     ckpt.save_hf(sys.modules[__name__], params, cfg, path)

@@ -21,11 +21,6 @@ experts, I expert hidden, V vocab)::
 Parallelism lives in :func:`plan` (dense tensor parallelism as in ``llama``, experts on
 ``P("ep", None, None)``); :func:`forward` only calls layer functions and ``fmoe.moe``, so it
 runs unchanged on one process or many and returns the full logits on every rank.
-
-Example:
-    >>> cfg = Config.tiny()
-    >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
-    torch.Size([2, 5, 128])
 """
 
 from __future__ import annotations
@@ -233,6 +228,11 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         return_aux: also return ``{"moe": [aux of each MoE layer, in order]}``.
     Returns:
         logits ``[B, S, V]``, full on every rank; ``(logits, aux)`` with ``return_aux``.
+
+    Example:
+        >>> cfg = Config.tiny()
+        >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
+        torch.Size([2, 5, 128])
     """
     if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
         raise ValueError(f"forward: tokens must be a [B, S] tensor, got {getattr(tokens, 'shape', tokens)!r}")
@@ -309,7 +309,11 @@ def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 
 
 
 def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping, None] = None) -> dict:
-    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first."""
+    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first.
+
+    Example:
+        >>> # sharded = shard(init(cfg), cfg, fmoe.Mesh(tp=2, ep=4), {"layers.0.attn.wq": "colwise_gather"})
+    """
     return fmoe.shard(params, check_plan(cfg, plan, mesh.tp), mesh)
 
 
@@ -336,5 +340,9 @@ def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
 
 def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
     """Write ``params`` (or a gradient tree) with the per-expert keys ``save_pretrained`` writes,
-    atomically; transformers' ``from_pretrained`` loads the result. Call on every rank."""
+    atomically; transformers' ``from_pretrained`` loads the result. Call on every rank.
+
+    Example:
+        >>> # save_hf(params, cfg, "out"); transformers.Qwen3MoeForCausalLM.from_pretrained("out")
+    """
     ckpt.save_hf(sys.modules[__name__], params, cfg, path)
