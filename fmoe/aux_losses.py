@@ -113,9 +113,10 @@ def seq_balance_loss(probs: torch.Tensor, expert_ids: torch.Tensor, seq_ids: tor
     K = expert_ids.shape[1]
     if (not isinstance(seq_ids, torch.Tensor) or seq_ids.shape != (T,)
             or seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool):
-        got = f"{tuple(seq_ids.shape)} {seq_ids.dtype}" if isinstance(seq_ids, torch.Tensor) else type(seq_ids).__name__
+        got = (f"{tuple(seq_ids.shape)} {seq_ids.dtype}" if isinstance(seq_ids, torch.Tensor)
+               else type(seq_ids).__name__)
         raise ValueError(f"seq_balance_loss: seq_ids must be a [T={T}] integer tensor, got {got}")
-    _, seq = torch.unique(seq_ids, return_inverse=True)                          # [T] in [0, S)
+    _, seq = torch.unique(seq_ids.to(probs.device), return_inverse=True)                          # [T] in [0, S)
     S = int(seq.max()) + 1 if T else 0
     count = torch.zeros(S, E, device=probs.device)                               # [S, E]
     count.index_put_((seq.unsqueeze(1).expand(T, K).reshape(-1), expert_ids.reshape(-1)),

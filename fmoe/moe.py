@@ -71,7 +71,8 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
     I = gu.shape[1] // 2
     if tuple(dn.shape) != (E, D, I):
         raise ValueError(f"moe: w_down must be [E={E}, D={D}, I={I}], got shape {tuple(dn.shape)}")
-    for key, shape in (("router_bias", (E,)), ("expert_bias", (E,)), ("b_gate_up", (E, 2 * I)), ("b_down", (E, D))):
+    shapes = (("router_bias", (E,)), ("expert_bias", (E,)), ("b_gate_up", (E, 2 * I)), ("b_down", (E, D)))
+    for key, shape in shapes:
         if key in params and tuple(params[key].shape) != shape:
             raise ValueError(f"moe: {key} must have shape {shape}, got {tuple(params[key].shape)}")
     if not isinstance(x, torch.Tensor) or x.ndim != 2:
@@ -193,8 +194,9 @@ def moe(
     if not callable(router):
         raise TypeError(f"moe: router must be callable (e.g. fmoe.routing.topk(2)), got {router!r}")
     inputs = _router_inputs(params, router_inputs)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(
-        isinstance(v, torch.Tensor) and v.requires_grad for k, v in params.items() if k != "expert_bias"))
+    trained = [v for k, v in params.items() if k not in ("expert_bias", "shared")]
+    trained += list(params.get("shared", {}).values())
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(v.requires_grad for v in trained))
     name = _choose(impl, mesh, needs_grad)
     router_w = materialize(params["router"], keep=())
     logits = x @ router_w.t()                                                    # [T, E]

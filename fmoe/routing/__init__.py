@@ -29,7 +29,7 @@ The built-in schemes:
 ==========================  ===========================================================
 
 Aux losses (load balancing, sequence balance, z-loss) wrap any router:
-:func:`fmoe.aux_losses.with_losses`. Shared experts are params, not a router
+:func:`with_losses` (from :mod:`fmoe.aux_losses`). Shared experts are params, not a router
 (:mod:`fmoe.shared_experts`).
 
 Example:
@@ -45,6 +45,8 @@ from .core import Router, Routing, call, validate
 from .fixed import balanced, hash_router, random_topk, token_hash
 from .topk import group_mask, group_topk, topk, topk_softmax
 
+from ..aux_losses import with_losses  # noqa: E402  (aux_losses builds on .core, loaded above)
+
 __all__ = ["Routing", "Router", "validate", "call", "topk", "topk_softmax", "group_topk", "group_mask",
            "sigmoid_topk", "update_bias", "switch", "expert_choice", "capacity", "hash_router",
-           "token_hash", "balanced", "random_topk"]
+           "token_hash", "balanced", "random_topk", "with_losses"]

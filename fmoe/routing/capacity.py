@@ -84,7 +84,7 @@ def switch(capacity_factor: float = 1.25, k: int = 1, normalize: bool = False) -
         slot_major = F.one_hot(ids.t().reshape(-1), E)                            # [K*T, E]
         position = (slot_major.cumsum(0) * slot_major).sum(-1) - 1                # [K*T]
         keep = (position < C).reshape(k, T).t()                                   # [T, K]
-        weights = torch.where(keep, weights, torch.zeros((), dtype=weights.dtype))
+        weights = torch.where(keep, weights, 0.0)
         dropped = (~keep).sum().float()
         return Routing(weights, ids, {"drop_rate": _rate(dropped, probs.new_tensor(float(T * k)))})
 
@@ -126,7 +126,7 @@ def expert_choice(capacity_factor: float = 1.0, k: int = 1, max_experts: Optiona
         ids = rank_key.topk(K, dim=-1).indices                                    # [T, K]
         used = chosen.gather(1, ids)                                              # [T, K]
         ids = torch.where(used, ids, ids[:, :1])                                  # spare -> slot 0
-        weights = torch.where(used, scores.gather(1, ids), torch.zeros((), dtype=scores.dtype))
+        weights = torch.where(used, scores.gather(1, ids), 0.0)
         unrouted = (~chosen.any(-1)).sum().float()
         return Routing(weights, ids, {"drop_rate": _rate(unrouted, scores.new_tensor(float(T)))})
 
