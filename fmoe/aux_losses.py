@@ -20,24 +20,25 @@ share. **Summed over the data-parallel batches** (one rank per batch; the ranks 
 tensor-parallel group hold identical copies) these router gradients equal the single-process
 gradient of the union.
 
+**Convention: every aux entry whose name ends in ``_loss`` is a term of the training loss**,
+already weighted by its coefficient (so a hand-written router can add ``aux["my_loss"]`` and
+every trainer picks it up). :func:`with_losses` writes ``load_balance_loss``,
+``seq_balance_loss`` and ``z_loss``; :func:`total` sums the ``*_loss`` entries of all layers.
+
 **What the trainer does.** ``fmoe.train.grads.reduce_grads`` sums gradients over the batches
 and divides by their number ``N = mesh.num_batches`` (the per-batch mean that makes the LM loss
 — a mean over each rank's batch — match one process). That division would shrink the aux loss
 gradient ``N`` times, so each rank backpropagates::
 
-    loss = lm_loss + mesh.num_batches * sum_layers aux["aux_loss"]
+    loss = lm_loss + mesh.num_batches * fmoe.aux_losses.total(aux_per_layer)
 
-(with a trainer that only sums, no factor: use ``lm_loss / N + aux_loss``). In one process
-``N = 1``.
-
-Losses are added to any router with :func:`with_losses`; the raw values land in
-``aux["load_balance_loss"]``, ``aux["seq_balance_loss"]``, ``aux["z_loss"]`` and the weighted
-sum in ``aux["aux_loss"]``. The functions can also be called inside a hand-written router.
+(a trainer that only sums gradients uses ``lm_loss / N + total``). In one process ``N = 1``.
+The functions below return unweighted GlobalStats for use inside any router.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -45,7 +46,7 @@ from .load_stats import GlobalStat, weighted_sum
 from .routing.core import Router, Routing, call
 
 __all__ = ["load_balance_loss", "seq_balance_loss", "z_loss", "softmax_probs", "normalized_sigmoid",
-           "with_losses"]
+           "with_losses", "total"]
 
 
 def softmax_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -143,8 +144,7 @@ def z_loss(logits: torch.Tensor) -> GlobalStat:
 def with_losses(router: Router, *, load_balance: Optional[float] = None, seq_balance: Optional[float] = None,
                 z: Optional[float] = None, seq_len: Optional[int] = None,
                 probs: Callable[[torch.Tensor], torch.Tensor] = softmax_probs) -> Router:
-    """Add aux losses to any router. A coefficient of None (default) skips that loss; any
-    number (0.0 included: monitor only) computes it and weights it into ``aux["aux_loss"]``.
+    """Add weighted aux losses to any router (a coefficient of None skips that loss).
 
     Args:
         router: the router to wrap (it receives every input except ``seq_ids``).
@@ -156,13 +156,13 @@ def with_losses(router: Router, *, load_balance: Optional[float] = None, seq_bal
         probs: ``probs(logits) -> [T, E]`` used by the balance losses (default softmax; use
             :func:`normalized_sigmoid` with ``fmoe.routing.sigmoid_topk``).
     Returns:
-        ``router(logits, **inputs)`` adding ``*_loss`` entries and ``aux_loss`` to aux.
+        ``router(logits, **inputs)`` adding ``coefficient * loss`` as ``aux["<name>_loss"]``.
 
     Example:
         >>> import fmoe
-        >>> r = with_losses(fmoe.routing.topk(1), load_balance=0.01)(torch.zeros(2, 2))
+        >>> r = with_losses(fmoe.routing.topk(1), load_balance=0.01, z=1e-3)(torch.zeros(2, 2))
         >>> sorted(r.aux)
-        ['aux_loss', 'load_balance_loss']
+        ['load_balance_loss', 'z_loss']
     """
     coefs = {"load_balance": load_balance, "seq_balance": seq_balance, "z": z}
     for name, c in coefs.items():
@@ -179,12 +179,10 @@ def with_losses(router: Router, *, load_balance: Optional[float] = None, seq_bal
         if not isinstance(routing, Routing):
             routing = Routing(*routing)
         aux = dict(routing.aux)
-        terms = []
         if load_balance is not None or seq_balance is not None:
             p = probs(logits)
         if load_balance is not None:
-            aux["load_balance_loss"] = load_balance_loss(p, routing.expert_ids)
-            terms.append((load_balance, aux["load_balance_loss"]))
+            aux["load_balance_loss"] = weighted_sum([(load_balance, load_balance_loss(p, routing.expert_ids))])
         if seq_balance is not None:
             T = logits.shape[0]
             if seq_ids is None:
@@ -195,14 +193,33 @@ def with_losses(router: Router, *, load_balance: Optional[float] = None, seq_bal
                     raise ValueError(f"with_losses: T={T} tokens is not a whole number of "
                                      f"sequences of seq_len={seq_len}")
                 seq_ids = torch.arange(T, device=logits.device) // seq_len
-            aux["seq_balance_loss"] = seq_balance_loss(p, routing.expert_ids, seq_ids)
-            terms.append((seq_balance, aux["seq_balance_loss"]))
+            aux["seq_balance_loss"] = weighted_sum([(seq_balance, seq_balance_loss(p, routing.expert_ids, seq_ids))])
         if z is not None:
-            aux["z_loss"] = z_loss(logits)
-            terms.append((z, aux["z_loss"]))
-        if terms:
-            aux["aux_loss"] = weighted_sum(terms)
+            aux["z_loss"] = weighted_sum([(z, z_loss(logits))])
         return Routing(routing.weights, routing.expert_ids, aux)
 
     wrapped.__name__ = f"with_losses({getattr(router, '__name__', 'router')})"
     return wrapped
+
+
+def total(auxes: Sequence[Mapping[str, object]]) -> torch.Tensor:
+    """Sum of every ``*_loss`` entry (scalar tensor) of every layer's aux: the aux training loss.
+
+    Args:
+        auxes: one finalized aux dict per MoE layer (as returned by ``fmoe.moe``).
+    Returns:
+        a scalar tensor (0.0 when there is none).
+
+    Example:
+        >>> total([{"z_loss": torch.tensor(0.5), "load": torch.ones(4)}, {"z_loss": torch.tensor(0.25)}])
+        tensor(0.7500)
+    """
+    out = torch.zeros(())
+    for aux in auxes:
+        for key, v in aux.items():
+            if key.endswith("_loss"):
+                if not isinstance(v, torch.Tensor) or v.ndim != 0:
+                    raise ValueError(f"aux_losses.total: aux[{key!r}] must be a scalar tensor "
+                                     f"(finalized by fmoe.moe), got {type(v).__name__}")
+                out = out.to(v.device) + v
+    return out

@@ -9,7 +9,7 @@ import torch
 import fmoe
 from fmoe import aux_losses, load_stats, routing
 from fmoe.routing import Routing
-from moe_cases import D, E, I, batch, full_params, shared_params
+from moe_cases import D, E, batch, full_params, shared_params
 
 
 def L(*probs):
@@ -220,11 +220,11 @@ def test_aux_losses_match_their_definitions():
     seq = [4 * (torch.tensor(c) / 2.0 * p[rows].mean(0)).sum() for c, rows in
            (([1, 1, 0, 0], [0, 1]), ([1, 0, 1, 0], [2, 3]))]
     zl = (torch.logsumexp(logits, -1) ** 2).mean()
-    close(out["load_balance_loss"], lb)
-    close(out["seq_balance_loss"], (seq[0] + seq[1]) / 2)
-    close(out["z_loss"], zl)
-    close(out["aux_loss"], 0.1 * lb + 0.2 * (seq[0] + seq[1]) / 2 + 0.3 * zl)
-    g = torch.autograd.grad(out["aux_loss"], logits)[0]
+    close(out["load_balance_loss"], 0.1 * lb)                                # weighted terms
+    close(out["seq_balance_loss"], 0.2 * (seq[0] + seq[1]) / 2)
+    close(out["z_loss"], 0.3 * zl)
+    close(aux_losses.total([out, {"z_loss": torch.tensor(1.0)}]), 0.1 * lb + 0.2 * (seq[0] + seq[1]) / 2 + 0.3 * zl + 1)
+    g = torch.autograd.grad(aux_losses.total([out]), logits)[0]
     gw = torch.autograd.grad(0.1 * lb + 0.2 * (seq[0] + seq[1]) / 2 + 0.3 * zl, logits)[0]
     torch.testing.assert_close(g, gw, rtol=1e-5, atol=1e-7)
     # perfectly balanced uniform routing gives 1.0; seq_ids from router inputs group tokens freely
@@ -326,6 +326,8 @@ def test_update_bias_forms_and_layer_loop():
     (lambda: aux_losses.with_losses(routing.topk(1), seq_balance=1.0, seq_len=3)(torch.zeros(4, 4)), ValueError,
      "T=4 tokens is not a whole number of sequences of seq_len=3"),
     (lambda: aux_losses.with_losses(routing.topk(1), z="big"), TypeError, "z must be a number or None"),
+    (lambda: aux_losses.total([{"z_loss": aux_losses.z_loss(torch.zeros(2, 2))}]), ValueError,
+     r"aux\['z_loss'\] must be a scalar tensor \(finalized by fmoe.moe\), got GlobalStat"),
     (lambda: fmoe.moe(full_params(), torch.zeros(3, D), router=routing.hash_router()), ValueError,
      r"needs keyword input\(s\) \['token_ids'\]"),
     (lambda: fmoe.moe(full_params(), torch.zeros(3, D), router=routing.topk(2), router_inputs={"token_ids": 1}),
