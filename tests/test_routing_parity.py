@@ -76,6 +76,11 @@ def aux_union(mesh, name, router, sizes, extra, inputs):
     for key in ("load_balance_loss", "seq_balance_loss", "z_loss", "load", "imbalance"):
         close(key, aux[key].detach(), aux1[key].detach())
     close("summed router grad", g, p1["router"].grad)
+    if "expert_bias" in full:               # the bias update on a replicated DTensor bias
+        new = routing.update_bias(sharded, aux["load"], rate=0.1)["expert_bias"]
+        if fmoe.placement_of(new) != P() or not isinstance(new, type(sharded["expert_bias"])):
+            fails.append(f"updated bias placement {fmoe.placement_of(new)!r} / type {type(new).__name__}")
+        close("updated bias", fmoe.gather(new), routing.update_bias(full["expert_bias"], aux1["load"], 0.1))
     start = sum(sizes[:b])
     close("x grad", x.grad, xu.grad[start:start + sizes[b]])
     return [f"aux union {name} {mesh!r}: {f}" for f in fails]
