@@ -5,7 +5,8 @@ placements, :func:`shard` applies it on a :class:`Mesh`, and layer functions ins
 collectives those placements need. The public namespace is made of explicit re-exports.
 """
 
-from . import collectives, ep, experts, nn, regather, routing, testing, tree
+from . import routing  # noqa: I001  (first: aux_losses builds on it)
+from . import aux_losses, collectives, ep, experts, load_stats, nn, regather, shared_experts, testing, tree
 from .mesh import Mesh
 from .moe import moe
 from .placement import P
@@ -13,5 +14,5 @@ from .plan import STYLES, Plan
 from .sharding import gather, materialize, placement_of, shard, to_local
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "materialize",
-           "moe", "nn", "routing", "ep", "experts", "collectives", "testing", "tree"]
+           "moe", "nn", "routing", "aux_losses", "load_stats", "shared_experts", "regather", "ep", "experts", "collectives", "testing", "tree"]
 __version__ = "0.1.0"

@@ -74,6 +74,7 @@ class Config:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False  # True: each MoE layer adds coef * load-balance loss to aux
 
     @property
     def num_experts(self) -> int:
@@ -210,8 +211,14 @@ def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo"))  # [B, S, D]
 
 
+def _router(router, cfg: Config):
+    """With ``output_router_logits`` the router also returns the weighted Switch load-balance
+    loss over the global batch (``aux["load_balance_loss"]``; per layer, summed by trainers)."""
+    return fmoe.aux_losses.with_losses(router, load_balance=cfg.router_aux_loss_coef) if cfg.output_router_logits else router
+
+
 def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str) -> tuple[torch.Tensor, dict]:
-    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=fmoe.routing.topk_softmax(cfg.num_experts_per_tok),
+    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=_router(fmoe.routing.topk_softmax(cfg.num_experts_per_tok), cfg),
                       mesh=mesh, impl=impl, act=fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit))
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux  # [B, S, D]
 

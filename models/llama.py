@@ -27,13 +27,16 @@ Example:
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from einops import rearrange
 
 import fmoe
+import fmoe.checkpoint as ckpt
 import fmoe.nn as nn
 from fmoe import P, Plan
 
@@ -231,16 +234,20 @@ _TP_FIELDS = {("attn.wq", 0): "num_attention_heads", ("attn.bq", 0): "num_attent
               ("embed", 0): "vocab_size", ("lm_head", 0): "vocab_size"}
 
 
-def check_plan(cfg: Config, plan: Optional[Plan] = None, tp: int = 1) -> None:
-    """Raise ``ValueError`` (naming the config field) unless ``plan`` can shard this model
-    over ``tp`` ranks: tp divides the query heads and the KV heads of every head-split
-    projection, and each half of a split fused gate/up (which must be packed) divides by tp.
-    (Divisibility of whole dims by every mesh axis is checked again by :func:`fmoe.shard`.)
+def check_plan(cfg: Config, plan: Union[Plan, Mapping[str, Union[str, P]], None] = None, tp: int = 1) -> Plan:
+    """The plan to use (``plan``: a Plan, user rules merged over :func:`plan` by key, or None
+    for the default), after checking that it can shard this model over ``tp`` ranks: tp divides
+    the query heads and the KV heads of every head-split projection, and each half of a split
+    fused gate/up (which must be packed) divides by tp; ``ValueError`` naming the config field
+    otherwise. (Divisibility of whole dims by every mesh axis is checked again by
+    :func:`fmoe.shard`.)
 
     Args:
         cfg: the config.
-        plan: the plan to check (default: :func:`plan`).
+        plan: the plan or user rules (default: :func:`plan`).
         tp: tensor-parallel size.
+    Returns:
+        the checked Plan.
 
     Example:
         >>> check_plan(Config.tiny(), tp=4)
@@ -249,7 +256,8 @@ def check_plan(cfg: Config, plan: Optional[Plan] = None, tp: int = 1) -> None:
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"check_plan: tp must be an int >= 1, got {tp!r}")
-    plan = _default_plan(cfg) if plan is None else plan
+    if not isinstance(plan, Plan):
+        plan = _default_plan(cfg) if plan is None else _default_plan(cfg).override(plan)
     shapes = {k: torch.empty(s, device="meta") for k, (s, _) in _layout(cfg).items()}
     placements = fmoe.tree.flatten(plan.resolve(fmoe.tree.unflatten(shapes)))
     problems: dict[str, str] = {}  # config field -> first offending parameter
@@ -269,6 +277,7 @@ def check_plan(cfg: Config, plan: Optional[Plan] = None, tp: int = 1) -> None:
     if problems:
         order = list(dict.fromkeys(_TP_FIELDS.values()))
         raise ValueError("check_plan: " + "; ".join(problems[f] for f in order if f in problems))
+    return plan
 
 
 def shard(params: dict, cfg: Config, mesh: fmoe.Mesh,
@@ -284,10 +293,7 @@ def shard(params: dict, cfg: Config, mesh: fmoe.Mesh,
     Returns:
         the sharded tree (DTensor leaves on a multi-rank mesh).
     """
-    if plan is None or not isinstance(plan, Plan):
-        plan = _default_plan(cfg) if plan is None else _default_plan(cfg).override(plan)
-    check_plan(cfg, plan, mesh.tp)
-    return fmoe.shard(params, plan, mesh)
+    return fmoe.shard(params, check_plan(cfg, plan, mesh.tp), mesh)
 
 
 _HF_LAYER = {"attn_norm": ["input_layernorm.weight"], "mlp_norm": ["post_attention_layernorm.weight"],
@@ -318,3 +324,42 @@ def hf_names(cfg: Config) -> dict[str, list[str]]:
         else:
             out[path] = list(_HF_TOP[path])
     return out
+
+
+HF_IGNORE = ("**.rotary_emb.inv_freq",)
+
+
+def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, ckpt.Spec]:
+    """Every parameter path -> how it is read from a checkpoint (:func:`hf_names` as specs:
+    one key, or the dim-0 concatenation of several).
+
+    Example:
+        >>> hf_specs(Config.tiny())["layers.0.mlp.w_gate_up"].shape
+        (192, 64)
+    """
+    layout, names = _layout(cfg), hf_names(cfg)
+    out = {}
+    for path, (shape, _) in layout.items():
+        ks = names[path]
+        if len(ks) == 1:
+            out[path] = ckpt.Key(ks[0], shape)
+        else:
+            part = (shape[0] // len(ks),) + tuple(shape[1:])
+            out[path] = ckpt.Cat([ckpt.Key(k, part) for k in ks], dim=0)
+    return out
+
+
+def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
+            plan: Union[Plan, Mapping, None] = None) -> tuple[dict, Config]:
+    """Load a Hugging Face Llama checkpoint directory; with a mesh each rank reads only its
+    slices (``plan``: a Plan, user rules merged over :func:`plan`, or None).
+
+    Example:
+        >>> # params, cfg = load_hf("llama-dir", mesh=fmoe.Mesh(tp=2))
+    """
+    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
+
+
+def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
+    """Write ``params`` (or a gradient tree) in the layout ``save_pretrained`` writes, atomically."""
+    ckpt.save_hf(sys.modules[__name__], params, cfg, path)

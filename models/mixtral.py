@@ -60,6 +60,7 @@ class Config:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False  # True: each MoE layer adds coef * load-balance loss to aux
 
     @property
     def num_experts(self) -> int:
@@ -189,9 +190,15 @@ def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"])  # [B, S, D]
 
 
+def _router(router, cfg: Config):
+    """With ``output_router_logits`` the router also returns the weighted Switch load-balance
+    loss over the global batch (``aux["load_balance_loss"]``; per layer, summed by trainers)."""
+    return fmoe.aux_losses.with_losses(router, load_balance=cfg.router_aux_loss_coef) if cfg.output_router_logits else router
+
+
 def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str) -> tuple[torch.Tensor, dict]:
     router = fmoe.routing.topk(cfg.num_experts_per_tok, normalize=True)
-    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=router, mesh=mesh, impl=impl)  # [T, D]
+    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=_router(router, cfg), mesh=mesh, impl=impl)  # [T, D]
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
 
 

@@ -83,9 +83,12 @@ def compare(results, name):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(rl), rtol=1e-5, atol=0, msg=f"{kw} losses")
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(rn), rtol=1e-4, atol=0, msg=f"{kw} grad norms")
         for k in rp:
-            # Adam divides by sqrt(v): float noise of ~1e-7 in tiny gradients moves a parameter
-            # by at most a small fraction of lr, hence the absolute tolerance of lr/100
-            torch.testing.assert_close(params[k], rp[k], rtol=1e-5, atol=3e-5, msg=f"{kw} {k}")
+            # Adam divides by sqrt(v): float noise (~1e-7) in a gradient element that is itself
+            # ~1e-7 can move that parameter by up to ~lr per step. So: almost every element to
+            # 1e-5 (a hundredth of lr), and none further than lr/10 (3e-4).
+            diff = (params[k] - rp[k]).abs()
+            assert diff.max() <= 3e-4, (kw, k, diff.max().item())
+            assert (diff > 1e-5).float().mean() <= 1e-3, (kw, k, (diff > 1e-5).sum().item(), diff.numel())
 
 
 def test_llama_training_matches_single_process_on_four_ranks():

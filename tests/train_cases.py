@@ -18,9 +18,15 @@ def corpus():
     return Corpus.stdlib(max_bytes=200_000)
 
 
-def model_and_cfg(name):
+def model_and_cfg(name, tp=8):
+    """The model and the config the CLI uses for ``--preset tiny`` (valid up to tp=8)."""
+    import dataclasses
+
+    from fmoe.train.cli import _preset
     model = importlib.import_module(f"fmoe.models.{name}")
-    cfg = model.Config.tiny()
+    cfg = _preset(model, "tiny", tp)
+    if hasattr(cfg, "output_router_logits"):       # train with the global load-balance loss on
+        cfg = dataclasses.replace(cfg, output_router_logits=True, router_aux_loss_coef=0.05)
     return model, cfg
 
 
@@ -47,6 +53,7 @@ def train(name, mesh, steps=STEPS, num_batches=None):
             batch = data.batch(step, mesh.batch_index, B, S, seed=0)
         params, state, m = train_step(model, cfg, params, state, batch, mesh=mesh_, step_cfg=STEP_CFG,
                                       lr=lr_at(step, LR, 1, steps))
-        losses.append(m["loss"])
+        losses.append(m["loss"] + m.get("load_balance_loss", 0.0))
         norms.append(m["grad_norm"])
     return losses, norms, {k: v.detach() for k, v in fmoe.tree.flatten(fmoe.gather(params)).items()}
+

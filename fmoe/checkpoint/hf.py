@@ -179,8 +179,10 @@ def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optiona
         for s in bound.values():
             _ = s.dtype                                    # parts of one parameter agree
         if mesh is not None:                               # validate the plan before reading
+            if hasattr(model, "check_plan"):               # user rules merge over the default plan
+                plan = model.check_plan(cfg, plan, mesh.tp)
             plan = model.plan(cfg) if plan is None else plan
-            plan = plan if isinstance(plan, Plan) else Plan(plan)
+            plan = plan if isinstance(plan, Plan) else model.plan(cfg).override(plan)
             shapes = _tree.map_with_path(lambda p, s: torch.empty(s.shape, device="meta"), tree)
             placements = _tree.flatten(plan.resolve(shapes, mesh))
             for p in placements.values():

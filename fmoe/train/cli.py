@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=_nonneg("--warmup"), default=5)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--clip", type=_positive_float("--clip"), default=1.0)
-    ap.add_argument("--aux-weight", type=float, default=0.0, help="weight of router aux losses")
+    ap.add_argument("--aux-weight", type=float, default=0.01,
+                    help="coefficient of the per-layer load-balance loss of MoE models (0: off)")
     ap.add_argument("--impl", default="auto", help="MoE dispatch implementation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/fmoe")
@@ -107,6 +108,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--resume {args.resume!r} does not exist")
     if args.init_hf and not os.path.isdir(args.init_hf):
         ap.error(f"--init-hf {args.init_hf!r} is not a directory")
+    if args.aux_weight < 0:
+        ap.error(f"--aux-weight must be >= 0, got {args.aux_weight}")
+    if args.impl != "auto":
+        import fmoe.ep
+        if args.impl not in fmoe.ep.registered():
+            ap.error(f"--impl {args.impl!r} is not a registered MoE implementation; choose from "
+                     f"{['auto'] + fmoe.ep.registered()}")
     if args.resume and args.init_hf:
         ap.error("--resume and --init-hf are exclusive")
     args.ep = ep
@@ -136,6 +144,20 @@ class _Progress:
         sys.stderr.flush()
 
 
+def _preset(model, name: str, tp: int):
+    """The model's preset config, widened where a toy preset cannot serve this job: at least
+    256 vocabulary entries (byte tokens) and, when ``tp`` does not divide the KV heads but
+    divides the query heads, as many KV heads as ``tp`` (so every mesh in the README runs)."""
+    cfg = getattr(model.Config, name)()
+    changes = {}
+    if cfg.vocab_size < 256:
+        changes["vocab_size"] = 256
+    kv, heads = getattr(cfg, "num_key_value_heads", None), getattr(cfg, "num_attention_heads", None)
+    if kv is not None and kv % tp and heads % tp == 0:
+        changes["num_key_value_heads"] = tp
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
 def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     """Train on this rank (process group already initialised when ``world > 1``)."""
     import torch
@@ -152,14 +174,16 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     if args.init_hf:
         full, cfg = model.load_hf(args.init_hf)
     else:
-        cfg = getattr(model.Config, args.preset)()
-        if cfg.vocab_size < 256:                     # the corpus is byte tokens 0..255
-            cfg = dataclasses.replace(cfg, vocab_size=256)
+        cfg = _preset(model, args.preset, args.tp)
         full = model.init(cfg, seed=args.seed)
     if cfg.vocab_size < 256:
         raise ValueError(f"--init-hf {args.init_hf!r}: vocab_size {cfg.vocab_size} < 256; the built-in "
                          "corpus is byte-level and needs token ids 0..255")
-    plan = data_parallel_plan(model.plan(cfg), full, mesh)
+    if hasattr(cfg, "output_router_logits"):
+        cfg = dataclasses.replace(cfg, output_router_logits=args.aux_weight > 0,
+                                  router_aux_loss_coef=args.aux_weight)
+    model_plan = model.check_plan(cfg, None, mesh.tp) if hasattr(model, "check_plan") else model.plan(cfg)
+    plan = data_parallel_plan(model_plan, full, mesh)
     packed = ckpt.packed_layout(plan, full)
     params = fmoe.shard(fmoe.tree.map_with_path(lambda _, t: t.detach().requires_grad_(True), full), plan, mesh)
     del full
@@ -172,7 +196,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         meta = ckpt.load(path, params, opt_state, packed)
         start = meta["step"]
     step_cfg = StepConfig(opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
-                          aux_weight=args.aux_weight, impl=args.impl)
+                          impl=args.impl)
     corpus = Corpus.stdlib()
     rank0 = rank == 0
     if rank0:

@@ -115,8 +115,9 @@ def adamw_update(params: Any, grads: Any, state: dict, cfg: AdamWConfig, lr: flo
 
     Args:
         params: parameter tree.
-        grads: gradient tree (same structure and placements; already reduced over
-            data-parallel ranks).
+        grads: gradients (same structure and placements, or a flat ``{path: grad}`` dict;
+            already reduced over data-parallel ranks); leaves that do not require grad may be
+            absent and are then left unchanged.
         state: from :func:`adamw_init` (or a previous update).
         cfg: hyper-parameters.
         lr: learning rate for this step.
@@ -132,12 +133,15 @@ def adamw_update(params: Any, grads: Any, state: dict, cfg: AdamWConfig, lr: flo
     bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
     flat_p, flat_g = _tree.flatten(params), _tree.flatten(grads)
     flat_m, flat_v = _tree.flatten(state["m"]), _tree.flatten(state["v"])
-    missing = sorted(set(flat_p) - set(flat_g))
+    missing = sorted(k for k in set(flat_p) - set(flat_g) if flat_p[k].requires_grad)
     if missing:
-        raise ValueError(f"adamw_update: no gradient for {missing[:5]}")
+        raise ValueError(f"adamw_update: no gradient for {missing[:5]} (frozen leaves must not require grad)")
     new_p, new_m, new_v = {}, {}, {}
     with torch.no_grad():
         for path, p in flat_p.items():
+            if path not in flat_g:                   # frozen (e.g. expert_bias): left as it is
+                new_p[path], new_m[path], new_v[path] = p, flat_m[path], flat_v[path]
+                continue
             g = _local(flat_g[path]) * scale.to(_local(flat_g[path]).dtype)
             m = _local(flat_m[path]) * b1 + g * (1 - b1)
             v = _local(flat_v[path]) * b2 + g.square() * (1 - b2)

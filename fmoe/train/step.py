@@ -1,9 +1,16 @@
 """One training step as a pure function: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
 Per rank: forward on this rank's batch (TP ranks share one), mean cross-entropy over its tokens
-plus the weighted router aux losses, gradients by autograd, data-parallel reduction to the
-per-batch mean (:mod:`fmoe.train.grads`), AdamW with global-norm clipping
-(:mod:`fmoe.train.optim`). The result equals one process training on the union of all batches.
+plus the router aux losses, gradients by autograd, data-parallel reduction to the per-batch mean
+(:mod:`fmoe.train.grads`), AdamW with global-norm clipping (:mod:`fmoe.train.optim`), then the
+aux-loss-free bias update (``expert_bias`` leaves, moved against the global load). The result
+equals one process training on the union of all batches.
+
+Aux losses (every ``*_loss`` entry of a MoE layer's aux, already weighted and computed on global
+statistics by ``fmoe.moe``) enter as ``mesh.num_batches * total``: the gradient reduction divides
+by the number of batches, which is right for the per-batch-mean LM loss but would shrink the
+global aux loss (see :mod:`fmoe.aux_losses`). Leaves that do not require grad (``expert_bias``)
+get no gradient and no optimizer update.
 
 Token accounting counts each batch once, whatever ``tp`` is: a step processes
 ``batch * seq * dp_replicate * fsdp`` tokens.
@@ -35,13 +42,13 @@ class StepConfig:
 
     Attributes:
         opt: AdamW hyper-parameters.
-        aux_weight: weight of the router aux losses (sum over layers) in the loss.
         impl: MoE dispatch implementation passed to the model.
+        bias_rate: step of the aux-loss-free ``expert_bias`` update after each step (0: off).
     """
 
     opt: AdamWConfig = AdamWConfig()
-    aux_weight: float = 0.0
     impl: str = "auto"
+    bias_rate: float = 1e-3
 
 
 def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh],
@@ -64,7 +71,7 @@ def _world_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _aux_terms(aux: dict) -> tuple[torch.Tensor, dict]:
+def _aux_terms(aux: dict) -> tuple[Optional[torch.Tensor], dict]:
     """Sum of every ``*_loss`` entry over layers, and per-name sums for metrics."""
     total, named = None, {}
     for layer in aux.get("moe", []):
@@ -73,6 +80,11 @@ def _aux_terms(aux: dict) -> tuple[torch.Tensor, dict]:
                 named[k] = named.get(k, 0.0) + v
                 total = v if total is None else total + v
     return total, named
+
+
+def _moe_paths(params: Any) -> list[str]:
+    """Dotted paths of the MoE param dicts, in forward order (``layers.3.moe``)."""
+    return [p[: -len(".router")] for p in _tree.paths(params) if p.endswith("moe.router")]
 
 
 def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[torch.Tensor, torch.Tensor],
@@ -91,7 +103,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     Returns:
         ``(params, opt_state, metrics)``; metrics are floats/lists equal on every rank:
         ``loss`` (mean over all batches), aux losses, ``grad_norm``, ``lr``, ``tokens``,
-        ``step_time``, ``tokens_per_s``, ``expert_load`` (tokens per expert per layer, all batches).
+        ``step_time``, ``tokens_per_s``, and per MoE layer ``expert_load`` (routed slots per
+        expert over all batches), ``load_imbalance`` (max/mean) and ``drop_rate`` if routed so.
 
     Example:
         >>> # params, opt_state, m = train_step(llama, cfg, params, opt_state, batch,
@@ -99,28 +112,35 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     """
     t0 = time.perf_counter()
     tokens, targets = batch
-    leaves = _tree.leaves(params)
+    flat = _tree.flatten(params)
+    train_paths = [p for p, t in flat.items() if t.requires_grad]
     with regather_in_backward():
         logits, aux = forward_with_aux(model, params, tokens, cfg, mesh, step_cfg.impl)
         loss = cross_entropy(logits, targets)
         aux_total, aux_named = _aux_terms(aux)
-        total = loss if aux_total is None or not step_cfg.aux_weight else loss + step_cfg.aux_weight * aux_total
-        grads = torch.autograd.grad(total, leaves)
-    grads = reduce_grads(_tree.unflatten(dict(zip(_tree.paths(params), grads)), like=params), params, mesh)
+        total = loss if aux_total is None else loss + mesh.num_batches * aux_total
+        grads = torch.autograd.grad(total, [flat[p] for p in train_paths])
+    grads = reduce_grads(dict(zip(train_paths, grads)), {p: flat[p] for p in train_paths}, mesh)
     params, opt_state, stats = adamw_update(params, grads, opt_state, step_cfg.opt, lr)
+    flat = _tree.flatten(params)
+    moe_layers = aux.get("moe", [])
+    biased = [p for p in _moe_paths(params) if p + ".expert_bias" in flat]
+    if biased and step_cfg.bias_rate:              # aux-loss-free balancing, after the step
+        from ..routing import update_bias
+        loads = {p: layer["load"] for p, layer in zip(_moe_paths(params), moe_layers) if p in biased}
+        for p, load in loads.items():
+            flat[p + ".expert_bias"] = update_bias(flat[p + ".expert_bias"], load, step_cfg.bias_rate)
+    params = _tree.unflatten(flat, like=params)
     dt = time.perf_counter() - t0
     n_tokens = tokens.numel() * mesh.num_batches
     metrics = {"loss": float(_world_mean(loss)), "grad_norm": float(stats["grad_norm"]), "lr": lr,
                "tokens": n_tokens, "step_time": dt, "tokens_per_s": n_tokens / dt}
     for k, v in aux_named.items():
         metrics[k] = float(_world_mean(v))
-    loads = [layer["tokens_per_expert"] for layer in aux.get("moe", []) if "tokens_per_expert" in layer]
-    if loads:
-        load = torch.stack(loads).double()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(load)
-            load /= mesh.tp                              # each batch is held by tp ranks
-        metrics["expert_load"] = load.round().long().tolist()
-        mean = load.mean(dim=1).clamp(min=1e-9)
-        metrics["load_imbalance"] = float((load.max(dim=1).values / mean).mean())
+    if moe_layers and all("load" in layer for layer in moe_layers):   # global routed load per layer
+        metrics["expert_load"] = [layer["load"].round().long().tolist() for layer in moe_layers]
+        metrics["load_imbalance"] = [float(layer["imbalance"]) for layer in moe_layers]
+        for key in ("drop_rate",):
+            if all(key in layer for layer in moe_layers):
+                metrics[key] = [float(layer[key]) for layer in moe_layers]
     return params, opt_state, metrics
