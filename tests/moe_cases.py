@@ -83,16 +83,20 @@ def check_case(mesh, impl, router_name, sizes, seed=0):
         ref[bb] = (yb, gxb, {k: v.grad for k, v in p1.items()}, auxb)
     fails = []
 
-    def close(name, got, want):
+    def close(name, got, want, rel=1e-5):
         scale = want.abs().max().item() if want.numel() else 0.0
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * max(scale, 1e-3)):
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=rel, atol=rel * max(scale, 1e-3)):
             err = (got - want).abs().max().item() if got.shape == want.shape else f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
             fails.append(f"{name}: {err} (scale {scale})")
 
     yb, gxb, gpb, auxb = ref[b]
     close("y", y, yb)
     close("grad x", gx, gxb)
-    close("grad router", grads["router"], gpb["router"])
+    # The router gradient passes through the softmax backward w * (g - sum_k w g): with K = E
+    # random (duplicate) slots the difference cancels, so fp32 rounding differences in the
+    # expert outputs (grouped GEMMs over different row counts) grow to ~3e-5 of the largest
+    # value (seen with a hypothesis-found routing); a wrong scale or a missing term is O(1).
+    close("grad router", grads["router"], gpb["router"], rel=1e-4)
     for k in ("w_gate_up", "w_down"):
         want = sum(ref[bb][2][k] for bb in group_batches)
         close(f"grad {k}", grads[k], want)
