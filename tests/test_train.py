@@ -97,7 +97,7 @@ def test_llama_training_matches_single_process_on_four_ranks():
 
 
 def test_qwen3_moe_training_matches_single_process_on_four_ranks():
-    meshes = [dict(tp=2, ep=4), dict(tp=1, ep=2, dp_replicate=2), dict(tp=2, ep=2)]
+    meshes = [dict(tp=1, ep=4), dict(tp=2, ep=4), dict(tp=1, ep=2, dp_replicate=2), dict(tp=2, ep=2)]
     compare(spawn(_train_meshes, 4, "qwen3_moe", meshes, timeout=900)[0], "qwen3_moe")
 
 
