@@ -184,8 +184,9 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     Returns:
         logits ``[B, S, V]``, full on every rank.
     """
-    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
-        raise ValueError(f"forward: tokens must be a [B, S] tensor, got {getattr(tokens, 'shape', tokens)!r}")
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
+        raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
+                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
     inv_freq, scaling = nn.rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict(),
                                             cfg.max_position_embeddings)
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]

@@ -241,8 +241,9 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
-        raise ValueError(f"forward: tokens must be a [B, S] tensor, got {getattr(tokens, 'shape', tokens)!r}")
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
+        raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
+                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
     if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
                             for layer in params["layers"] if "moe" in layer):
         raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
