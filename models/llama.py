@@ -38,6 +38,8 @@ from einops import rearrange
 import fmoe
 import fmoe.checkpoint as ckpt
 import fmoe.nn as nn
+
+from . import _common
 from fmoe import P, Plan
 
 
@@ -102,15 +104,12 @@ class Config:
             raise ValueError(f"Config.from_hf: model_type must be 'llama', got {hf.get('model_type')!r}")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Config.from_hf: hidden_act must be 'silu', got {hf.get('hidden_act')!r}")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta", cls.rope_theta))
-        kind = rope.get("rope_type", rope.get("type", "default"))
+        theta, scaling = _common.rope_from_hf(hf, cls.rope_theta)
         kw = {f.name: hf[f.name] for f in fields(cls) if f.name in hf and f.name not in ("rope_theta", "rope_scaling")}
         if kw.get("head_dim") is None:
             kw["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
         kw.setdefault("num_key_value_heads", hf.get("num_attention_heads", cls.num_attention_heads))
-        scaling = () if kind == "default" else tuple(sorted(rope.items()))
-        return cls(rope_theta=float(theta), rope_scaling=scaling, **kw)
+        return cls(rope_theta=theta, rope_scaling=scaling, **kw)
 
     def to_hf(self) -> dict:
         """The ``config.json`` fields transformers' ``LlamaConfig`` reads."""
@@ -227,13 +226,6 @@ def plan(cfg: Config) -> Plan:
 
 _default_plan = plan
 # (parameter name, tensor dim) whose split over tp must respect a config field
-_TP_FIELDS = {("attn.wq", 0): "num_attention_heads", ("attn.bq", 0): "num_attention_heads",
-              ("attn.wo", 1): "num_attention_heads", ("attn.wk", 0): "num_key_value_heads",
-              ("attn.bk", 0): "num_key_value_heads", ("attn.wv", 0): "num_key_value_heads",
-              ("attn.bv", 0): "num_key_value_heads", ("mlp.w_gate_up", 0): "intermediate_size",
-              ("mlp.b_gate_up", 0): "intermediate_size", ("mlp.w_down", 1): "intermediate_size",
-              ("embed", 0): "vocab_size", ("lm_head", 0): "vocab_size"}
-
 
 def check_plan(cfg: Config, plan: Union[Plan, Mapping[str, Union[str, P]], None] = None, tp: int = 1) -> Plan:
     """The plan to use (``plan``: a Plan, user rules merged over :func:`plan` by key, or None
@@ -255,30 +247,8 @@ def check_plan(cfg: Config, plan: Union[Plan, Mapping[str, Union[str, P]], None]
         Traceback (most recent call last):
         ValueError: check_plan: tp=4 does not divide num_key_value_heads=2 (layers.0.attn.wk is split over tp by rule 'layers.*.attn.w[qkv]')
     """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"check_plan: tp must be an int >= 1, got {tp!r}")
-    if not isinstance(plan, Plan):
-        plan = _default_plan(cfg) if plan is None else _default_plan(cfg).override(plan)
-    shapes = {k: torch.empty(s, device="meta") for k, (s, _) in _layout(cfg).items()}
-    placements = fmoe.tree.flatten(plan.resolve(fmoe.tree.unflatten(shapes)))
-    problems: dict[str, str] = {}  # config field -> first offending parameter
-    for path, p in placements.items():
-        d = p.dim_of("tp")
-        if d is None or tp == 1:
-            continue
-        name = path.split(".", 2)[2] if path.startswith("layers.") else path
-        rule = (plan.match(path) or ("<default>",))[0]
-        if name in ("mlp.w_gate_up", "mlp.b_gate_up") and d == 0 and p.packed != 2:
-            raise ValueError(f"check_plan: {path} is split over tp as {p!r} by rule {rule!r}; the fused "
-                             "[gate | up] weight must be split per half (style 'packed_colwise')")
-        field = _TP_FIELDS.get((name, d))
-        if field and getattr(cfg, field) % tp:
-            problems.setdefault(field, f"tp={tp} does not divide {field}={getattr(cfg, field)} "
-                                       f"({path} is split over tp by rule {rule!r})")
-    if problems:
-        order = list(dict.fromkeys(_TP_FIELDS.values()))
-        raise ValueError("check_plan: " + "; ".join(problems[f] for f in order if f in problems))
-    return plan
+    shapes = {k: shape for k, (shape, _) in _layout(cfg).items()}
+    return _common.check_plan(cfg, plan, tp, default=_default_plan(cfg), shapes=shapes)
 
 
 def shard(params: dict, cfg: Config, mesh: fmoe.Mesh,

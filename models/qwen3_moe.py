@@ -25,7 +25,6 @@ runs unchanged on one process or many and returns the full logits on every rank.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass, fields
@@ -37,6 +36,8 @@ from einops import rearrange
 import fmoe
 import fmoe.checkpoint as ckpt
 import fmoe.nn as nn
+
+from . import _common
 from fmoe import P, Plan
 from fmoe.checkpoint import Cat, Key, Spec, Stack
 
@@ -122,15 +123,13 @@ class Config:
         for key, want in (("model_type", "qwen3_moe"), ("hidden_act", "silu"), ("attention_bias", False)):
             if hf.get(key, want) != want:
                 raise ValueError(f"Config.from_hf: {key} must be {want!r}, got {hf.get(key)!r}")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta", cls.rope_theta))
-        kind = rope.get("rope_type", rope.get("type", "default"))
+        theta, scaling = _common.rope_from_hf(hf, cls.rope_theta)
         skip = ("rope_theta", "rope_scaling", "sliding_window", "mlp_only_layers", "num_experts")
         kw = {f.name: hf[f.name] for f in fields(cls) if f.name in hf and f.name not in skip}
         kw["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         kw["num_experts"] = hf.get("num_experts", hf.get("num_local_experts", cls.num_experts))
         window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-        return cls(rope_theta=float(theta), rope_scaling=() if kind == "default" else tuple(sorted(rope.items())),
+        return cls(rope_theta=theta, rope_scaling=scaling,
                    sliding_window=window, mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()), **kw)
 
     def to_hf(self) -> dict:
@@ -284,36 +283,20 @@ def plan(cfg: Config) -> Plan:
     }, default=P(), strict=False)
 
 
-# (parameter name, tensor dim) whose split over tp must respect a config field
-_TP_FIELDS = {("attn.wq", 0): "num_attention_heads", ("attn.wo", 1): "num_attention_heads",
-              ("attn.wk", 0): "num_key_value_heads", ("attn.wv", 0): "num_key_value_heads",
-              ("mlp.w_gate_up", 0): "intermediate_size", ("mlp.w_down", 1): "intermediate_size"}
 
 
 def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 1) -> Plan:
     """The plan (``rules``: a Plan, user rules merged over :func:`plan` by key, or None for the
-    default), after checking that it splits whole heads over ``tp`` ranks and a dense fused
-    gate/up per half; ``ValueError`` naming the config field otherwise.
+    default), after checking that it splits whole heads and a dense fused gate/up per half over ``tp`` ranks;
+    ``ValueError`` naming the config field otherwise (see :func:`models._common.check_plan`).
 
     Example:
         >>> check_plan(Config.tiny(), tp=8)
         Traceback (most recent call last):
         ValueError: check_plan: tp=8 does not divide num_key_value_heads=4 (layers.0.attn.wk is split over tp by rule 'layers.*.attn.w[qkv]')
     """
-    pl = rules if isinstance(rules, Plan) else plan(cfg) if rules is None else plan(cfg).override(rules)
-    shapes = fmoe.tree.unflatten({k: torch.empty(s.shape, device="meta") for k, s in hf_specs(cfg).items()})
-    for path, p in fmoe.tree.flatten(pl.resolve(shapes)).items():
-        name, d, rule = path.split(".", 2)[-1], p.dim_of("tp"), (pl.match(path) or ("<default>",))[0]
-        if d is None or tp == 1:
-            continue
-        if name == "mlp.w_gate_up" and p.packed != 2:
-            raise ValueError(f"check_plan: {path} is split over tp as {p!r} by rule {rule!r}; the fused "
-                             "[gate | up] weight must be split per half (style 'packed_colwise')")
-        field = _TP_FIELDS.get((name, d))
-        if field and getattr(cfg, field) % tp:
-            raise ValueError(f"check_plan: tp={tp} does not divide {field}={getattr(cfg, field)} "
-                             f"({path} is split over tp by rule {rule!r})")
-    return pl
+    shapes = {k: s.shape for k, s in hf_specs(cfg).items()}
+    return _common.check_plan(cfg, rules, tp, default=plan(cfg), shapes=shapes)
 
 
 def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping, None] = None) -> dict:
@@ -328,7 +311,8 @@ def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping,
 def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
             plan: Union[Plan, Mapping, None] = None) -> tuple[dict, Config]:
     """Load a Hugging Face checkpoint directory (``config.json`` + safetensors, one file or an
-    indexed set); with a mesh each rank reads only its own slices.
+    indexed set); with a mesh each rank reads only its own slices, after :func:`check_plan`
+    has checked the plan against the config (before any tensor is read).
 
     Args:
         path: the checkpoint directory.
@@ -340,9 +324,6 @@ def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
     Example:
         >>> # params, cfg = load_hf("Qwen3-30B-A3B", mesh=fmoe.Mesh(tp=2, ep=4))
     """
-    if mesh is not None:  # check the plan against the config before any tensor is read
-        with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
-            plan = check_plan(Config.from_hf(json.load(f)), plan, mesh.tp)
     return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
 
 
