@@ -77,3 +77,29 @@ def test_log_checkpoints_and_resume(tmp_path):
     want = torch.tensor([r["loss"] for r in rows[2:]])
     assert len(got) == 10
     torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+
+
+def test_init_from_hf_and_export_hf(tmp_path):
+    """--init-hf starts from a transformers checkpoint (its loss at step 1 is the HF model's loss
+    on that batch); --export-hf writes a checkpoint transformers loads."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from fmoe.models import qwen3_moe
+    from fmoe.train.data import Corpus
+    cfg = qwen3_moe.Config.tiny(vocab_size=256)
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg.to_hf())).eval()
+    hf.save_pretrained(tmp_path / "init")
+    out, export = str(tmp_path / "run"), str(tmp_path / "export")
+    cli("--model", "qwen3_moe", "--nproc", "2", "--ep", "2", "--steps", "2", "--batch", "2", "--seq", "16",
+        "--aux-weight", "0", "--init-hf", str(tmp_path / "init"), "--export-hf", export, "--out", out, "--quiet")
+    corpus = Corpus.stdlib()
+    parts = [corpus.batch(1, b, 2, 16, seed=0) for b in range(2)]
+    x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    assert abs(log(out)[0]["loss"] - want) <= 1e-5 * want
+    again = Qwen3MoeForCausalLM.from_pretrained(export)
+    before, after = hf.state_dict(), again.state_dict()
+    assert set(before) == set(after)
+    assert any(not torch.equal(before[k], after[k]) for k in before)      # two steps were taken
