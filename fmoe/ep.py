@@ -8,20 +8,27 @@ An *implementation* is a function with the contract::
 ``experts`` this rank's block of experts (``experts.range`` global ids,
 ``experts(rows, local_ids) -> outputs`` runs them). It returns the weighted sum of expert
 outputs per token and must be differentiable w.r.t. ``x``, ``weights`` and the expert weights.
+It may instead return ``(y, extra)``, a dict merged into the layer's aux.
 Register one with :func:`register` and select it by name in ``fmoe.moe(..., impl=name)``.
 
 Built in:
 
 ``all_to_all`` (token dispatch). With ``tp > 1`` the ranks of a TP group hold the same tokens,
 so each dispatches a disjoint ``1/tp`` slice of the rows (uneven or empty slices are fine).
-Every token of the slice goes **once to each rank** that owns at least one of its experts,
-carrying its ``K`` weights (zeroed for slots owned elsewhere) and local expert ids. The expert
-rank runs its experts on the received rows (one sort by expert), applies the weights and sums
-per row, so the combine returns **one already-weighted row per (token, rank)**; the source adds
-them up. Both exchanges are differentiable all-to-alls, so gradients of the routing weights
-travel back to the token's rank. The TP slices are reassembled with an all-gather whose
-backward keeps each rank's slice, and the inputs (tokens and weights) enter through
-``copy_to`` over tp, so every TP rank ends with the full-batch gradient of ``x`` and the router.
+Every token of the slice goes **once to each rank** that owns at least one of its experts, as
+one payload row ``[x (D) | K weights | K local expert ids]`` (weights zeroed and ids -1 for
+slots owned elsewhere; the ids ride bit-cast in the payload dtype, so one exchange carries
+all three). The expert rank sorts the received (row, slot) assignments by expert once (the
+layer's only sort), runs its experts with the routing weight folded into the hidden
+activation and sums per row, so the combine returns **one already-weighted row per (token,
+rank)**; the source adds them up. Per layer that is three collectives forward (split sizes,
+payload, combine; the split-size exchange is the one host sync) and two backward. Both data
+exchanges are differentiable all-to-alls, so gradients of the routing weights travel back to
+the token's rank. The TP slices are reassembled with an all-gather whose backward keeps each
+rank's slice, and the inputs (tokens and weights, concatenated: one all-reduce in backward)
+enter through ``copy_to`` over tp, so every TP rank ends with the full-batch gradient of ``x``
+and the router. It also returns ``{"dispatch_rows": ...}`` (rows sent to other ranks) for the
+layer's aux.
 
 ``all_reduce`` (masking; needs ``ep == tp``, i.e. the expert group shares one batch). Each rank
 runs its own experts on every token routed to them and the partial outputs are summed with an
@@ -36,11 +43,11 @@ full-batch gradient); each local expert gets the sum over the distinct batches o
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from .collectives import all_reduce, all_to_all, copy_to, gather_replicated
+from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, group_size
 from .experts import Activation, expert_mlp, swiglu
 
 __all__ = ["LocalExperts", "register", "get", "registered", "local", "all_to_all_impl",
@@ -72,11 +79,12 @@ class LocalExperts:
         out = self.run_sorted(rows.index_select(0, order), counts)
         return torch.empty_like(out).index_copy(0, order, out)
 
-    def run_sorted(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Outputs for rows already grouped by local expert (``counts[e]`` rows each)."""
+    def run_sorted(self, rows: torch.Tensor, counts: list[int], scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Outputs (times ``scale [N]`` if given) for rows already grouped by local expert
+        (``counts[e]`` rows each)."""
         w = self.weights
         return expert_mlp(rows, counts, w["w_gate_up"], w["w_down"], w.get("b_gate_up"),
-                          w.get("b_down"), act=self.act, impl=self.matmul)
+                          w.get("b_down"), act=self.act, impl=self.matmul, scale=scale)
 
 
 def sorted_by_expert(local_ids: torch.Tensor, num_local: int) -> tuple[torch.Tensor, list[int]]:
@@ -87,15 +95,22 @@ def sorted_by_expert(local_ids: torch.Tensor, num_local: int) -> tuple[torch.Ten
 
 
 def _weighted_sum_per_row(rows, slot_w, slot_ids, experts: LocalExperts) -> torch.Tensor:
-    """``out[n] = sum_k slot_w[n, k] * expert(slot_ids[n, k])(rows[n])`` over slots with id >= 0."""
+    """``out[n] = sum_k slot_w[n, k] * expert(slot_ids[n, k])(rows[n])`` over slots with id >= 0.
+
+    One stable sort of the ``[N * K]`` slots (unused slots keyed last), one gather of the
+    assigned rows, the experts with the weights folded in, one ``index_add`` back per row.
+    """
     n, k = slot_ids.shape
-    row_of, slot = torch.nonzero(slot_ids >= 0, as_tuple=True)                  # assignments A
-    local_ids = slot_ids[row_of, slot]
-    order, counts = sorted_by_expert(local_ids, experts.num_local)              # one sort
-    row_of, slot = row_of.index_select(0, order), slot.index_select(0, order)
-    out = experts.run_sorted(rows.index_select(0, row_of), counts)             # [A, D]
-    w = slot_w[row_of, slot].unsqueeze(-1).to(out.dtype)                        # [A, 1]
-    return torch.zeros(n, out.shape[-1], dtype=out.dtype, device=out.device).index_add(0, row_of, out * w)
+    e = experts.num_local
+    flat = slot_ids.reshape(-1)
+    keyed = torch.where(flat >= 0, flat, e)                                     # [N*K], unused -> e
+    order = torch.argsort(keyed, stable=True)
+    counts = torch.bincount(keyed, minlength=e + 1).tolist()[:e]               # one host sync
+    order = order[:sum(counts)]                                                 # assignments A
+    row_of = torch.div(order, k, rounding_mode="floor")
+    w = slot_w.reshape(-1).index_select(0, order).to(rows.dtype)               # [A]
+    out = experts.run_sorted(rows.index_select(0, row_of), counts, scale=w)    # [A, D], weighted
+    return out.new_zeros(n, out.shape[-1]).index_add(0, row_of, out)
 
 
 def local(x, weights, expert_ids, experts: LocalExperts, mesh) -> torch.Tensor:
@@ -103,10 +118,18 @@ def local(x, weights, expert_ids, experts: LocalExperts, mesh) -> torch.Tensor:
     return _weighted_sum_per_row(x, weights, expert_ids - experts.first, experts)
 
 
+def _replicated_inputs(x: torch.Tensor, weights: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``copy_to`` of tokens and weights as one tensor: one all-reduce of both gradients."""
+    if group_size(group) == 1:
+        return x, weights.to(x.dtype)
+    xw = copy_to(torch.cat([x, weights.to(x.dtype)], dim=1), group)            # [T, D + K]
+    return xw.split([x.shape[1], weights.shape[1]], dim=1)
+
+
 def all_reduce_impl(x, weights, expert_ids, experts: LocalExperts, mesh) -> torch.Tensor:
     """Masking + all-reduce over the expert group (requires ep == tp)."""
     group = mesh.group("ep")
-    x, weights = copy_to(x, group), copy_to(weights, group)
+    x, weights = _replicated_inputs(x, weights, group)
     mine = (expert_ids >= experts.first) & (expert_ids < experts.first + experts.num_local)
     slot_ids = torch.where(mine, expert_ids - experts.first, -1)
     return all_reduce(_weighted_sum_per_row(x, weights, slot_ids, experts), group)
@@ -119,42 +142,47 @@ def tp_slice_bounds(num_tokens: int, tp: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh) -> torch.Tensor:
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}   # integer type of each element size
+
+
+def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh):
     """Token dispatch: once per (token, expert rank), weighted combine on the expert rank."""
     T, D = x.shape
     ep_group, tp_group = mesh.group("ep"), mesh.group("tp")
-    ep, tp = mesh.ep, mesh.tp
+    ep, tp, me = mesh.ep, mesh.tp, mesh.rank_in("ep")
     e_local = experts.num_local
     # ---- this TP rank's disjoint slice of the rows
     start, stop = tp_slice_bounds(T, tp, mesh.rank_in("tp"))
-    xs = copy_to(x, tp_group)[start:stop]                                       # [Ts, D]
-    ws = copy_to(weights, tp_group)[start:stop].to(x.dtype)                     # [Ts, K]
+    xs, ws = _replicated_inputs(x, weights, tp_group)
+    if tp > 1:                                                                  # (no slice op for tp=1)
+        xs, ws = xs[start:stop], ws[start:stop]                                 # [Ts, D], [Ts, K]
     ids = expert_ids[start:stop]                                                # [Ts, K]
     Ts, K = ids.shape
-    # ---- (token, destination rank) pairs, once per rank, sorted by rank
-    dest = ids // e_local                                                       # [Ts, K]
-    need = torch.zeros(Ts, ep, dtype=torch.bool, device=x.device)
-    need[torch.arange(Ts, device=x.device).unsqueeze(1).expand(Ts, K), dest] = True
-    pair_rank, pair_tok = torch.nonzero(need.t(), as_tuple=True)                # sorted by rank
-    on_rank = dest[pair_tok] == pair_rank.unsqueeze(1)                          # [Pn, K]
-    send_ids = torch.where(on_rank, ids[pair_tok] - pair_rank.unsqueeze(1) * e_local, -1)
-    send_w = torch.where(on_rank, ws.index_select(0, pair_tok), 0)              # [Pn, K]
-    payload = torch.cat([xs.index_select(0, pair_tok), send_w], dim=1)          # [Pn, D + K]
+    # ---- (token, destination rank) pairs, once per rank, grouped by rank (no sort)
+    dest = torch.div(ids, e_local, rounding_mode="floor")                       # [Ts, K]
+    need = torch.zeros(Ts, ep, dtype=torch.bool, device=x.device).scatter_(1, dest, True)
+    pair_rank, pair_tok = torch.nonzero(need.t(), as_tuple=True)                # Pn pairs
+    on_rank = dest.index_select(0, pair_tok) == pair_rank.unsqueeze(1)          # [Pn, K]
+    send_ids = torch.where(on_rank, (ids - dest * e_local).index_select(0, pair_tok), -1)
+    send_w = torch.where(on_rank, ws.index_select(0, pair_tok), 0)             # [Pn, K]
+    id_bits = send_ids.to(_BITS[x.element_size()]).view(x.dtype)               # ids, bit-cast
+    payload = torch.cat([xs.index_select(0, pair_tok), send_w, id_bits], dim=1)  # [Pn, D + 2K]
     in_splits = torch.bincount(pair_rank, minlength=ep)
-    # ---- exchange split sizes (host sync), then rows + weights, then local expert ids
+    # ---- split sizes (the host sync), then one exchange of rows + weights + ids
     out_splits = torch.empty_like(in_splits)
     torch.distributed.all_to_all_single(out_splits, in_splits, group=ep_group)
     in_s, out_s = in_splits.tolist(), out_splits.tolist()
-    recv = all_to_all(payload, out_s, in_s, ep_group)                           # [Nr, D + K]
-    recv_ids = all_to_all(send_ids, out_s, in_s, ep_group)                      # [Nr, K]
-    rows, recv_w = recv.split([D, K], dim=1)
+    recv = all_to_all(payload, out_s, in_s, ep_group)                           # [Nr, D + 2K]
+    rows, recv_w, recv_bits = recv.split([D, K, K], dim=1)                      # backward: one cat
+    recv_ids = recv_bits.detach().contiguous().view(_BITS[x.element_size()]).long()
     # ---- experts: one weighted row per received (token, rank)
     combined = _weighted_sum_per_row(rows, recv_w, recv_ids, experts)           # [Nr, D]
     back = all_to_all(combined, in_s, out_s, ep_group)                          # [Pn, D]
-    ys = torch.zeros(Ts, D, dtype=back.dtype, device=x.device).index_add(0, pair_tok, back)
+    ys = back.new_zeros(Ts, D).index_add(0, pair_tok, back)
     # ---- reassemble the TP slices (each rank keeps its own slice's gradient)
     sizes = [b - a for a, b in (tp_slice_bounds(T, tp, r) for r in range(tp))]
-    return gather_replicated(ys, tp_group, dim=0, sizes=sizes)
+    y = gather_replicated(ys, tp_group, dim=0, sizes=sizes)
+    return y, {"dispatch_rows": torch.tensor(sum(in_s) - in_s[me])}
 
 
 _REGISTRY: dict[str, Callable] = {}

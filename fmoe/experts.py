@@ -5,14 +5,20 @@ Weights are fused per expert: ``w_gate_up [E, 2I, D]`` (gate rows first, then up
 (gpt-oss). Rows arrive sorted by expert with ``counts[e]`` rows for expert ``e``; the caller
 sorts once per layer.
 
-Two paths give the same numbers (the tests check it):
+Two matmul paths give the same numbers (the tests check it):
 
 - ``grouped``: one ``torch._grouped_mm`` per projection over all experts (CPU and CUDA in
   torch >= 2.8). It needs 16-byte aligned strides (``D`` and ``I`` multiples of 4 in fp32,
-  of 8 in bf16) and bf16 on CUDA; ``"auto"`` falls back to the loop otherwise. Its backward needs contiguous gradients, so it is wrapped in a small autograd
-  Function that makes them so.
-- ``loop``: one matmul per expert; every expert is visited even with zero rows, so its weights
-  stay in the autograd graph and an idle expert gets a zero gradient, never ``None``.
+  of 8 in bf16) and bf16 on CUDA; ``"auto"`` falls back to the loop otherwise.
+- ``loop``: one matmul per expert; an idle expert still gets a zero gradient, never ``None``.
+
+Each row may carry a mixing weight ``scale[n]`` (the routing weight): the output is
+``scale[n] * expert(x[n])``. For the common SwiGLU expert without biases the whole MLP is one
+autograd Function (:class:`_SwiGLUExperts`) that applies ``scale`` to the ``[N, I]`` hidden
+activation (``(s * h) W_down^T == s * (h W_down^T)``, fewer elements than the ``[N, D]`` output
+when ``I < D``), keeps only ``x`` and the ``[N, 2I]`` projection for backward, recomputes the
+cheap activation there and writes the gate and up gradients straight into one buffer (no
+concatenation). Other activations and biased experts use plain autograd over the same GEMMs.
 
 Activations are functions ``act(gate, up) -> h``: :func:`swiglu` (``silu(gate) * up``) or
 :func:`clamped_swiglu` (gpt-oss: clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``).
@@ -25,7 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["swiglu", "clamped_swiglu", "expert_mlp", "grouped_mm_available"]
+__all__ = ["swiglu", "clamped_swiglu", "expert_mlp", "grouped_mm_available", "use_grouped"]
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -83,6 +89,75 @@ class _GroupedMM(torch.autograd.Function):
         return gx, gw, None
 
 
+def _gmm(a: torch.Tensor, w: torch.Tensor, offs, counts: Sequence[int], grouped: bool, trans: bool) -> torch.Tensor:
+    """Rows of group ``e``: ``a_e @ w[e].T`` (``trans``) or ``a_e @ w[e]``; plain tensors, no autograd."""
+    if grouped:
+        return torch._grouped_mm(a, w.transpose(1, 2) if trans else w, offs=offs)
+    out = a.new_empty((a.shape[0], w.shape[1] if trans else w.shape[2]))
+    for e, (p, o) in enumerate(zip(a.split(counts), out.split(counts))):
+        if p.shape[0]:
+            torch.mm(p, w[e].t() if trans else w[e], out=o)
+    return out
+
+
+def _gmm_wgrad(g: torch.Tensor, a: torch.Tensor, offs, counts: Sequence[int], grouped: bool) -> torch.Tensor:
+    """Weight gradient ``[E, n_g, n_a]``: ``g_e^T @ a_e`` per group (zeros for an empty group)."""
+    if grouped:
+        return torch._grouped_mm(g.t(), a, offs=offs)
+    return torch.stack([p.t() @ q for p, q in zip(g.split(counts), a.split(counts))])
+
+
+class _SwiGLUExperts(torch.autograd.Function):
+    """``y = (scale * silu(x Wg^T) * (x Wu^T)) Wd^T`` per expert group, fwd + bwd by hand.
+
+    Returns ``(y [N, D], h [N, 2I])``; ``h`` (the gate/up projection) is a non-differentiable
+    output only so that it can be saved for backward (new-style Function, ``torch.func`` works).
+    """
+
+    @staticmethod
+    def forward(x, scale, w_gate_up, w_down, offs, counts, grouped):
+        h = _gmm(x, w_gate_up, offs, counts, grouped, trans=True)                # [N, 2I]
+        n_i = h.shape[1] // 2
+        a = F.silu(h[:, :n_i])
+        a.mul_(h[:, n_i:])                                                         # [N, I]
+        if scale is not None:
+            a.mul_(scale.unsqueeze(-1))
+        return _gmm(a, w_down, offs, counts, grouped, trans=True), h             # [N, D]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, scale, w_gate_up, w_down, offs, ctx.counts, ctx.grouped = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)            # no zero-filled gradient for h
+        ctx.save_for_backward(x, scale, w_gate_up, w_down, offs, output[1])
+
+    @staticmethod
+    def backward(ctx, dy, _dh):
+        x, scale, w_gate_up, w_down, offs, h = ctx.saved_tensors
+        counts, grouped, need = ctx.counts, ctx.grouped, ctx.needs_input_grad
+        if dy is None:
+            return None, None, None, None, None, None, None
+        dy = dy.contiguous()
+        n_i = h.shape[1] // 2
+        gate, up = h[:, :n_i], h[:, n_i:]
+        s = F.silu(gate)
+        a = s * up                                                                 # unscaled activation
+        da = _gmm(dy, w_down, offs, counts, grouped, trans=False)                 # [N, I]
+        dscale = None
+        if scale is not None:
+            if need[1]:
+                dscale = torch.einsum("ni,ni->n", da, a)
+            a.mul_(scale.unsqueeze(-1))
+            da.mul_(scale.unsqueeze(-1))
+        dw_down = _gmm_wgrad(dy, a, offs, counts, grouped) if need[3] else None    # [E, D, I]
+        dh = torch.empty_like(h)                                                   # [N, 2I]: d gate | d up
+        torch.mul(da, s, out=dh[:, n_i:])
+        torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=dh[:, :n_i])
+        dx = _gmm(dh, w_gate_up, offs, counts, grouped, trans=False) if need[0] else None
+        dw_gate_up = _gmm_wgrad(dh, x, offs, counts, grouped) if need[2] else None  # [E, 2I, D]
+        return dx, dscale, dw_gate_up, dw_down, None, None, None
+
+
 def _loop_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     pieces = x.split(list(counts))
     return torch.cat([p @ w[e].t() for e, p in enumerate(pieces)])
@@ -100,8 +175,13 @@ def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.shape[-1] % align == 0 and w.shape[1] % align == 0 and w.shape[2] % align == 0
 
 
-def _project(x, w, counts, offs, impl: str) -> torch.Tensor:
-    if impl == "grouped" or (impl == "auto" and _grouped_ok(x, w)):
+def use_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, impl: str = "auto") -> bool:
+    """Whether ``expert_mlp(..., impl=impl)`` runs ``torch._grouped_mm`` for these tensors."""
+    return impl == "grouped" or (impl == "auto" and _grouped_ok(x, w_gate_up) and _grouped_ok(x, w_down))
+
+
+def _project(x, w, counts, offs, grouped: bool) -> torch.Tensor:
+    if grouped:
         return _GroupedMM.apply(x.contiguous(), w, offs)
     return _loop_mm(x, w, counts)
 
@@ -115,8 +195,9 @@ def expert_mlp(
     b_down: Optional[torch.Tensor] = None,
     act: Activation = swiglu,
     impl: str = "auto",
+    scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Run each expert's MLP on its rows.
+    """Run each expert's MLP on its rows, optionally weighting each row's output.
 
     Args:
         x: ``[N, D]`` rows sorted by expert.
@@ -125,8 +206,9 @@ def expert_mlp(
         b_gate_up: optional ``[E_local, 2I]``; b_down: optional ``[E_local, D]``.
         act: ``act(gate, up) -> h``.
         impl: ``"grouped"``, ``"loop"`` or ``"auto"`` (grouped where available and aligned).
+        scale: optional ``[N]`` per-row weights (differentiable), same dtype as ``x``.
     Returns:
-        ``[N, D]`` unweighted expert outputs, in the same row order.
+        ``[N, D]`` expert outputs (times ``scale``), in the same row order.
 
     Example:
         >>> w1, w2 = torch.randn(2, 6, 4), torch.randn(2, 4, 3)
@@ -139,15 +221,20 @@ def expert_mlp(
     if len(counts) != w_gate_up.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(f"expert_mlp: counts {counts} do not fit {w_gate_up.shape[0]} experts "
                          f"and {x.shape[0]} rows")
+    if scale is not None and tuple(scale.shape) != (x.shape[0],):
+        raise ValueError(f"expert_mlp: scale must have shape ({x.shape[0]},), got {tuple(scale.shape)}")
     offs = torch.tensor(counts, dtype=torch.int64, device=x.device).cumsum(0).to(torch.int32)
-    h = _project(x, w_gate_up, counts, offs, impl)                              # [N, 2I]
+    grouped = use_grouped(x, w_gate_up, w_down, impl)
+    if act is swiglu and b_gate_up is None and b_down is None:
+        return _SwiGLUExperts.apply(x.contiguous(), scale, w_gate_up, w_down, offs, counts, grouped)[0]
+    h = _project(x, w_gate_up, counts, offs, grouped)                           # [N, 2I]
     if b_gate_up is not None:
         h = h + _per_row(b_gate_up, counts)
     gate, up = h.chunk(2, dim=-1)                                               # [N, I] each
-    out = _project(act(gate, up), w_down, counts, offs, impl)                   # [N, D]
+    out = _project(act(gate, up), w_down, counts, offs, grouped)                # [N, D]
     if b_down is not None:
         out = out + _per_row(b_down, counts)
-    return out
+    return out if scale is None else out * scale.unsqueeze(-1)
 
 
 def _per_row(b: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:

@@ -212,7 +212,8 @@ def moe(
         out = out + shared_expert(params["shared"], x, act=act).to(out.dtype)
     aux = finalize({**routing.aux, **routed_load(routing.weights, routing.expert_ids, E)}, mesh)
     aux["tokens_per_expert"] = torch.bincount(routing.expert_ids.flatten(), minlength=E)
-    rows = _dispatch_rows(routing.expert_ids, experts.num_local, mesh) if name == "all_to_all" else 0
-    aux["dispatch_rows"] = torch.tensor(rows)
+    if "dispatch_rows" not in extra:  # the built-in all_to_all reports it itself (no second sort)
+        rows = _dispatch_rows(routing.expert_ids, experts.num_local, mesh) if name == "all_to_all" else 0
+        aux["dispatch_rows"] = torch.tensor(rows)
     aux.update(extra)
     return out.to(x.dtype), aux

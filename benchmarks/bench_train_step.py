@@ -1,0 +1,277 @@
+"""Train-step time of fmoe against transformers' own expert parallelism, side by side.
+
+One tiny random Qwen3-MoE checkpoint is written with transformers' ``save_pretrained``. On the
+same gloo ranks it is loaded twice: by transformers (``from_pretrained(...,
+distributed_config=DistributedConfig(tp_size, fsdp_size, ep_size))``: FSDP2 for the dense
+weights, token dispatch over ``ep`` for the experts) and by fmoe (``qwen3_moe.load_hf`` with the
+model plan plus :func:`fmoe.train.fsdp.data_parallel_plan`, i.e. the same FSDP split of the
+dense weights). A *step* is forward + backward of the same next-token cross-entropy on the same
+tokens, ending with gradients reduced over the data-parallel ranks (FSDP2's reduce-scatter in
+transformers' backward; ``fmoe.train.grads.reduce_grads`` in fmoe). No optimizer update.
+
+The two libraries are **alternated** step by step in one run (order swapped every step), each
+step between two barriers, so background load hits both alike; the report gives the median
+step time (slowest rank) of each, the median of the per-step ratios fmoe / transformers, and
+asserts that both compute the same loss (rtol 1e-5) on every rank.
+
+Layouts (``--layouts``):
+
+- ``single``: one process (all cores), the union of the ranks' batches;
+- ``ep4``: 4 ranks, ``tp=1, fsdp=4, ep=4`` (each rank its own batch);
+- ``tp2ep4``: 4 ranks, ``tp=2, fsdp=2, ep=4`` (TP pairs share a batch).
+
+Distributed efficiency = tokens/s of the 4-rank run / tokens/s of the single process, per
+library, from the same script invocation (same cores, same tokens per step).
+
+    python benchmarks/bench_train_step.py [--k 8 4] [--steps 12] [--warmup 2] [--layouts single ep4 tp2ep4]
+
+Prints a table and writes benchmarks/out/train_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import fmoe
+
+V, D, I, E, LAYERS, B, S = 512, 256, 256, 32, 2, 4, 256
+SINGLE_BATCHES = 4  # the single process runs the union of the 4 ranks' batches (ep4 layout)
+LAYOUTS = {"single": dict(world=1, tp=1, ep=1), "ep4": dict(world=4, tp=1, ep=4),
+           "tp2ep4": dict(world=4, tp=2, ep=4)}
+
+
+def build_checkpoint(path: str, k: int, seed: int = 0) -> None:
+    """A random transformers Qwen3-MoE (D=256, E=32, top-``k``, 2 layers, vocab 512) saved to ``path``."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=768, moe_intermediate_size=I, num_hidden_layers=LAYERS,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=E, num_experts_per_tok=k,
+        norm_topk_prob=True, max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+
+
+def all_batches(num: int, seed: int = 1) -> torch.Tensor:
+    """``num`` batches of ``[B, S]`` token ids: ``[num, B, S]``."""
+    return torch.randint(0, V, (num, B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_model(path: str, layout: dict, attn: str):
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    kw = dict(dtype=torch.float32, attn_implementation=attn)
+    if layout["world"] > 1:
+        tp, ep, world = layout["tp"], layout["ep"], layout["world"]
+        kw["distributed_config"] = DistributedConfig(tp_size=tp, fsdp_size=world // tp, ep_size=ep)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, **kw).train()
+
+
+def _fmoe_params(path: str, mesh, fsdp: bool = False):
+    from fmoe.models import qwen3_moe
+    from fmoe.train.fsdp import data_parallel_plan
+
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = qwen3_moe.Config.from_hf(json.load(f))
+    if mesh is None:
+        params, cfg = qwen3_moe.load_hf(path)
+    elif not fsdp:
+        params, cfg = qwen3_moe.load_hf(path, mesh=mesh)
+    else:
+        shapes = fmoe.tree.unflatten({k: torch.empty(s.shape, device="meta")
+                                      for k, s in qwen3_moe.hf_specs(cfg).items()})
+        plan = data_parallel_plan(qwen3_moe.plan(cfg), shapes, mesh)
+        params, cfg = qwen3_moe.load_hf(path, mesh=mesh, plan=plan)
+    params = fmoe.tree.map_with_path(lambda _, t: t.detach().requires_grad_(True), params)
+    return params, cfg
+
+
+def hf_step(model, tokens: torch.Tensor) -> float:
+    """Forward + backward of the next-token loss (FSDP2 reduces the gradients in backward)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V).float(), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return float(loss.detach())
+
+
+def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto") -> float:
+    """Forward + backward of the same loss; gradients reduced over the data-parallel ranks."""
+    from fmoe.models import qwen3_moe
+    from fmoe.nn import cross_entropy
+    from fmoe.regather import regather_in_backward
+    from fmoe.train.grads import reduce_grads
+
+    leaves = fmoe.tree.leaves(params)
+    with regather_in_backward():
+        logits = qwen3_moe.forward(params, tokens, cfg, mesh, impl=impl)
+        loss = cross_entropy(logits[:, :-1], tokens[:, 1:])
+        grads = torch.autograd.grad(loss, leaves)
+    if mesh is not None:
+        reduce_grads(fmoe.tree.unflatten(dict(zip(fmoe.tree.paths(params), grads)), like=params), params, mesh)
+    return float(loss.detach())
+
+
+def _profile(fn, path: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        fn()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+
+
+def run_layout(rank: int, world: int, path: str, layout: dict, steps: int, warmup: int, attn: str,
+               with_hf: bool, profile_dir: str) -> dict:
+    """On each rank: load both models, then alternate timed steps. Returns per-step times and losses."""
+    import torch.distributed as dist
+
+    distributed = world > 1
+    mesh = fmoe.Mesh(tp=layout["tp"], ep=layout["ep"]) if distributed else None
+    batches = all_batches(world // layout["tp"] if distributed else SINGLE_BATCHES)
+    tokens = batches[mesh.batch_index] if distributed else batches.reshape(-1, S)   # [B, S] / [4B, S]
+    params, cfg = _fmoe_params(path, mesh)
+    runners = {"fmoe": lambda: fmoe_step(params, cfg, mesh, tokens)}
+    if distributed:
+        fsdp_params, _ = _fmoe_params(path, mesh, fsdp=True)
+        runners["fmoe_fsdp"] = lambda: fmoe_step(fsdp_params, cfg, mesh, tokens)
+    if with_hf:
+        model = _hf_model(path, layout, attn)
+        runners["transformers"] = lambda: hf_step(model, tokens)
+    barrier = dist.barrier if distributed else (lambda: None)
+    times = {name: [] for name in runners}
+    cpu = {name: [] for name in runners}
+    losses = {name: [] for name in runners}
+    names = list(runners)
+    for i in range(warmup + steps):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = runners[name]()
+            c1 = time.process_time()
+            barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(c1 - c0)
+            losses[name].append(loss)
+    if profile_dir and rank == 0:
+        for name, fn in runners.items():
+            _profile(fn, os.path.join(profile_dir, f"profile_{name}_{_tag(layout)}.txt"))
+    elif profile_dir:
+        for fn in runners.values():
+            fn()
+    return dict(times=times, cpu=cpu, losses=losses, tokens_per_step=int(tokens.numel()) * (world // layout["tp"])
+                if distributed else int(tokens.numel()), threads=torch.get_num_threads())
+
+
+def _tag(layout: dict) -> str:
+    return "single" if layout["world"] == 1 else f"tp{layout['tp']}ep{layout['ep']}"
+
+
+def summarize(per_rank: list[dict], layout_name: str, k: int) -> dict:
+    """Step time = slowest rank per step; medians, per-step ratios, loss parity."""
+    names = list(per_rank[0]["times"])
+    step = {n: [max(r["times"][n][i] for r in per_rank) for i in range(len(per_rank[0]["times"][n]))]
+            for n in names}
+    out = dict(layout=layout_name, k=k, world=len(per_rank), tokens_per_step=per_rank[0]["tokens_per_step"],
+               threads_per_rank=per_rank[0]["threads"], step_s={n: step[n] for n in names},
+               median_s={n: statistics.median(step[n]) for n in names},
+               cpu_s_all_ranks={n: statistics.median([sum(r["cpu"][n][i] for r in per_rank)
+                                                      for i in range(len(step[n]))]) for n in names})
+    out["tokens_per_s"] = {n: out["tokens_per_step"] / out["median_s"][n] for n in names}
+    if "transformers" in names:
+        fm = [n for n in names if n.startswith("fmoe")]
+        out["ratio_median_of_steps"] = {n: statistics.median([f / h for f, h in zip(step[n], step["transformers"])])
+                                        for n in fm}
+        out["ratio_of_medians"] = {n: out["median_s"][n] / out["median_s"]["transformers"] for n in fm}
+        diffs = []
+        for r in per_rank:
+            lh = r["losses"]["transformers"][0]
+            for n in fm:
+                lf = r["losses"][n][0]
+                diffs.append(abs(lf - lh) / abs(lh))
+                if abs(lf - lh) > 1e-5 * abs(lh):
+                    raise AssertionError(f"{layout_name} K={k}: loss parity failed: {n} {lf!r} vs transformers {lh!r}")
+        out["loss_rel_diff_max"] = max(diffs)
+        out["loss"] = [r["losses"]["transformers"][0] for r in per_rank]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k", type=int, nargs="+", default=[8, 4], help="top-k values (one checkpoint each)")
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per library")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--attn", default="sdpa", help="transformers attn_implementation (its default: sdpa)")
+    ap.add_argument("--no-hf-tp", action="store_true", help="fmoe alone for tp2ep4")
+    ap.add_argument("--profile", action="store_true", help="write torch.profiler tables of one step per library")
+    ap.add_argument("--out", default="benchmarks/out/train_step.json")
+    args = ap.parse_args()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    profile_dir = os.path.dirname(args.out) if args.profile else ""
+    load_before = os.getloadavg()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in args.k:
+            path = os.path.join(tmp, f"qwen3moe_k{k}")
+            build_checkpoint(path, k)
+            for name in args.layouts:
+                layout = LAYOUTS[name]
+                with_hf = not (args.no_hf_tp and layout["tp"] > 1)
+                per_rank = fmoe.testing.spawn(run_layout, layout["world"], path, layout, args.steps, args.warmup,
+                                              args.attn, with_hf, profile_dir, timeout=1800)
+                rows.append(summarize(per_rank, name, k))
+                _print_row(rows[-1])
+                sys.stdout.flush()
+    eff = _efficiency(rows)
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.platform(), cpus=os.cpu_count(),
+                torch=torch.__version__, transformers=__import__("transformers").__version__,
+                model=dict(V=V, D=D, I=I, E=E, layers=LAYERS, batch_per_rank=[B, S]), attn=args.attn,
+                steps=args.steps, warmup=args.warmup, loadavg_before=load_before, loadavg_after=os.getloadavg(),
+                command=" ".join(["python"] + sys.argv))
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows, efficiency=eff), f, indent=2)
+    print(f"\nload average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+    for e in eff:
+        print(f"distributed efficiency {e['library']:>12} K={e['k']} {e['layout']}: {e['efficiency']:.3f}")
+
+
+def _print_row(r: dict) -> None:
+    print(f"{r['layout']} K={r['k']} world={r['world']} tokens/step={r['tokens_per_step']}"
+          + (f" loss rel diff {r['loss_rel_diff_max']:.1e}" if "loss_rel_diff_max" in r else ""))
+    for n, t in r["median_s"].items():
+        ratio = r.get("ratio_median_of_steps", {}).get(n)
+        print(f"    {n:>12} {t:7.3f} s/step {r['tokens_per_s'][n]:8,.0f} tok/s  cpu {r['cpu_s_all_ranks'][n]:6.2f} s"
+              + (f"  x{ratio:.3f} of transformers (median of per-step ratios)" if ratio else ""))
+
+
+def _efficiency(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        if r["world"] == 1:
+            continue
+        single = next((s for s in rows if s["world"] == 1 and s["k"] == r["k"]), None)
+        if single is None:
+            continue
+        for lib in r["tokens_per_s"]:
+            if lib in single["tokens_per_s"]:
+                out.append(dict(library=lib, k=r["k"], layout=r["layout"],
+                                efficiency=r["tokens_per_s"][lib] / single["tokens_per_s"][lib]))
+    return out
+
+
+if __name__ == "__main__":
+    main()
