@@ -67,8 +67,14 @@ def _unpack(obj: Any) -> torch.Tensor:
     n = dist.get_world_size(recipe.group)
     local = recipe.local.movedim(recipe.dim, 0).contiguous()
     out = local.new_empty((local.shape[0] * n,) + tuple(local.shape[1:]))
-    dist.all_gather_into_tensor(out, local, group=recipe.group)
+    _all_gather_single(out, local, recipe.group)
     return out.as_strided(shape, stride, offset)   # same layout as the storage gathered in forward
+
+
+def _all_gather_single(out: torch.Tensor, local: torch.Tensor, group) -> None:
+    """torch's equal-piece all-gather (``all_gather_single`` where it exists, its older name
+    ``all_gather_into_tensor`` otherwise)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local, group=group)
 
 
 @contextlib.contextmanager

@@ -216,14 +216,16 @@ def _router(router, cfg: Config):
     return fmoe.aux_losses.with_losses(router, load_balance=cfg.router_aux_loss_coef) if cfg.output_router_logits else router
 
 
-def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str) -> tuple[torch.Tensor, dict]:
-    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=_router(fmoe.routing.topk_softmax(cfg.num_experts_per_tok), cfg),
+def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str,
+         router: Optional[Any] = None) -> tuple[torch.Tensor, dict]:
+    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=_router(router or fmoe.routing.topk_softmax(cfg.num_experts_per_tok), cfg),
                       mesh=mesh, impl=impl, act=fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit))
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux  # [B, S, D]
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
-            impl: str = "auto", return_aux: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, dict]]:
+            impl: str = "auto", return_aux: bool = False,
+            router: Optional[Any] = None) -> Union[torch.Tensor, tuple[torch.Tensor, dict]]:
     """Logits of the causal language model.
 
     Args:
@@ -233,6 +235,8 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep).
         impl: expert-parallel implementation for ``fmoe.moe`` (``"auto"``, ``"all_to_all"``, ...).
         return_aux: also return ``{"moe": [aux of each layer's fmoe.moe, in order]}``.
+        router: replaces the model's router in every MoE layer (any ``fmoe.routing`` router or
+            your own ``router(logits) -> Routing``): for routing research on a real model.
     Returns:
         logits ``[B, S, V]``, full on every rank; ``(logits, aux)`` with ``return_aux``.
 
@@ -255,7 +259,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     for layer, kind in zip(params["layers"], cfg.layer_types):
         window = cfg.sliding_window if kind == "sliding_attention" else None
         h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, window)
-        y, aux = _moe(layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, impl)
+        y, aux = _moe(layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, impl, router)
         h = h + y
         auxes.append(aux)
     h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)

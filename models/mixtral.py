@@ -195,14 +195,16 @@ def _router(router, cfg: Config):
     return fmoe.aux_losses.with_losses(router, load_balance=cfg.router_aux_loss_coef) if cfg.output_router_logits else router
 
 
-def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str) -> tuple[torch.Tensor, dict]:
-    router = fmoe.routing.topk(cfg.num_experts_per_tok, normalize=True)
+def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str,
+         router: Optional[Any] = None) -> tuple[torch.Tensor, dict]:
+    router = router or fmoe.routing.topk(cfg.num_experts_per_tok, normalize=True)
     y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=_router(router, cfg), mesh=mesh, impl=impl)  # [T, D]
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
-            impl: str = "auto", return_aux: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, dict]]:
+            impl: str = "auto", return_aux: bool = False,
+            router: Optional[Any] = None) -> Union[torch.Tensor, tuple[torch.Tensor, dict]]:
     """Logits of the causal language model.
 
     Args:
@@ -233,7 +235,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     auxes = []
     for layer in params["layers"]:
         h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg)
-        y, aux = _moe(layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, impl)
+        y, aux = _moe(layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, impl, router)
         h = h + y
         auxes.append(aux)
     h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)

@@ -215,14 +215,16 @@ def _router(router, cfg: Config):
     return fmoe.aux_losses.with_losses(router, load_balance=cfg.router_aux_loss_coef) if cfg.output_router_logits else router
 
 
-def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str) -> tuple[torch.Tensor, dict]:
-    router = fmoe.routing.topk(cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
+def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str,
+         router: Optional[Any] = None) -> tuple[torch.Tensor, dict]:
+    router = router or fmoe.routing.topk(cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
     y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=_router(router, cfg), mesh=mesh, impl=impl)  # [T, D]
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
-            impl: str = "auto", return_aux: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, dict]]:
+            impl: str = "auto", return_aux: bool = False,
+            router: Optional[Any] = None) -> Union[torch.Tensor, tuple[torch.Tensor, dict]]:
     """Logits of the causal language model.
 
     Args:
@@ -232,6 +234,8 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep).
         impl: expert-parallel implementation for ``fmoe.moe`` (``"auto"``, ``"all_to_all"``, ...).
         return_aux: also return ``{"moe": [aux of each MoE layer, in order]}``.
+        router: replaces the model's router in every MoE layer (any ``fmoe.routing`` router or
+            your own ``router(logits) -> Routing``): for routing research on a real model.
     Returns:
         logits ``[B, S, V]``, full on every rank; ``(logits, aux)`` with ``return_aux``.
 
@@ -255,7 +259,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg)
         x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
         if "moe" in layer:
-            y, aux = _moe(layer["moe"], x, cfg, mesh, impl)
+            y, aux = _moe(layer["moe"], x, cfg, mesh, impl, router)
             auxes.append(aux)
         else:
             y = nn.swiglu_mlp(x, layer["mlp"]["w_gate_up"], layer["mlp"]["w_down"])

@@ -44,20 +44,26 @@ class StepConfig:
         opt: AdamW hyper-parameters.
         impl: MoE dispatch implementation passed to the model.
         bias_rate: step of the aux-loss-free ``expert_bias`` update after each step (0: off).
+        router: replaces the model's router in every MoE layer (None: the model's own).
     """
 
     opt: AdamWConfig = AdamWConfig()
     impl: str = "auto"
     bias_rate: float = 1e-3
+    router: Optional[Any] = None
 
 
 def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh],
-                     impl: str = "auto") -> tuple[torch.Tensor, dict]:
+                     impl: str = "auto", router: Optional[Any] = None) -> tuple[torch.Tensor, dict]:
     """Logits and the model's aux (``{"moe": [per-layer dicts]}``; empty for dense models)."""
     sig = inspect.signature(model.forward).parameters
     kwargs = {}
     if "impl" in sig:
         kwargs["impl"] = impl
+    if router is not None:
+        if "router" not in sig:
+            raise ValueError(f"StepConfig.router: model {model.__name__} has no router to replace")
+        kwargs["router"] = router
     if "return_aux" in sig:
         return model.forward(params, tokens, cfg, mesh, return_aux=True, **kwargs)
     return model.forward(params, tokens, cfg, mesh, **kwargs), {}
@@ -115,7 +121,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     flat = _tree.flatten(params)
     train_paths = [p for p, t in flat.items() if t.requires_grad]
     with regather_in_backward():
-        logits, aux = forward_with_aux(model, params, tokens, cfg, mesh, step_cfg.impl)
+        logits, aux = forward_with_aux(model, params, tokens, cfg, mesh, step_cfg.impl, step_cfg.router)
         loss = cross_entropy(logits, targets)
         aux_total, aux_named = _aux_terms(aux)
         total = loss if aux_total is None else loss + mesh.num_batches * aux_total
