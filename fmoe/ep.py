@@ -51,7 +51,7 @@ from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, gro
 from .experts import Activation, expert_mlp, swiglu
 
 __all__ = ["LocalExperts", "register", "get", "registered", "local", "all_to_all_impl",
-           "all_reduce_impl", "sorted_by_expert"]
+           "all_reduce_impl", "sorted_by_expert", "pack_ids", "unpack_ids"]
 
 
 class LocalExperts:
@@ -145,6 +145,22 @@ def tp_slice_bounds(num_tokens: int, tp: int, rank: int) -> tuple[int, int]:
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}   # integer type of each element size
 
 
+def pack_ids(ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Integer ids (``-1`` allowed, ``|id| < 2**15`` for 2-byte dtypes) bit-cast to ``dtype`` so
+    they travel in the same all-to-all as the rows; :func:`unpack_ids` inverts it exactly.
+
+    Example:
+        >>> unpack_ids(pack_ids(torch.tensor([[3, -1]]), torch.bfloat16)).tolist()
+        [[3, -1]]
+    """
+    return ids.to(_BITS[torch.empty((), dtype=dtype).element_size()]).view(dtype)
+
+
+def unpack_ids(bits: torch.Tensor) -> torch.Tensor:
+    """The int64 ids packed by :func:`pack_ids` (no gradient)."""
+    return bits.detach().contiguous().view(_BITS[bits.element_size()]).long()
+
+
 def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh):
     """Token dispatch: once per (token, expert rank), weighted combine on the expert rank."""
     T, D = x.shape
@@ -165,8 +181,7 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh):
     on_rank = dest.index_select(0, pair_tok) == pair_rank.unsqueeze(1)          # [Pn, K]
     send_ids = torch.where(on_rank, (ids - dest * e_local).index_select(0, pair_tok), -1)
     send_w = torch.where(on_rank, ws.index_select(0, pair_tok), 0)             # [Pn, K]
-    id_bits = send_ids.to(_BITS[x.element_size()]).view(x.dtype)               # ids, bit-cast
-    payload = torch.cat([xs.index_select(0, pair_tok), send_w, id_bits], dim=1)  # [Pn, D + 2K]
+    payload = torch.cat([xs.index_select(0, pair_tok), send_w, pack_ids(send_ids, x.dtype)], dim=1)  # [Pn, D+2K]
     in_splits = torch.bincount(pair_rank, minlength=ep)
     # ---- split sizes (the host sync), then one exchange of rows + weights + ids
     out_splits = torch.empty_like(in_splits)
@@ -174,7 +189,7 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh):
     in_s, out_s = in_splits.tolist(), out_splits.tolist()
     recv = all_to_all(payload, out_s, in_s, ep_group)                           # [Nr, D + 2K]
     rows, recv_w, recv_bits = recv.split([D, K, K], dim=1)                      # backward: one cat
-    recv_ids = recv_bits.detach().contiguous().view(_BITS[x.element_size()]).long()
+    recv_ids = unpack_ids(recv_bits)                                            # [Nr, K]
     # ---- experts: one weighted row per received (token, rank)
     combined = _weighted_sum_per_row(rows, recv_w, recv_ids, experts)           # [Nr, D]
     back = all_to_all(combined, in_s, out_s, ep_group)                          # [Pn, D]

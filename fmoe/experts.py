@@ -147,12 +147,14 @@ class _SwiGLUExperts(torch.autograd.Function):
         if scale is not None:
             if need[1]:
                 dscale = torch.einsum("ni,ni->n", da, a)
-            a.mul_(scale.unsqueeze(-1))
-            da.mul_(scale.unsqueeze(-1))
+            a, da = a * scale.unsqueeze(-1), da * scale.unsqueeze(-1)
         dw_down = _gmm_wgrad(dy, a, offs, counts, grouped) if need[3] else None    # [E, D, I]
-        dh = torch.empty_like(h)                                                   # [N, 2I]: d gate | d up
-        torch.mul(da, s, out=dh[:, n_i:])
-        torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=dh[:, :n_i])
+        if torch.is_grad_enabled():   # double backward / torch.func: no out= or in-place ops
+            dh = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * s], dim=1)
+        else:                         # d gate | d up written straight into one buffer
+            dh = torch.empty_like(h)                                               # [N, 2I]
+            torch.mul(da, s, out=dh[:, n_i:])
+            torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=dh[:, :n_i])
         dx = _gmm(dh, w_gate_up, offs, counts, grouped, trans=False) if need[0] else None
         dw_gate_up = _gmm_wgrad(dh, x, offs, counts, grouped) if need[2] else None  # [E, 2I, D]
         return dx, dscale, dw_gate_up, dw_down, None, None, None

@@ -1,0 +1,127 @@
+"""The fast paths: fused SwiGLU experts, ids packed into the dispatch payload, the number of
+collectives per layer, and the GPU benchmark script's CPU dry run.
+
+The fused expert Function (routing weight folded into the hidden activation, hand-written
+backward) must give the plain autograd result of ``scale * expert(x)`` for every input, on both
+matmul paths, with empty experts and with no rows at all; fp32, rtol 1e-5.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fmoe
+from fmoe.ep import pack_ids, unpack_ids
+from fmoe.experts import expert_mlp
+from fmoe.testing import spawn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def reference(x, counts, wgu, wd, scale):
+    """Expert by expert with autograd: ``scale[n] * down(silu(gate) * up)``."""
+    outs = []
+    for e, xe in enumerate(x.split(counts)):
+        gate, up = (xe @ wgu[e].t()).chunk(2, dim=-1)
+        outs.append((torch.nn.functional.silu(gate) * up) @ wd[e].t())
+    y = torch.cat(outs)
+    return y if scale is None else y * scale.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("matmul", ["grouped", "loop"])
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 0, 0], [9, 0, 0, 0]])
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_fused_swiglu_experts_match_autograd(matmul, counts, with_scale):
+    g = torch.Generator().manual_seed(sum(counts) + with_scale)
+    N, D, I, E = sum(counts), 8, 4, len(counts)
+    x, gy = torch.randn(N, D, generator=g), torch.randn(N, D, generator=g)
+    wgu, wd = torch.randn(E, 2 * I, D, generator=g), torch.randn(E, D, I, generator=g)
+    scale = torch.rand(N, generator=g) if with_scale else None
+    results = []
+    for fn in (lambda *a: expert_mlp(*a[:4], impl=matmul, scale=a[4]), reference):
+        leaves = [t.clone().requires_grad_() for t in (x, wgu, wd)] + ([scale.clone().requires_grad_()] if with_scale else [])
+        y = fn(leaves[0], counts, leaves[1], leaves[2], leaves[3] if with_scale else None)
+        results.append((y, torch.autograd.grad(y, leaves, gy, allow_unused=True)))
+    (y, grads), (y_ref, grads_ref) = results
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, grads_ref):
+        assert a is not None  # idle experts get zeros, never None
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_experts_under_torch_func_grad():
+    g = torch.Generator().manual_seed(0)
+    x, wgu, wd = torch.randn(6, 8, generator=g), torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 4, generator=g)
+    f = lambda w: expert_mlp(x, [4, 2], w, wd).square().sum()  # noqa: E731
+    r = lambda w: reference(x, [4, 2], w, wd, None).square().sum()  # noqa: E731
+    torch.testing.assert_close(torch.func.grad(f)(wgu), torch.func.grad(r)(wgu), rtol=1e-5, atol=1e-6)
+
+
+def test_expert_mlp_rejects_bad_scale():
+    with pytest.raises(ValueError, match=r"scale must have shape \(5,\)"):
+        expert_mlp(torch.randn(5, 8), [5], torch.randn(1, 8, 8), torch.randn(1, 8, 4), scale=torch.ones(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_ids_survive_the_payload_bit_cast(dtype):
+    ids = torch.tensor([[0, -1, 5], [127, 255, 32767], [-1, -1, 1]])
+    bits = pack_ids(ids, dtype)
+    assert bits.dtype == dtype
+    payload = torch.cat([torch.randn(3, 4).to(dtype), bits], dim=1)   # travels as one tensor
+    assert torch.equal(unpack_ids(payload[:, 4:]), ids)
+
+
+def _count_collectives(rank, world):
+    """Collectives one MoE layer issues, forward and backward, with token dispatch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                calls.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    mesh = fmoe.Mesh(tp=1, ep=world)
+    g = torch.Generator().manual_seed(0)
+    p = {"router": torch.randn(8, 16, generator=g), "w_gate_up": torch.randn(8, 8, 16, generator=g),
+         "w_down": torch.randn(8, 16, 4, generator=g)}
+    p = fmoe.shard({k: v.requires_grad_() for k, v in p.items()},
+                   fmoe.Plan({"router": "replicate", "w_*": "expert"}), mesh)
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(1 + rank)).requires_grad_()
+    router = fmoe.routing.topk(3)
+    y, aux = fmoe.moe(p, x, router=router, mesh=mesh, impl="all_to_all")  # warm (no counting)
+    with Count():
+        y, aux = fmoe.moe(p, x, router=router, mesh=mesh, impl="all_to_all")
+        fwd = list(calls)
+        y.square().sum().backward()
+    ids = router(x.detach() @ p["router"].to_local().detach().t()).expert_ids
+    remote = {(t, int(e) // (8 // world)) for t in range(12) for e in ids[t]} - {(t, rank) for t in range(12)}
+    return fwd, calls[len(fwd):], int(aux["dispatch_rows"]), len(remote)
+
+
+def test_token_dispatch_uses_three_collectives_forward_two_backward():
+    for fwd, bwd, rows, want_rows in spawn(_count_collectives, 2):
+        assert fwd.count("c10d::alltoall_base_") == 3, fwd     # split sizes, payload (rows+weights+ids), combine
+        assert bwd.count("c10d::alltoall_base_") == 2, bwd     # the two data exchanges in reverse
+        assert rows == want_rows                                # distinct (token, remote rank) pairs
+
+
+def _bench_gpu(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "benchmarks/bench_gpu.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_gpu_dry_run_and_clear_error_without_cuda(tmp_path):
+    out = tmp_path / "gpu.json"
+    r = _bench_gpu("--dry-run", "--reps", "2", "--warmup", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "fmoe.moe layer" in r.stdout and out.exists()
+    if not torch.cuda.is_available():
+        r = _bench_gpu("--reps", "1")
+        assert r.returncode == 2 and "CUDA is not available" in r.stderr and "--dry-run" in r.stderr
