@@ -12,6 +12,10 @@ Per rank: ``T`` tokens of width ``D`` (each rank its own batch, like FSDP data p
   ``from_pretrained(..., distributed_config=DistributedConfig(ep_size=...))`` installs; in one
   process its ``Qwen3MoeSparseMoeBlock``.
 
+Timing: the implementations alternate step by step (order rotated), each step between barriers;
+``ms`` is the median step time (slowest rank), ``x hf`` the median of the per-step ratios to
+transformers' same implementation, ``cpu ms`` the median CPU time summed over ranks.
+
 Layouts: ``single`` (1 process), ``ep`` (``tp=1, ep=world``: every rank its own batch; token
 dispatch) and ``shared`` (``tp=ep=world``: the group shares one batch, where ``all_reduce``
 applies; token dispatch slices the rows over tp). Every row is checked for parity first: fmoe's
@@ -226,17 +230,20 @@ def run_rank(rank: int, world: int, layouts: list, ks: list, T: int, steps: int,
                                                msg=lambda m: f"{layout} K={K} {impl} {what}: {m}")
             comm = {name: count_comm(lambda: fwd_bwd(*lay, x, gy)) for name, lay in runs.items()}
             times = {name: [] for name in runs}
+            cpu = {name: [] for name in runs}
             names = list(runs)
             for i in range(warmup + steps):
                 for name in names[i % len(names):] + names[:i % len(names)]:
                     barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     fwd_bwd(*runs[name], x, gy)
+                    c1 = time.process_time()
                     barrier()
                     if i >= warmup:
                         times[name].append(time.perf_counter() - t0)
+                        cpu[name].append(c1 - c0)
             ids = torch.topk(x @ w["router"].t(), K).indices
-            out.append(dict(layout=layout, world=world, K=K, times=times, comm=comm,
+            out.append(dict(layout=layout, world=world, K=K, times=times, cpu=cpu, comm=comm,
                             experts=expert_fraction(x, ids, w, mesh, max(3, steps // 2))))
     return out
 
@@ -244,20 +251,21 @@ def run_rank(rank: int, world: int, layouts: list, ks: list, T: int, steps: int,
 def summarize(per_rank: list) -> list:
     rows = []
     for i, r0 in enumerate(per_rank[0]):
-        for name, ts in r0["times"].items():
-            step = [max(r[i]["times"][name][j] for r in per_rank) for j in range(len(ts))]
+        steps = {name: [max(r[i]["times"][name][j] for r in per_rank) for j in range(len(ts))]
+                 for name, ts in r0["times"].items()}
+        for name, step in steps.items():
+            hf = steps["transformers " + name.split()[1]]
             rows.append(dict(layout=r0["layout"], world=r0["world"], K=r0["K"], impl=name,
                              median_ms=1e3 * statistics.median(step),
+                             vs_transformers=statistics.median([a / b for a, b in zip(step, hf)]),
+                             cpu_ms_all_ranks=1e3 * statistics.median(
+                                 [sum(r[i]["cpu"][name][j] for r in per_rank) for j in range(len(step))]),
                              sent_MB_per_rank=statistics.mean(r[i]["comm"][name]["bytes"] for r in per_rank) / 1e6,
                              a2a_rows_per_rank=statistics.mean(r[i]["comm"][name]["a2a_rows"] for r in per_rank),
                              collective_calls=r0["comm"][name]["calls"],
                              expert_fraction_of_mm=min(r[i]["experts"]["fraction"] for r in per_rank),
                              expert_gflops=statistics.mean(r[i]["experts"]["expert_gflops"] for r in per_rank),
                              mm_gflops=statistics.mean(r[i]["experts"]["mm_gflops"] for r in per_rank)))
-    base = {(r["layout"], r["world"], r["K"], r["impl"].split()[1]): r["median_ms"] for r in rows
-            if r["impl"].startswith("transformers")}
-    for r in rows:
-        r["vs_transformers"] = r["median_ms"] / base[(r["layout"], r["world"], r["K"], r["impl"].split()[1])]
     return rows
 
 
@@ -272,7 +280,7 @@ def main() -> None:
     args = ap.parse_args()
     load_before = os.getloadavg()
     rows = []
-    print(f"{'layout':>7} {'ranks':>5} {'K':>2} {'implementation':>24} | {'ms':>7} {'x hf':>5} | "
+    print(f"{'layout':>7} {'ranks':>5} {'K':>2} {'implementation':>24} | {'ms':>7} {'x hf':>5} {'cpu ms':>7} | "
           f"{'MB sent':>7} {'a2a rows':>8} {'calls':>5} | experts: {'GF/s':>5} of mm {'GF/s':>5} = frac")
     for world in args.worlds:
         layouts = ["single"] if world == 1 else ["ep", "shared"]
@@ -281,7 +289,8 @@ def main() -> None:
         for r in summarize(per_rank):
             rows.append(r)
             print(f"{r['layout']:>7} {r['world']:>5} {r['K']:>2} {r['impl']:>24} | {r['median_ms']:7.1f} "
-                  f"{r['vs_transformers']:5.2f} | {r['sent_MB_per_rank']:7.2f} {r['a2a_rows_per_rank']:8.0f} "
+                  f"{r['vs_transformers']:5.2f} {r['cpu_ms_all_ranks']:7.0f} | {r['sent_MB_per_rank']:7.2f} "
+                  f"{r['a2a_rows_per_rank']:8.0f} "
                   f"{r['collective_calls']:5d} | {r['expert_gflops']:5.0f} of {r['mm_gflops']:5.0f} = "
                   f"{r['expert_fraction_of_mm']:.2f}")
             sys.stdout.flush()

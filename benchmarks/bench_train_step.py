@@ -133,30 +133,62 @@ def _profile(fn, path: str) -> None:
         f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
 
 
-def run_layout(rank: int, world: int, path: str, layout: dict, steps: int, warmup: int, attn: str,
-               with_hf: bool, profile_dir: str) -> dict:
-    """On each rank: load both models, then alternate timed steps. Returns per-step times and losses."""
+def _sdpa_attention(q, k, v, *, causal=True, window=None, sinks=None, scale=None, num_kv_groups=None):
+    """EXPERIMENT ONLY (``--runners fmoe_sdpa``): ``fmoe.nn.attention`` computed by
+    ``F.scaled_dot_product_attention`` (Qwen3 here has no window and no sinks)."""
+    from einops import rearrange
+
+    assert window is None and sinks is None
+    heads = lambda t: rearrange(t, "b s h d -> b h s d")  # noqa: E731
+    o = torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=causal,
+                                                         scale=scale, enable_gqa=True)
+    return rearrange(o, "b h s d -> b s h d")
+
+
+def _with_sdpa(fn):
+    import fmoe.nn as nn
+
+    def run():
+        orig, nn.attention = nn.attention, _sdpa_attention
+        try:
+            return fn()
+        finally:
+            nn.attention = orig
+
+    return run
+
+
+def run_layout(rank: int, world: int, path: str, layout: dict, names: list, steps: int, warmup: int,
+               attn: str, profile_dir: str) -> dict:
+    """On each rank: load every runner's model, then alternate timed steps (order rotated every
+    step). Returns per-step wall and CPU times and losses per runner."""
+    import warnings
+
     import torch.distributed as dist
 
+    warnings.filterwarnings("ignore")
     distributed = world > 1
     mesh = fmoe.Mesh(tp=layout["tp"], ep=layout["ep"]) if distributed else None
     batches = all_batches(world // layout["tp"] if distributed else SINGLE_BATCHES)
     tokens = batches[mesh.batch_index] if distributed else batches.reshape(-1, S)   # [B, S] / [4B, S]
-    params, cfg = _fmoe_params(path, mesh)
-    runners = {"fmoe": lambda: fmoe_step(params, cfg, mesh, tokens)}
-    if distributed:
-        fsdp_params, _ = _fmoe_params(path, mesh, fsdp=True)
-        runners["fmoe_fsdp"] = lambda: fmoe_step(fsdp_params, cfg, mesh, tokens)
-    if with_hf:
-        model = _hf_model(path, layout, attn)
-        runners["transformers"] = lambda: hf_step(model, tokens)
+    runners = {}
+    for name in names:
+        if name == "transformers":
+            model = _hf_model(path, layout, attn)
+            runners[name] = (lambda m: lambda: hf_step(m, tokens))(model)
+        elif name == "fmoe_fsdp" and not distributed:
+            continue
+        else:
+            params, cfg = _fmoe_params(path, mesh, fsdp=name == "fmoe_fsdp")
+            step = (lambda p, c: lambda: fmoe_step(p, c, mesh, tokens))(params, cfg)
+            runners[name] = _with_sdpa(step) if name == "fmoe_sdpa" else step
     barrier = dist.barrier if distributed else (lambda: None)
     times = {name: [] for name in runners}
     cpu = {name: [] for name in runners}
     losses = {name: [] for name in runners}
-    names = list(runners)
+    order = list(runners)
     for i in range(warmup + steps):
-        for name in (names if i % 2 == 0 else names[::-1]):
+        for name in order[i % len(order):] + order[:i % len(order)]:
             barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             loss = runners[name]()
@@ -166,12 +198,12 @@ def run_layout(rank: int, world: int, path: str, layout: dict, steps: int, warmu
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(c1 - c0)
             losses[name].append(loss)
-    if profile_dir and rank == 0:
+    if profile_dir:
         for name, fn in runners.items():
-            _profile(fn, os.path.join(profile_dir, f"profile_{name}_{_tag(layout)}.txt"))
-    elif profile_dir:
-        for fn in runners.values():
-            fn()
+            if rank == 0:
+                _profile(fn, os.path.join(profile_dir, f"profile_{name}_{_tag(layout)}.txt"))
+            else:
+                fn()
     return dict(times=times, cpu=cpu, losses=losses, tokens_per_step=int(tokens.numel()) * (world // layout["tp"])
                 if distributed else int(tokens.numel()), threads=torch.get_num_threads())
 
@@ -216,7 +248,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="timed steps per library")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--attn", default="sdpa", help="transformers attn_implementation (its default: sdpa)")
-    ap.add_argument("--no-hf-tp", action="store_true", help="fmoe alone for tp2ep4")
+    ap.add_argument("--runners", nargs="+", default=["fmoe", "fmoe_fsdp", "transformers"],
+                    choices=["fmoe", "fmoe_fsdp", "fmoe_sdpa", "transformers"],
+                    help="fmoe: load_hf default plan (dense replicated, grads all-reduced); fmoe_fsdp: dense "
+                         "FSDP like transformers; fmoe_sdpa: EXPERIMENT, fmoe with SDPA attention patched in")
     ap.add_argument("--profile", action="store_true", help="write torch.profiler tables of one step per library")
     ap.add_argument("--out", default="benchmarks/out/train_step.json")
     args = ap.parse_args()
@@ -230,9 +265,8 @@ def main() -> None:
             build_checkpoint(path, k)
             for name in args.layouts:
                 layout = LAYOUTS[name]
-                with_hf = not (args.no_hf_tp and layout["tp"] > 1)
-                per_rank = fmoe.testing.spawn(run_layout, layout["world"], path, layout, args.steps, args.warmup,
-                                              args.attn, with_hf, profile_dir, timeout=1800)
+                per_rank = fmoe.testing.spawn(run_layout, layout["world"], path, layout, args.runners, args.steps,
+                                              args.warmup, args.attn, profile_dir, timeout=1800)
                 rows.append(summarize(per_rank, name, k))
                 _print_row(rows[-1])
                 sys.stdout.flush()

@@ -141,6 +141,8 @@ def _gather(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Ten
         xm = torch.cat([xm, pad])
     out = xm.new_empty((m * len(sizes),) + tuple(xm.shape[1:]))
     dist.all_gather_into_tensor(out, xm, group=group)
+    if all(s == m for s in sizes):          # equal slices (FSDP, TP): no unpadding copy
+        return out.movedim(0, dim)
     pieces = [out[i * m: i * m + s] for i, s in enumerate(sizes)]
     return torch.cat(pieces).movedim(0, dim)
 
