@@ -13,12 +13,16 @@ copy_to            identity                   sum over the group
 all_gather         concat slices (uneven ok)  reduce-scatter: sum, keep own slice
 gather_replicated  concat slices (uneven ok)  keep own slice (output used identically)
 reduce_scatter     sum, keep own slice        all-gather
+split_to           keep own slice             all-gather of the slices' gradients
 =================  =========================  ==========================================
 
 ``all_gather`` is the exact adjoint for a gathered tensor that each rank uses in a *different*
 loss; ``gather_replicated`` is for the usual tensor-parallel case where every rank of the group
 computes the *same* loss on the replicated result (summing would multiply gradients by the
-group size).
+group size). ``split_to`` is for a replicated input of which each rank of the group processes
+a disjoint slice (token dispatch with ``tp > 1``): its gradient lives on the slice only, so
+gathering the slices gives every rank the full gradient at half the bytes of ``copy_to``'s
+all-reduce.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_to_all", "all_reduce", "copy_to", "all_gather", "gather_replicated",
-           "reduce_scatter", "group_size", "all_gather_sizes"]
+           "reduce_scatter", "split_to", "group_size", "all_gather_sizes"]
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -239,3 +243,45 @@ def reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} is not divisible by group size {n}")
     return _ReduceScatter.apply(x, dim, group)
+
+
+class _SplitTo(torch.autograd.Function):
+    @staticmethod
+    def forward(x, dim, sizes, group):
+        r = dist.get_rank(group)
+        return x.narrow(dim, sum(sizes[:r]), sizes[r])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.dim, ctx.sizes, ctx.group = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.sizes, ctx.group), None, None, None
+
+
+def split_to(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequence[int], dim: int = 0) -> torch.Tensor:
+    """This rank's slice of a tensor replicated over ``group`` (``sizes[r]`` along ``dim`` for
+    rank r, uneven or empty allowed). Backward: the slices' gradients all-gathered, so every
+    rank gets the full gradient (each slice's gradient is nonzero on its own rows only).
+
+    Args:
+        x: the replicated tensor; ``x.shape[dim] == sum(sizes)``.
+        group: process group (None: single process, returns ``x``).
+        sizes: slice length per rank.
+        dim: the split dimension.
+    Returns:
+        ``x.narrow(dim, sum(sizes[:rank]), sizes[rank])``.
+
+    Example:
+        >>> split_to(torch.ones(4, 2), None, [4]).shape
+        torch.Size([4, 2])
+    """
+    sizes = [int(s) for s in sizes]
+    if x.shape[dim] != sum(sizes):
+        raise ValueError(f"split_to: x has {x.shape[dim]} entries on dim {dim} but sizes {sizes} sum to {sum(sizes)}")
+    if group_size(group) == 1:
+        return x
+    if len(sizes) != group_size(group):
+        raise ValueError(f"split_to: sizes {sizes} must have one entry per rank of the group ({group_size(group)})")
+    return _SplitTo.apply(x, dim, sizes, group)

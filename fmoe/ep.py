@@ -25,9 +25,9 @@ rank)**; the source adds them up. Per layer that is three collectives forward (s
 payload, combine; the split-size exchange is the one host sync) and two backward. Both data
 exchanges are differentiable all-to-alls, so gradients of the routing weights travel back to
 the token's rank. The TP slices are reassembled with an all-gather whose backward keeps each
-rank's slice, and the inputs (tokens and weights, concatenated: one all-reduce in backward)
-enter through ``copy_to`` over tp, so every TP rank ends with the full-batch gradient of ``x``
-and the router. It also returns ``{"dispatch_rows": ...}`` (rows sent to other ranks) for the
+rank's slice, and each rank takes its slice of the inputs (tokens and weights, concatenated)
+with ``split_to``, whose backward all-gathers the slices' gradients, so every TP rank ends
+with the full-batch gradient of ``x`` and the router. It also returns ``{"dispatch_rows": ...}`` (rows sent to other ranks) for the
 layer's aux.
 
 ``all_reduce`` (masking; needs ``ep == tp``, i.e. the expert group shares one batch). Each rank
@@ -47,7 +47,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, group_size
+from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, group_size, split_to
 from .experts import Activation, expert_mlp, swiglu
 
 __all__ = ["LocalExperts", "register", "get", "registered", "local", "all_to_all_impl",
@@ -168,10 +168,12 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh):
     ep, tp, me = mesh.ep, mesh.tp, mesh.rank_in("ep")
     e_local = experts.num_local
     # ---- this TP rank's disjoint slice of the rows
+    sizes = [b - a for a, b in (tp_slice_bounds(T, tp, r) for r in range(tp))]
     start, stop = tp_slice_bounds(T, tp, mesh.rank_in("tp"))
-    xs, ws = _replicated_inputs(x, weights, tp_group)
-    if tp > 1:                                                                  # (no slice op for tp=1)
-        xs, ws = xs[start:stop], ws[start:stop]                                 # [Ts, D], [Ts, K]
+    if tp > 1:  # own slice; backward all-gathers the slices' gradients (half copy_to's bytes)
+        xs, ws = split_to(torch.cat([x, weights.to(x.dtype)], dim=1), tp_group, sizes).split([D, weights.shape[1]], 1)
+    else:
+        xs, ws = x, weights.to(x.dtype)                                         # [Ts, D], [Ts, K]
     ids = expert_ids[start:stop]                                                # [Ts, K]
     Ts, K = ids.shape
     # ---- (token, destination rank) pairs, once per rank, grouped by rank (no sort)
@@ -195,7 +197,6 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh):
     back = all_to_all(combined, in_s, out_s, ep_group)                          # [Pn, D]
     ys = back.new_zeros(Ts, D).index_add(0, pair_tok, back)
     # ---- reassemble the TP slices (each rank keeps its own slice's gradient)
-    sizes = [b - a for a, b in (tp_slice_bounds(T, tp, r) for r in range(tp))]
     y = gather_replicated(ys, tp_group, dim=0, sizes=sizes)
     return y, {"dispatch_rows": torch.tensor(sum(in_s) - in_s[me])}
 

@@ -1,5 +1,5 @@
 """The fast paths: fused SwiGLU experts, ids packed into the dispatch payload, the number of
-collectives per layer, and the GPU benchmark script's CPU dry run.
+collectives per layer, ``split_to``, and the GPU benchmark script's CPU dry run.
 
 The fused expert Function (routing weight folded into the hidden activation, hand-written
 backward) must give the plain autograd result of ``scale * expert(x)`` for every input, on both
@@ -101,14 +101,37 @@ def _count_collectives(rank, world):
         y.square().sum().backward()
     ids = router(x.detach() @ p["router"].to_local().detach().t()).expert_ids
     remote = {(t, int(e) // (8 // world)) for t in range(12) for e in ids[t]} - {(t, rank) for t in range(12)}
-    return fwd, calls[len(fwd):], int(aux["dispatch_rows"]), len(remote)
+    return fwd, calls[len(fwd):], int(aux["dispatch_rows"]), len(remote), _split_to_checks(rank)
 
 
-def test_token_dispatch_uses_three_collectives_forward_two_backward():
-    for fwd, bwd, rows, want_rows in spawn(_count_collectives, 2):
+def _split_to_checks(rank):
+    """split_to: own slice forward; backward = the sum over ranks of each slice's gradient."""
+    import torch.distributed as dist
+
+    from fmoe.collectives import split_to
+
+    ok = []
+    for sizes, dim in (([2, 1], 0), ([0, 3], 0), ([1, 2], 1)):
+        x = torch.arange(3.0 * 4).view(3, 4)
+        x = (x if dim == 0 else x.t().contiguous()).requires_grad_()
+        y = split_to(x, dist.group.WORLD, sizes, dim=dim)
+        coef = torch.arange(y.numel(), dtype=torch.float32).view_as(y) + 10 * rank
+        (y * coef).sum().backward()
+        want = torch.zeros_like(x)            # what an all-reduce of the zero-padded gradients gives
+        for r in range(2):
+            start = sum(sizes[:r])
+            c = torch.arange(x.narrow(dim, start, sizes[r]).numel(), dtype=torch.float32) + 10 * r
+            want.narrow(dim, start, sizes[r]).copy_(c.view_as(x.narrow(dim, start, sizes[r])))
+        ok.append(torch.equal(y, x.detach().narrow(dim, sum(sizes[:rank]), sizes[rank])) and torch.equal(x.grad, want))
+    return ok
+
+
+def test_token_dispatch_uses_three_collectives_forward_two_backward_and_split_to():
+    for fwd, bwd, rows, want_rows, split_ok in spawn(_count_collectives, 2):
         assert fwd.count("c10d::alltoall_base_") == 3, fwd     # split sizes, payload (rows+weights+ids), combine
         assert bwd.count("c10d::alltoall_base_") == 2, bwd     # the two data exchanges in reverse
         assert rows == want_rows                                # distinct (token, remote rank) pairs
+        assert split_ok == [True, True, True]
 
 
 def _bench_gpu(*args):
@@ -125,3 +148,10 @@ def test_bench_gpu_dry_run_and_clear_error_without_cuda(tmp_path):
     if not torch.cuda.is_available():
         r = _bench_gpu("--reps", "1")
         assert r.returncode == 2 and "CUDA is not available" in r.stderr and "--dry-run" in r.stderr
+
+
+def test_split_to_validates_sizes():
+    from fmoe.collectives import split_to
+
+    with pytest.raises(ValueError, match=r"sizes \[3\] sum to 3"):
+        split_to(torch.ones(4, 2), None, [3])
