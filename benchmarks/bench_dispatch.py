@@ -78,12 +78,13 @@ def _collective_bytes(func, args) -> tuple[int, int]:
         pgs = [a for a in args if hasattr(a, "size") and hasattr(a, "rank") and not isinstance(a, torch.Tensor)]
         names = [a for a in args if isinstance(a, str)]
         n = pgs[0].size() if pgs else dist.get_world_size(_resolve_process_group(names[0])) if names else 1
+        sizes = [t.nbytes for t in tensors]
         if "allreduce" in name or "all_reduce" in name:
-            return int(2 * (n - 1) / n * tensors[0].nbytes), 0
-        if "allgather" in name or "all_gather" in name:
-            return int((n - 1) * tensors[-1].nbytes) if "_base" in name else int((n - 1) / n * tensors[0].nbytes), 0
-        if "reduce_scatter" in name:
-            return int((n - 1) / n * tensors[-1 if "_base" in name else 0].nbytes), 0
+            return int(2 * (n - 1) / n * max(sizes)), 0
+        if "allgather" in name or "all_gather" in name:       # input = this rank's piece
+            return int((n - 1) * min(sizes)), 0
+        if "reduce_scatter" in name:                          # input = the full tensor
+            return int((n - 1) / n * max(sizes)), 0
         return 0, 0
     rows_total = inp.shape[0]
     in_s = list(in_s) or [rows_total // n] * n
