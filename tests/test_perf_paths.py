@@ -1,5 +1,5 @@
 """The fast paths: fused SwiGLU experts, ids packed into the dispatch payload, the number of
-collectives per layer, ``split_to``, and the GPU benchmark script's CPU dry run.
+collectives per layer, ``split_to``, ``all_reduce_coalesced`` and the GPU benchmark script's CPU dry run.
 
 The fused expert Function (routing weight folded into the hidden activation, hand-written
 backward) must give the plain autograd result of ``scale * expert(x)`` for every input, on both
@@ -101,7 +101,22 @@ def _count_collectives(rank, world):
         y.square().sum().backward()
     ids = router(x.detach() @ p["router"].to_local().detach().t()).expert_ids
     remote = {(t, int(e) // (8 // world)) for t in range(12) for e in ids[t]} - {(t, rank) for t in range(12)}
-    return fwd, calls[len(fwd):], int(aux["dispatch_rows"]), len(remote), _split_to_checks(rank)
+    return fwd, calls[len(fwd):], int(aux["dispatch_rows"]), len(remote), _split_to_checks(rank) + [_coalesced_ok(rank)]
+
+
+def _coalesced_ok(rank):
+    """all_reduce_coalesced == one all_reduce per tensor (mixed shapes and dtypes)."""
+    import torch.distributed as dist
+
+    from fmoe.collectives import all_reduce_coalesced
+
+    ts = [torch.arange(6.0).view(2, 3) + rank, torch.tensor([rank], dtype=torch.int64), torch.ones(4, dtype=torch.float64)]
+    want = [t.clone() for t in ts]
+    for w in want:
+        dist.all_reduce(w)
+    got = all_reduce_coalesced(ts, dist.group.WORLD)
+    unchanged = torch.equal(ts[0], torch.arange(6.0).view(2, 3) + rank)
+    return unchanged and all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want))
 
 
 def _split_to_checks(rank):
@@ -131,7 +146,7 @@ def test_token_dispatch_uses_three_collectives_forward_two_backward_and_split_to
         assert fwd.count("c10d::alltoall_base_") == 3, fwd     # split sizes, payload (rows+weights+ids), combine
         assert bwd.count("c10d::alltoall_base_") == 2, bwd     # the two data exchanges in reverse
         assert rows == want_rows                                # distinct (token, remote rank) pairs
-        assert split_ok == [True, True, True]
+        assert split_ok == [True, True, True, True]            # split_to cases, all_reduce_coalesced
 
 
 def _bench_gpu(*args):
