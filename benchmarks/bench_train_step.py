@@ -20,6 +20,11 @@ Layouts (``--layouts``):
 - ``ep4``: 4 ranks, ``tp=1, fsdp=4, ep=4`` (each rank its own batch);
 - ``tp2ep4``: 4 ranks, ``tp=2, fsdp=2, ep=4`` (TP pairs share a batch).
 
+Experiments (``--runners fmoe_sdpa fmoe_exp``, clearly not the library as shipped): fmoe with
+``fmoe.nn.attention`` computed by ``scaled_dot_product_attention``, and additionally with the
+gradient all-reduce coalesced into one collective per mesh axis; they measure what two changes
+outside the MoE code would buy.
+
 Distributed efficiency = tokens/s of the 4-rank run / tokens/s of the single process, per
 library, from the same script invocation (same cores, same tokens per step).
 
@@ -107,8 +112,9 @@ def hf_step(model, tokens: torch.Tensor) -> float:
     return float(loss.detach())
 
 
-def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto") -> float:
-    """Forward + backward of the same loss; gradients reduced over the data-parallel ranks."""
+def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto", coalesced: bool = False) -> float:
+    """Forward + backward of the same loss; gradients reduced over the data-parallel ranks
+    (``fmoe.train.grads.reduce_grads``, or the ``coalesced`` experiment)."""
     from fmoe.models import qwen3_moe
     from fmoe.nn import cross_entropy
     from fmoe.regather import regather_in_backward
@@ -119,9 +125,39 @@ def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto") -> fl
         logits = qwen3_moe.forward(params, tokens, cfg, mesh, impl=impl)
         loss = cross_entropy(logits[:, :-1], tokens[:, 1:])
         grads = torch.autograd.grad(loss, leaves)
-    if mesh is not None:
+    if mesh is not None and coalesced:
+        _reduce_grads_coalesced(grads, mesh)
+    elif mesh is not None:
         reduce_grads(fmoe.tree.unflatten(dict(zip(fmoe.tree.paths(params), grads)), like=params), params, mesh)
     return float(loss.detach())
+
+
+def _reduce_grads_coalesced(grads, mesh) -> list:
+    """EXPERIMENT ONLY (runner ``fmoe_exp``): what ``reduce_grads`` does (sum over the data axes
+    a leaf is replicated on, and over Partial axes; divide by the number of batches) with one
+    ``all_reduce_coalesced`` per mesh axis instead of one all-reduce per leaf. Returns local
+    tensors (no DTensor re-wrapping)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from fmoe.collectives import all_reduce_coalesced
+    from fmoe.train.grads import DATA_AXES
+
+    local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+    for axis in ("tp", "ep", "fsdp", "efsdp", "dp_replicate"):     # the same order on every rank
+        todo = []
+        for i, g in enumerate(grads):
+            if not isinstance(g, DTensor) or axis not in g.device_mesh.mesh_dim_names:
+                continue
+            d = g.device_mesh.mesh_dim_names.index(axis)
+            pl = g.placements[d]
+            if g.device_mesh.mesh.shape[d] > 1 and (isinstance(pl, Partial) or
+                                                    (isinstance(pl, Replicate) and axis in DATA_AXES)):
+                todo.append((i, g.device_mesh.get_group(axis)))
+        for group in {id(gr): gr for _, gr in todo}.values():
+            idx = [i for i, gr in todo if gr is group]
+            for i, t in zip(idx, all_reduce_coalesced([local[i] for i in idx], group)):
+                local[i] = t
+    return [t / mesh.num_batches for t in local]
 
 
 def _profile(fn, path: str) -> None:
@@ -180,8 +216,8 @@ def run_layout(rank: int, world: int, path: str, layout: dict, names: list, step
             continue
         else:
             params, cfg = _fmoe_params(path, mesh, fsdp=name == "fmoe_fsdp")
-            step = (lambda p, c: lambda: fmoe_step(p, c, mesh, tokens))(params, cfg)
-            runners[name] = _with_sdpa(step) if name == "fmoe_sdpa" else step
+            step = (lambda p, c: lambda: fmoe_step(p, c, mesh, tokens, coalesced=name == "fmoe_exp"))(params, cfg)
+            runners[name] = _with_sdpa(step) if name in ("fmoe_sdpa", "fmoe_exp") else step
     barrier = dist.barrier if distributed else (lambda: None)
     times = {name: [] for name in runners}
     cpu = {name: [] for name in runners}
@@ -249,9 +285,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--attn", default="sdpa", help="transformers attn_implementation (its default: sdpa)")
     ap.add_argument("--runners", nargs="+", default=["fmoe", "fmoe_fsdp", "transformers"],
-                    choices=["fmoe", "fmoe_fsdp", "fmoe_sdpa", "transformers"],
+                    choices=["fmoe", "fmoe_fsdp", "fmoe_sdpa", "fmoe_exp", "transformers"],
                     help="fmoe: load_hf default plan (dense replicated, grads all-reduced); fmoe_fsdp: dense "
-                         "FSDP like transformers; fmoe_sdpa: EXPERIMENT, fmoe with SDPA attention patched in")
+                         "FSDP like transformers; EXPERIMENTS (patched in the benchmark, not the library): "
+                         "fmoe_sdpa = fmoe with SDPA attention, fmoe_exp = SDPA attention + coalesced "
+                         "gradient all-reduce")
     ap.add_argument("--profile", action="store_true", help="write torch.profiler tables of one step per library")
     ap.add_argument("--out", default="benchmarks/out/train_step.json")
     args = ap.parse_args()
