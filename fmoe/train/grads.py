@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import tree as _tree
+from ..collectives import all_reduce_coalesced
 from ..mesh import Mesh
 from .optim import _like
 
@@ -35,25 +36,23 @@ __all__ = ["reduce_grads", "DATA_AXES"]
 DATA_AXES = ("fsdp", "dp_replicate", "efsdp")
 
 
-def _reduce_leaf(g: Any, p: Any, num_batches: int) -> Any:
+def _axes_to_reduce(g: Any) -> tuple:
+    """Mesh axes over which this gradient still has to be summed (in mesh-dim order)."""
     if g is None:
         raise ValueError("reduce_grads: a parameter has no gradient (not used in the loss?)")
     if not isinstance(g, DTensor):
-        return g / num_batches
-    local = g._local_tensor.clone()
+        return ()
     mesh = g.device_mesh
-    for i, (name, pl) in enumerate(zip(mesh.mesh_dim_names, g.placements)):
-        if mesh.mesh.shape[i] == 1:
-            continue
-        if isinstance(pl, Partial) or (isinstance(pl, Replicate) and name in DATA_AXES):
-            dist.all_reduce(local, group=mesh.get_group(name))
-    local = local / num_batches
-    return _like(local, p)
+    return tuple((mesh.mesh_dim_names, name) for i, (name, pl) in enumerate(zip(mesh.mesh_dim_names, g.placements))
+                 if mesh.mesh.shape[i] > 1 and (isinstance(pl, Partial) or (isinstance(pl, Replicate) and name in DATA_AXES)))
 
 
 def reduce_grads(grads: Any, params: Any, mesh: Mesh) -> Any:
     """Sum gradients over the data-parallel copies that do not hold them yet, divide by the
     number of batches; returns a tree placed like ``params``.
+
+    Leaves that need the same reductions share one flat all-reduce per axis
+    (:func:`fmoe.collectives.all_reduce_coalesced`): one collective per group, not per leaf.
 
     Args:
         grads: per-rank gradients (``p.grad`` of every leaf), same structure as ``params``.
@@ -63,5 +62,18 @@ def reduce_grads(grads: Any, params: Any, mesh: Mesh) -> Any:
         reduced gradients.
     """
     n = mesh.num_batches
+    flat_g, flat_p = _tree.flatten(grads), _tree.flatten(params)
     with torch.no_grad():
-        return _tree.map_with_path(lambda _, g, p: _reduce_leaf(g, p, n), grads, params)
+        local = {k: (g._local_tensor if isinstance(g, DTensor) else g) for k, g in flat_g.items()
+                 if _axes_to_reduce(g) is not None}
+        plans: dict[tuple, list[str]] = {}
+        for k, g in flat_g.items():
+            plans.setdefault(_axes_to_reduce(g), []).append(k)
+        for axes in sorted(plans, key=repr):               # the same order on every rank
+            keys = plans[axes]
+            for dims, name in axes:
+                group = flat_g[keys[0]].device_mesh.get_group(name)
+                for k, t in zip(keys, all_reduce_coalesced([local[k] for k in keys], group)):
+                    local[k] = t
+        out = {k: _like(local[k] / n, flat_p[k]) for k in flat_g}
+    return _tree.unflatten(out, like=grads)
