@@ -104,6 +104,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     scale = hd ** -0.5 if scale is None else scale
     rep = q.shape[2] // k.shape[2]
     qh = rearrange(q, "b s h d -> b h s d")
+    if sinks is None:  # fused kernel: no [S, Sk] probabilities kept, no repeated KV heads
+        kt, vt = rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d")
+        plain_causal = causal and window is None and q.shape[1] == k.shape[1]
+        mask = None if plain_causal or (not causal and window is None) else \
+            visible(q.shape[1], k.shape[1], causal, window, device=q.device)
+        out = F.scaled_dot_product_attention(qh, kt, vt, attn_mask=mask, is_causal=plain_causal,
+                                             scale=scale, enable_gqa=rep > 1)
+        return rearrange(out, "b h s d -> b s h d")
     kh = repeat(k, "b s g d -> b (g r) s d", r=rep)  # query head h uses KV head h // rep
     vh = repeat(v, "b s g d -> b (g r) s d", r=rep)
     scores = torch.matmul(qh, kh.transpose(2, 3)) * scale  # [B, Hq, S, Sk]
