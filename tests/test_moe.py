@@ -147,7 +147,7 @@ example = st.tuples(st.sampled_from(MESHES), st.lists(st.integers(0, 6), min_siz
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
-@given(examples=st.lists(example, min_size=4, max_size=4))
+@given(examples=st.lists(example, min_size=12, max_size=12))
 def test_auto_registry_and_random_routings_on_four_ranks(examples):
     for rank, out in enumerate(spawn(_auto_registry_and_properties, 4, examples, timeout=300)):
         assert out["auto_is_all_reduce"] and out["auto_grad_is_all_to_all"] and out["custom_called"]
