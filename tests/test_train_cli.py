@@ -105,3 +105,15 @@ def test_init_from_hf_and_export_hf(tmp_path):
     before, after = hf.state_dict(), again.state_dict()
     assert set(before) == set(after)
     assert any(not torch.equal(before[k], after[k]) for k in before)      # two steps were taken
+
+
+def test_under_torchrun_it_uses_the_launchers_ranks(tmp_path):
+    from fmoe.testing import free_port
+    out = str(tmp_path / "run")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(free_port()), "-m", "fmoe.train", *BASE, "--steps", "2",
+                          "--out", out], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count('"final"') == 1
+    rows = log(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["tokens"] == 2 * 16 * 2    # 2 launcher ranks = 2 batches
