@@ -137,14 +137,22 @@ def all_gather_sizes(n: int, group: Optional[dist.ProcessGroup]) -> list[int]:
     return [int(o.item()) for o in out]
 
 
+def all_gather_rows(xm: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Every rank's equal-sized ``xm`` (contiguous, split on dim 0) concatenated on dim 0 in rank
+    order: one collective, not differentiable (torch's ``all_gather_single``, or its older
+    name ``all_gather_into_tensor``)."""
+    out = xm.new_empty((xm.shape[0] * group_size(group),) + tuple(xm.shape[1:]))
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, xm, group=group)
+    return out
+
+
 def _gather(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
     xm = x.movedim(dim, 0).contiguous()
     m = max(sizes)
     if xm.shape[0] < m:
         pad = xm.new_zeros((m - xm.shape[0],) + tuple(xm.shape[1:]))
         xm = torch.cat([xm, pad])
-    out = xm.new_empty((m * len(sizes),) + tuple(xm.shape[1:]))
-    dist.all_gather_into_tensor(out, xm, group=group)
+    out = all_gather_rows(xm, group)
     if all(s == m for s in sizes):          # equal slices (FSDP, TP): no unpadding copy
         return out.movedim(0, dim)
     pieces = [out[i * m: i * m + s] for i, s in enumerate(sizes)]

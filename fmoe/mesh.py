@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["Mesh", "DENSE_AXES", "EXPERT_AXES", "AXES"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Union
 
-from .mesh import AXES
+from .mesh import AXES, DENSE_AXES, EXPERT_AXES
 
 __all__ = ["P", "Axis"]
 
@@ -96,7 +96,8 @@ class P:
         return not self.mesh_axes()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` for unknown axis names or an axis used twice."""
+        """Raise ``ValueError`` for unknown axis names, an axis used twice, dense and expert axes
+        mixed, a packed dim not split by one axis, or nested axes out of mesh order."""
         used = self.mesh_axes()
         for a in used:
             if a not in AXES:
@@ -112,6 +113,11 @@ class P:
             )
         if self.packed > 1 and (not self.sharded_dims() or len(self.dim_axes(self.packed_dim)) != 1):
             raise ValueError(f"{self!r}: the packed dim must be split by exactly one axis")
+        mesh_axes = EXPERT_AXES if expert else DENSE_AXES
+        for d in self.sharded_dims():                # DTensor splits nested axes in mesh order
+            axes = self.dim_axes(d)
+            if list(axes) != sorted(axes, key=mesh_axes.index):
+                raise ValueError(f"{self!r}: axes splitting one dim must follow mesh order {mesh_axes}, got {axes}")
 
     # ------------------------------------------------------------------ value semantics
     def _key(self):

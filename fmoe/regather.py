@@ -16,7 +16,8 @@ import weakref
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
+
+from .collectives import all_gather_rows
 
 __all__ = ["register_gathered", "regather_in_backward", "stats"]
 
@@ -64,17 +65,8 @@ def _unpack(obj: Any) -> torch.Tensor:
         return obj
     recipe, shape, stride, offset = obj
     _STATS["regathered"] += 1
-    n = dist.get_world_size(recipe.group)
-    local = recipe.local.movedim(recipe.dim, 0).contiguous()
-    out = local.new_empty((local.shape[0] * n,) + tuple(local.shape[1:]))
-    _all_gather_single(out, local, recipe.group)
+    out = all_gather_rows(recipe.local.movedim(recipe.dim, 0).contiguous(), recipe.group)
     return out.as_strided(shape, stride, offset)   # same layout as the storage gathered in forward
-
-
-def _all_gather_single(out: torch.Tensor, local: torch.Tensor, group) -> None:
-    """torch's equal-piece all-gather (``all_gather_single`` where it exists, its older name
-    ``all_gather_into_tensor`` otherwise)."""
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local, group=group)
 
 
 @contextlib.contextmanager

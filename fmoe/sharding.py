@@ -27,12 +27,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import tree as _tree
-from .mesh import DENSE_AXES, EXPERT_AXES, Mesh
+from .mesh import Mesh
 from .placement import P
 from .plan import Plan, local_shape
 
 __all__ = ["shard", "gather", "placement_of", "to_local", "materialize", "dtensor_placements",
-           "slice_for_rank", "from_local_slice"]
+           "slice_for_rank", "rank_blocks", "from_local_slice"]
 
 _ATTR = "_fmoe_placement"
 
@@ -53,23 +53,49 @@ def dtensor_placements(p: P, mesh: Mesh):
     return dm, placements
 
 
-def slice_for_rank(full: torch.Tensor, p: P, mesh: Mesh) -> torch.Tensor:
-    """This rank's slice of ``full`` under placement ``p`` (no communication).
+def rank_blocks(shape: tuple[int, ...], p: P, mesh: Mesh) -> tuple[list[tuple[slice, ...]], int]:
+    """The index blocks that make this rank's slice of a tensor of ``shape`` under ``p``.
 
-    Nested axes on one dim split in entry order: ``P(("fsdp", "tp"))`` splits by fsdp first,
-    then each piece by tp. Packed dims split each block separately.
+    Nested axes on one dim split in entry order (``P(("fsdp", "tp"))``: by fsdp first, then each
+    piece by tp); a packed placement gives one block per packed part of its packed dim
+    (``p.packed_dim``), to be concatenated along that dim. Checkpoint loading reads exactly
+    these blocks; :func:`slice_for_rank` cuts them from a full tensor.
+
+    Args:
+        shape: the full shape.
+        p: the placement (validated against ``mesh``).
+        mesh: the mesh.
+    Returns:
+        ``(blocks, dim)``: index tuples and the dim to concatenate them along.
+
+    Example:
+        >>> # rank_blocks((8, 4), P("tp", None, packed=2), mesh)   # tp rank 1 of 2
+        >>> # ([(slice(2, 4), slice(0, 4)), (slice(6, 8), slice(0, 4))], 0)
     """
-    out = full
+    idx = [slice(0, n) for n in shape]
+    packed = p.packed_dim
     for d in p.sharded_dims():
-        axes = p.dim_axes(d)
-        if d == p.packed_dim:
-            (a,) = axes
-            blocks = out.chunk(p.packed, dim=d)
-            out = torch.cat([b.chunk(mesh.size(a), dim=d)[mesh.rank_in(a)] for b in blocks], dim=d)
-        else:
-            for a in axes:
-                out = out.chunk(mesh.size(a), dim=d)[mesh.rank_in(a)]
-    return out
+        if d == packed:
+            continue
+        start, n = 0, shape[d]
+        for a in p.dim_axes(d):
+            n //= mesh.size(a)
+            start += mesh.rank_in(a) * n
+        idx[d] = slice(start, start + n)
+    if packed is None:
+        return [tuple(idx)], 0
+    (a,) = p.dim_axes(packed)                 # validated: the packed dim has one axis
+    blk = shape[packed] // p.packed
+    piece, r = blk // mesh.size(a), mesh.rank_in(a)
+    return [tuple(idx[:packed] + [slice(b * blk + r * piece, b * blk + (r + 1) * piece)] + idx[packed + 1:])
+            for b in range(p.packed)], packed
+
+
+def slice_for_rank(full: torch.Tensor, p: P, mesh: Mesh) -> torch.Tensor:
+    """This rank's slice of ``full`` under placement ``p`` (no communication; see
+    :func:`rank_blocks`)."""
+    blocks, d = rank_blocks(tuple(full.shape), p, mesh)
+    return full[blocks[0]] if len(blocks) == 1 else torch.cat([full[b] for b in blocks], dim=d)
 
 
 def from_local_slice(local: torch.Tensor, full_shape: Sequence[int], p: P, mesh: Mesh) -> DTensor:
@@ -100,17 +126,6 @@ def from_local_slice(local: torch.Tensor, full_shape: Sequence[int], p: P, mesh:
     return out
 
 
-def _order_axes_like_mesh(p: P, mesh: Mesh) -> None:
-    for d in p.sharded_dims():
-        axes = p.dim_axes(d)
-        if len(axes) > 1:
-            dm_axes = EXPERT_AXES if axes[0] in ("ep", "efsdp") else DENSE_AXES
-            if any(a not in dm_axes for a in axes) or list(axes) != sorted(axes, key=dm_axes.index):
-                raise ValueError(
-                    f"{p!r}: axes splitting one dim must follow mesh order {dm_axes}, got {axes}"
-                )
-
-
 def shard(params: Any, plan: Union[Plan, Mapping, Sequence], mesh: Optional[Mesh] = None) -> Any:
     """Place every leaf of ``params`` per ``plan``; each rank keeps only its slices.
 
@@ -137,8 +152,6 @@ def shard(params: Any, plan: Union[Plan, Mapping, Sequence], mesh: Optional[Mesh
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"shard: parameter {path!r} must be a torch.Tensor, got {type(leaf).__name__}")
     placements = _tree.flatten(plan.resolve(params, mesh))
-    for p in placements.values():
-        _order_axes_like_mesh(p, mesh)
     if mesh.dense is None:
         return params
 

@@ -15,7 +15,6 @@ elements that cancel to about zero, where fp32 sums taken in another order diffe
 
 import json
 import os
-from dataclasses import replace
 
 import pytest
 import torch

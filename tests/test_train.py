@@ -1,9 +1,5 @@
 """Training: optimizer, global norm on meshes, N-step parity with one process, CLI, resume."""
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch

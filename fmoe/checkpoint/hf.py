@@ -41,9 +41,8 @@ import torch.distributed as dist
 
 from .. import tree as _tree
 from ..mesh import Mesh
-from ..placement import P
 from ..plan import Plan
-from ..sharding import _order_axes_like_mesh, from_local_slice, gather
+from ..sharding import from_local_slice, gather, rank_blocks
 from .atomic import atomic_directory, check_target
 from .safetensors_io import CONFIG, Checkpoint, write_checkpoint
 from .spec import Spec
@@ -113,42 +112,6 @@ def _check_keys(model: Any, flat: Mapping[str, Spec], ck: Checkpoint) -> None:
         raise ValueError(f"checkpoint {ck.path!r} does not match {_name(model)}: " + " | ".join(problems))
 
 
-def rank_blocks(shape: tuple[int, ...], p: P, mesh: Mesh) -> tuple[list[tuple[slice, ...]], int]:
-    """The index blocks that make this rank's slice (as :func:`fmoe.sharding.slice_for_rank`).
-
-    Nested axes on one dim split in entry order; a packed placement gives one block per packed
-    part of its packed dim (``p.packed_dim``), to be concatenated along that dim.
-
-    Args:
-        shape: the full shape.
-        p: the placement (validated against ``mesh``).
-        mesh: the mesh.
-    Returns:
-        ``(blocks, dim)``: index tuples and the dim to concatenate them along.
-
-    Example:
-        >>> # rank_blocks((8, 4), P("tp", None, packed=2), mesh)   # tp rank 1 of 2
-        >>> # ([(slice(2, 4), slice(0, 4)), (slice(6, 8), slice(0, 4))], 0)
-    """
-    idx = [slice(0, n) for n in shape]
-    packed = p.packed_dim
-    for d in p.sharded_dims():
-        if d == packed:
-            continue
-        start, n = 0, shape[d]
-        for a in p.dim_axes(d):
-            n //= mesh.size(a)
-            start += mesh.rank_in(a) * n
-        idx[d] = slice(start, start + n)
-    if packed is None:
-        return [tuple(idx)], 0
-    (a,) = p.dim_axes(packed)                 # validated: the packed dim has one axis
-    blk = shape[packed] // p.packed
-    piece, r = blk // mesh.size(a), mesh.rank_in(a)
-    return [tuple(idx[:packed] + [slice(b * blk + r * piece, b * blk + (r + 1) * piece)] + idx[packed + 1:])
-            for b in range(p.packed)], packed
-
-
 def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optional[Mesh] = None,
             plan: Union[Plan, Mapping, None] = None, *, dtype: Optional[torch.dtype] = None) -> tuple[Any, Any]:
     """Read a Hugging Face checkpoint into a parameter tree; with a mesh each rank reads its slices.
@@ -185,8 +148,6 @@ def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optiona
             plan = plan if isinstance(plan, Plan) else model.plan(cfg).override(plan)
             shapes = _tree.map_with_path(lambda p, s: torch.empty(s.shape, device="meta"), tree)
             placements = _tree.flatten(plan.resolve(shapes, mesh))
-            for p in placements.values():
-                _order_axes_like_mesh(p, mesh)
         if mesh is None or mesh.dense is None:             # one process: full tensors
             return _tree.map_with_path(lambda p, _: _cast(bound[p].read(), dtype), tree), cfg
 

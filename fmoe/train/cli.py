@@ -17,7 +17,6 @@ import importlib
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, is_dataclass
 from typing import Optional, Sequence
 
@@ -160,7 +159,6 @@ def _preset(model, name: str, tp: int):
 
 def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     """Train on this rank (process group already initialised when ``world > 1``)."""
-    import torch
 
     import fmoe
     from fmoe.train import ckpt

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import tree as _tree
@@ -64,14 +63,13 @@ def reduce_grads(grads: Any, params: Any, mesh: Mesh) -> Any:
     n = mesh.num_batches
     flat_g, flat_p = _tree.flatten(grads), _tree.flatten(params)
     with torch.no_grad():
-        local = {k: (g._local_tensor if isinstance(g, DTensor) else g) for k, g in flat_g.items()
-                 if _axes_to_reduce(g) is not None}
-        plans: dict[tuple, list[str]] = {}
+        local = {k: (g._local_tensor if isinstance(g, DTensor) else g) for k, g in flat_g.items()}
+        plans: dict[tuple, list[str]] = {}                 # reductions still due -> leaves
         for k, g in flat_g.items():
             plans.setdefault(_axes_to_reduce(g), []).append(k)
         for axes in sorted(plans, key=repr):               # the same order on every rank
             keys = plans[axes]
-            for dims, name in axes:
+            for _, name in axes:
                 group = flat_g[keys[0]].device_mesh.get_group(name)
                 for k, t in zip(keys, all_reduce_coalesced([local[k] for k in keys], group)):
                     local[k] = t
