@@ -48,6 +48,7 @@ from typing import Callable, Optional
 import torch
 
 from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, group_size, split_to
+from .expert_blocks import weighted_expert_sum
 from .experts import Activation, expert_mlp, swiglu
 
 __all__ = ["LocalExperts", "register", "get", "registered", "local", "all_to_all_impl",
@@ -79,6 +80,22 @@ class LocalExperts:
         out = self.run_sorted(rows.index_select(0, order), counts)
         return torch.empty_like(out).index_copy(0, order, out)
 
+    def blocked(self, rows: torch.Tensor) -> bool:
+        """Whether :meth:`weighted_sum` runs :func:`fmoe.expert_blocks.weighted_expert_sum`
+        (plain SwiGLU experts without biases on CPU, ``matmul`` ``"auto"`` or ``"loop"``)."""
+        return (self.act is swiglu and rows.device.type == "cpu" and self.matmul in ("auto", "loop")
+                and "b_gate_up" not in self.weights and "b_down" not in self.weights)
+
+    def weighted_sum(self, rows: torch.Tensor, row_of: torch.Tensor, counts: list[int],
+                     scale: torch.Tensor) -> torch.Tensor:
+        """``out[n] = sum of scale[a] * expert(rows[n])`` over the assignments ``a`` of row ``n``
+        (``row_of [A]`` sorted by local expert, ``counts[e]`` each); ``[N, D]``."""
+        w = self.weights
+        if self.blocked(rows):
+            return weighted_expert_sum(rows, row_of, counts, w["w_gate_up"], w["w_down"], scale=scale)
+        out = self.run_sorted(rows.index_select(0, row_of), counts, scale=scale)   # [A, D], weighted
+        return out.new_zeros(rows.shape[0], out.shape[-1]).index_add(0, row_of, out)
+
     def run_sorted(self, rows: torch.Tensor, counts: list[int], scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Outputs (times ``scale [N]`` if given) for rows already grouped by local expert
         (``counts[e]`` rows each)."""
@@ -97,10 +114,10 @@ def sorted_by_expert(local_ids: torch.Tensor, num_local: int) -> tuple[torch.Ten
 def _weighted_sum_per_row(rows, slot_w, slot_ids, experts: LocalExperts) -> torch.Tensor:
     """``out[n] = sum_k slot_w[n, k] * expert(slot_ids[n, k])(rows[n])`` over slots with id >= 0.
 
-    One stable sort of the ``[N * K]`` slots (unused slots keyed last), one gather of the
-    assigned rows, the experts with the weights folded in, one ``index_add`` back per row.
+    One stable sort of the ``[N * K]`` slots (unused slots keyed last), then the experts with the
+    weights folded in over the gathered rows, added back per row (:meth:`LocalExperts.weighted_sum`).
     """
-    n, k = slot_ids.shape
+    k = slot_ids.shape[1]
     e = experts.num_local
     flat = slot_ids.reshape(-1)
     keyed = torch.where(flat >= 0, flat, e)                                     # [N*K], unused -> e
@@ -109,8 +126,7 @@ def _weighted_sum_per_row(rows, slot_w, slot_ids, experts: LocalExperts) -> torc
     order = order[:sum(counts)]                                                 # assignments A
     row_of = torch.div(order, k, rounding_mode="floor")
     w = slot_w.reshape(-1).index_select(0, order).to(rows.dtype)               # [A]
-    out = experts.run_sorted(rows.index_select(0, row_of), counts, scale=w)    # [A, D], weighted
-    return out.new_zeros(n, out.shape[-1]).index_add(0, row_of, out)
+    return experts.weighted_sum(rows, row_of, counts, w)                        # [N, D]
 
 
 def local(x, weights, expert_ids, experts: LocalExperts, mesh) -> torch.Tensor:

@@ -93,6 +93,8 @@ def _gmm(a: torch.Tensor, w: torch.Tensor, offs, counts: Sequence[int], grouped:
     """Rows of group ``e``: ``a_e @ w[e].T`` (``trans``) or ``a_e @ w[e]``; plain tensors, no autograd."""
     if grouped:
         return torch._grouped_mm(a, w.transpose(1, 2) if trans else w, offs=offs)
+    if torch.is_grad_enabled():   # double backward: differentiable ops, no out=
+        return torch.cat([p @ (w[e].t() if trans else w[e]) for e, p in enumerate(a.split(counts))])
     out = a.new_empty((a.shape[0], w.shape[1] if trans else w.shape[2]))
     for e, (p, o) in enumerate(zip(a.split(counts), out.split(counts))):
         if p.shape[0]:
@@ -134,30 +136,46 @@ class _SwiGLUExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _dh):
         x, scale, w_gate_up, w_down, offs, h = ctx.saved_tensors
-        counts, grouped, need = ctx.counts, ctx.grouped, ctx.needs_input_grad
         if dy is None:
             return None, None, None, None, None, None, None
-        dy = dy.contiguous()
-        n_i = h.shape[1] // 2
-        gate, up = h[:, :n_i], h[:, n_i:]
-        s = F.silu(gate)
-        a = s * up                                                                 # unscaled activation
-        da = _gmm(dy, w_down, offs, counts, grouped, trans=False)                 # [N, I]
-        dscale = None
-        if scale is not None:
-            if need[1]:
-                dscale = torch.einsum("ni,ni->n", da, a)
-            a, da = a * scale.unsqueeze(-1), da * scale.unsqueeze(-1)
-        dw_down = _gmm_wgrad(dy, a, offs, counts, grouped) if need[3] else None    # [E, D, I]
-        if torch.is_grad_enabled():   # double backward / torch.func: no out= or in-place ops
-            dh = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * s], dim=1)
-        else:                         # d gate | d up written straight into one buffer
-            dh = torch.empty_like(h)                                               # [N, 2I]
-            torch.mul(da, s, out=dh[:, n_i:])
-            torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=dh[:, :n_i])
-        dx = _gmm(dh, w_gate_up, offs, counts, grouped, trans=False) if need[0] else None
-        dw_gate_up = _gmm_wgrad(dh, x, offs, counts, grouped) if need[2] else None  # [E, 2I, D]
+        need = ctx.needs_input_grad
+        dx, dscale, dw_gate_up, dw_down = swiglu_backward(
+            x, dy, scale, w_gate_up, w_down, h, ctx.counts, (need[0], need[1], need[2], need[3]),
+            offs=offs, grouped=ctx.grouped)
         return dx, dscale, dw_gate_up, dw_down, None, None, None
+
+
+def swiglu_backward(x, dy, scale, w_gate_up, w_down, h, counts: Sequence[int], need: Sequence[bool],
+                    offs=None, grouped: bool = False):
+    """Gradients ``(dx, dscale, dw_gate_up, dw_down)`` of ``y = (scale * silu(g) * u) W_down^T``
+    with ``[g | u] = h = x W_gate_up^T`` per expert group (rows sorted by expert, ``counts``
+    each); ``need`` says which of the four to compute (the others are None). Under grad mode
+    (double backward, ``torch.func``) only out-of-place differentiable ops are used.
+    """
+    dy = dy.contiguous()
+    if torch.is_grad_enabled():   # the saved h is a constant: recompute it so that it carries x and w
+        h = _gmm(x, w_gate_up, offs, counts, grouped, trans=True)
+    n_i = h.shape[1] // 2
+    gate, up = h[:, :n_i], h[:, n_i:]
+    s = F.silu(gate)
+    a = s * up                                                                 # unscaled activation
+    da = _gmm(dy, w_down, offs, counts, grouped, trans=False)                 # [N, I]
+    dscale = None
+    if scale is not None:
+        if need[1]:
+            dscale = torch.einsum("ni,ni->n", da, a)
+        a, da = a * scale.unsqueeze(-1), da * scale.unsqueeze(-1)
+    dw_down = _gmm_wgrad(dy, a, offs, counts, grouped) if need[3] else None    # [E, D, I]
+    if torch.is_grad_enabled():   # double backward / torch.func: no out= or in-place ops
+        sig = torch.sigmoid(gate)                  # silu'(g) = sig * (1 + g * (1 - sig)), twice differentiable
+        dh = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * s], dim=1)
+    else:                         # d gate | d up written straight into one buffer
+        dh = torch.empty_like(h)                                               # [N, 2I]
+        torch.mul(da, s, out=dh[:, n_i:])
+        torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=dh[:, :n_i])
+    dx = _gmm(dh, w_gate_up, offs, counts, grouped, trans=False) if need[0] else None
+    dw_gate_up = _gmm_wgrad(dh, x, offs, counts, grouped) if need[2] else None  # [E, 2I, D]
+    return dx, dscale, dw_gate_up, dw_down
 
 
 def _loop_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:

@@ -43,7 +43,7 @@ def _axes_to_reduce(g: Any) -> tuple:
         return ()
     mesh = g.device_mesh
     return tuple((mesh.mesh_dim_names, name) for i, (name, pl) in enumerate(zip(mesh.mesh_dim_names, g.placements))
-                 if mesh.mesh.shape[i] > 1 and (isinstance(pl, Partial) or (isinstance(pl, Replicate) and name in DATA_AXES)))
+                 if mesh.shape[i] > 1 and (isinstance(pl, Partial) or (isinstance(pl, Replicate) and name in DATA_AXES)))
 
 
 def reduce_grads(grads: Any, params: Any, mesh: Mesh) -> Any:
@@ -65,6 +65,7 @@ def reduce_grads(grads: Any, params: Any, mesh: Mesh) -> Any:
     with torch.no_grad():
         local = {k: (g._local_tensor if isinstance(g, DTensor) else g) for k, g in flat_g.items()}
         plans: dict[tuple, list[str]] = {}                 # reductions still due -> leaves
+        owned: set[str] = set()                            # leaves now held in a reduction buffer
         for k, g in flat_g.items():
             plans.setdefault(_axes_to_reduce(g), []).append(k)
         for axes in sorted(plans, key=repr):               # the same order on every rank
@@ -73,5 +74,8 @@ def reduce_grads(grads: Any, params: Any, mesh: Mesh) -> Any:
                 group = flat_g[keys[0]].device_mesh.get_group(name)
                 for k, t in zip(keys, all_reduce_coalesced([local[k] for k in keys], group)):
                     local[k] = t
-        out = {k: _like(local[k] / n, flat_p[k]) for k in flat_g}
+                    owned.add(k)
+        # fresh reduction buffers are divided in place; the caller's own gradients are not touched
+        out = {k: _like(local[k] if n == 1 else local[k].div_(n) if k in owned else local[k] / n, flat_p[k])
+               for k in flat_g}
     return _tree.unflatten(out, like=grads)

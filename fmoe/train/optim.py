@@ -82,7 +82,7 @@ def _replicas(t: Any) -> int:
     if not isinstance(t, DTensor):
         return 1
     n = 1
-    for size, pl in zip(t.device_mesh.mesh.shape, t.placements):
+    for size, pl in zip(t.device_mesh.shape, t.placements):
         if isinstance(pl, Replicate):
             n *= size
     return n
