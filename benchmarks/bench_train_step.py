@@ -128,7 +128,8 @@ def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto", coale
     if mesh is not None and coalesced:
         _reduce_grads_coalesced(grads, mesh)
     elif mesh is not None:
-        reduce_grads(fmoe.tree.unflatten(dict(zip(fmoe.tree.paths(params), grads)), like=params), params, mesh)
+        reduce_grads(fmoe.tree.unflatten(dict(zip(fmoe.tree.paths(params), grads)), like=params), params, mesh,
+                     inplace=True)
     return float(loss.detach())
 
 

@@ -51,7 +51,7 @@ from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, gro
 from .expert_blocks import weighted_expert_sum
 from .experts import Activation, expert_mlp, swiglu
 
-__all__ = ["LocalExperts", "register", "get", "registered", "local", "all_to_all_impl",
+__all__ = ["LocalExperts", "register", "get", "registered", "local", "all_to_all_impl", "folds_stats",
            "all_reduce_impl", "sorted_by_expert", "pack_ids", "unpack_ids"]
 
 
@@ -177,8 +177,35 @@ def unpack_ids(bits: torch.Tensor) -> torch.Tensor:
     return bits.detach().contiguous().view(_BITS[bits.element_size()]).long()
 
 
-def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh):
-    """Token dispatch: once per (token, expert rank), weighted combine on the expert rank."""
+def folds_stats(mesh) -> bool:
+    """Whether :func:`all_to_all_impl` can sum the layer's routing statistics in its split-size
+    exchange: its expert group is exactly the ``fsdp`` group (``tp == 1``, ``efsdp == 1``),
+    whose sum is the statistics' sum over batches."""
+    return mesh is not None and mesh.tp == 1 and mesh.efsdp == 1 and mesh.ep > 1
+
+
+def _exchange_splits(in_splits: torch.Tensor, stats: Optional[torch.Tensor], group):
+    """Split sizes to and from every rank; with ``stats`` (fp64 ``[S]``, differentiable) also
+    their sum over the group in the same exchange: the value every rank computes identically,
+    the gradient passed straight to this rank's own stats (``all_reduce``'s backward)."""
+    if stats is None:
+        out_splits = torch.empty_like(in_splits)
+        torch.distributed.all_to_all_single(out_splits, in_splits, group=group)
+        return out_splits.tolist(), None
+    n = in_splits.shape[0]
+    send = torch.cat([in_splits.to(torch.float64).unsqueeze(1), stats.detach().expand(n, -1)], dim=1)  # [ep, 1+S]
+    recv = torch.empty_like(send)
+    torch.distributed.all_to_all_single(recv, send, group=group)
+    total = recv[:, 1:].sum(0)                                     # rank order: the same bits everywhere
+    return recv[:, 0].long().tolist(), total + (stats - stats.detach())
+
+
+def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh, stats: Optional[torch.Tensor] = None):
+    """Token dispatch: once per (token, expert rank), weighted combine on the expert rank.
+
+    ``stats`` (optional, see :func:`folds_stats`): the layer's packed routing statistics, summed
+    over the expert group inside the split-size exchange and returned as
+    ``extra["stats_over_ep"]`` (one collective fewer per layer)."""
     T, D = x.shape
     ep_group, tp_group = mesh.group("ep"), mesh.group("tp")
     ep, tp, me = mesh.ep, mesh.tp, mesh.rank_in("ep")
@@ -201,10 +228,9 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh):
     send_w = torch.where(on_rank, ws.index_select(0, pair_tok), 0)             # [Pn, K]
     payload = torch.cat([xs.index_select(0, pair_tok), send_w, pack_ids(send_ids, x.dtype)], dim=1)  # [Pn, D+2K]
     in_splits = torch.bincount(pair_rank, minlength=ep)
-    # ---- split sizes (the host sync), then one exchange of rows + weights + ids
-    out_splits = torch.empty_like(in_splits)
-    torch.distributed.all_to_all_single(out_splits, in_splits, group=ep_group)
-    in_s, out_s = in_splits.tolist(), out_splits.tolist()
+    # ---- split sizes (the host sync; routing statistics ride along), then one exchange of rows + weights + ids
+    out_s, stats_sum = _exchange_splits(in_splits, stats, ep_group)
+    in_s = in_splits.tolist()
     recv = all_to_all(payload, out_s, in_s, ep_group)                           # [Nr, D + 2K]
     rows, recv_w, recv_bits = recv.split([D, K, K], dim=1)                      # backward: one cat
     recv_ids = unpack_ids(recv_bits)                                            # [Nr, K]
@@ -214,7 +240,10 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh):
     ys = back.new_zeros(Ts, D).index_add(0, pair_tok, back)
     # ---- reassemble the TP slices (each rank keeps its own slice's gradient)
     y = gather_replicated(ys, tp_group, dim=0, sizes=sizes)
-    return y, {"dispatch_rows": torch.tensor(sum(in_s) - in_s[me])}
+    extra = {"dispatch_rows": torch.tensor(sum(in_s) - in_s[me])}
+    if stats_sum is not None:
+        extra["stats_over_ep"] = stats_sum
+    return y, extra
 
 
 _REGISTRY: dict[str, Callable] = {}

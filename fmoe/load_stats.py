@@ -31,14 +31,14 @@ dicts into ``[L, ...]`` metrics.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
 from .collectives import all_reduce, group_size
 
 __all__ = ["GlobalStat", "finalize", "reduce_over_batches", "routed_load", "imbalance",
-           "weighted_sum", "stack_layers"]
+           "weighted_sum", "stack_layers", "pack", "stat_sums"]
 
 
 class GlobalStat(NamedTuple):
@@ -62,36 +62,20 @@ class GlobalStat(NamedTuple):
         return self.finish(self.sums)
 
 
-def _batch_groups(mesh) -> list:
+def _batch_groups(mesh, fsdp: bool = True) -> list:
     """Groups whose reduction sums over the distinct batches (same tp index): fsdp, dp_replicate."""
     if mesh is None or getattr(mesh, "num_batches", 1) == 1:
         return []
-    return [g for g in (mesh.group("fsdp"), mesh.group("dp_replicate")) if group_size(g) > 1]
+    groups = [mesh.group("fsdp")] if fsdp else []
+    return [g for g in groups + [mesh.group("dp_replicate")] if group_size(g) > 1]
 
 
-def reduce_over_batches(tensors: Sequence[torch.Tensor], mesh) -> list[torch.Tensor]:
-    """Sum each tensor over the distinct data-parallel batches (differentiable, backward identity).
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one fp64 vector (integer counts stay exact): what the reduction sends."""
+    return torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
 
-    All tensors travel in one fp64 vector (integer counts stay exact); results keep each input's
-    dtype and shape. A no-op without a mesh or with one batch.
 
-    Args:
-        tensors: per-rank sums, same shapes on every rank.
-        mesh: ``fmoe.Mesh`` or None.
-    Returns:
-        the global sums, in order.
-
-    Example:
-        >>> reduce_over_batches([torch.tensor([1, 2])], None)
-        [tensor([1, 2])]
-    """
-    tensors = list(tensors)
-    groups = _batch_groups(mesh)
-    if not groups or not tensors:
-        return tensors
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-    for g in groups:
-        flat = all_reduce(flat, g)
+def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     out, start = [], 0
     for t in tensors:
         piece = flat[start:start + t.numel()].reshape(t.shape)
@@ -100,12 +84,57 @@ def reduce_over_batches(tensors: Sequence[torch.Tensor], mesh) -> list[torch.Ten
     return out
 
 
-def finalize(aux: Mapping[str, Any], mesh=None) -> dict:
+def reduce_over_batches(tensors: Sequence[torch.Tensor], mesh, summed_over_fsdp: Optional[torch.Tensor] = None
+                        ) -> list[torch.Tensor]:
+    """Sum each tensor over the distinct data-parallel batches (differentiable, backward identity).
+
+    All tensors travel in one fp64 vector (:func:`pack`); results keep each input's dtype and
+    shape. A no-op without a mesh or with one batch.
+
+    Args:
+        tensors: per-rank sums, same shapes on every rank.
+        mesh: ``fmoe.Mesh`` or None.
+        summed_over_fsdp: ``pack(tensors)`` already summed over the ``fsdp`` group by another
+            exchange (the token dispatch folds it into its split-size exchange when its expert
+            group is the fsdp group); only ``dp_replicate`` is then left to reduce.
+    Returns:
+        the global sums, in order.
+
+    Example:
+        >>> reduce_over_batches([torch.tensor([1, 2])], None)
+        [tensor([1, 2])]
+    """
+    tensors = list(tensors)
+    if not _batch_groups(mesh) or not tensors:
+        return tensors
+    flat = pack(tensors) if summed_over_fsdp is None else summed_over_fsdp
+    for g in _batch_groups(mesh, fsdp=summed_over_fsdp is None):
+        flat = all_reduce(flat, g)
+    return _unpack(flat, tensors)
+
+
+def stat_sums(aux: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The distinct sum tensors of every :class:`GlobalStat` in ``aux`` (each once, in order):
+    what :func:`finalize` reduces."""
+    unique: dict[int, torch.Tensor] = {}
+    for v in aux.values():
+        if not isinstance(v, GlobalStat):
+            continue
+        for name, t in v.sums.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"GlobalStat sums must be tensors, got {name}={type(t).__name__}")
+            unique.setdefault(id(t), t)
+    return list(unique.values())
+
+
+def finalize(aux: Mapping[str, Any], mesh=None, summed_over_fsdp: Optional[torch.Tensor] = None) -> dict:
     """Replace every :class:`GlobalStat` in ``aux`` by its value over all data-parallel batches.
 
     Args:
         aux: a router's aux dict (other entries pass through unchanged).
         mesh: ``fmoe.Mesh`` or None (single process: local sums).
+        summed_over_fsdp: ``pack(stat_sums(aux))`` already summed over the fsdp group (see
+            :func:`reduce_over_batches`).
     Returns:
         a new dict.
 
@@ -114,17 +143,12 @@ def finalize(aux: Mapping[str, Any], mesh=None) -> dict:
         ...                              lambda s: s["a"] / s["b"]), "x": 1})
         {'rate': tensor(0.2500), 'x': 1}
     """
-    stats = {k: v for k, v in aux.items() if isinstance(v, GlobalStat)}
-    unique: dict[int, torch.Tensor] = {}
-    for st in stats.values():
-        for name, t in st.sums.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"GlobalStat sums must be tensors, got {name}={type(t).__name__}")
-            unique.setdefault(id(t), t)
-    reduced = dict(zip(unique, reduce_over_batches(list(unique.values()), mesh)))
+    sums = stat_sums(aux)
+    reduced = dict(zip(map(id, sums), reduce_over_batches(sums, mesh, summed_over_fsdp)))
     out = dict(aux)
-    for key, st in stats.items():
-        out[key] = st.finish({n: reduced[id(t)] for n, t in st.sums.items()})
+    for key, st in aux.items():
+        if isinstance(st, GlobalStat):
+            out[key] = st.finish({n: reduced[id(t)] for n, t in st.sums.items()})
     return out
 
 

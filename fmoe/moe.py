@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from . import ep as _ep
 from .experts import Activation, swiglu
-from .load_stats import finalize, routed_load
+from .load_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .shared_experts import check_shared, shared_expert
 from .sharding import materialize
@@ -204,13 +204,17 @@ def moe(
         logits = logits + materialize(params["router_bias"], keep=())
     routing = validate(call(router, logits, inputs), x.shape[0], E)
     experts = _local_experts(params, E, mesh, act, matmul)
-    out = _ep.get(name)(x, routing.weights, routing.expert_ids, experts, mesh)
+    stats = {**routing.aux, **routed_load(routing.weights, routing.expert_ids, E)}
+    fold = name == "all_to_all" and _ep.get(name) is _ep.all_to_all_impl and _ep.folds_stats(mesh)
+    kwargs = {"stats": pack(stat_sums(stats))} if fold else {}   # summed in the dispatch's split exchange
+    out = _ep.get(name)(x, routing.weights, routing.expert_ids, experts, mesh, **kwargs)
     extra: dict = {}
     if isinstance(out, tuple):
         out, extra = out
+        extra = dict(extra)
     if "shared" in params:
         out = out + shared_expert(params["shared"], x, act=act).to(out.dtype)
-    aux = finalize({**routing.aux, **routed_load(routing.weights, routing.expert_ids, E)}, mesh)
+    aux = finalize(stats, mesh, summed_over_fsdp=extra.pop("stats_over_ep", None))
     aux["tokens_per_expert"] = torch.bincount(routing.expert_ids.flatten(), minlength=E)
     if "dispatch_rows" not in extra:  # the built-in all_to_all reports it itself (no second sort)
         rows = _dispatch_rows(routing.expert_ids, experts.num_local, mesh) if name == "all_to_all" else 0

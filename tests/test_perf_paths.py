@@ -160,8 +160,10 @@ def _split_to_checks(rank):
 
 
 def test_token_dispatch_uses_three_collectives_forward_two_backward_and_split_to():
+    """tp=1, ep=world: the expert group is the fsdp group, so the layer's statistics need no all-reduce."""
     for fwd, bwd, rows, want_rows, split_ok in spawn(_count_collectives, 2):
         assert fwd.count("c10d::alltoall_base_") == 3, fwd     # split sizes, payload (rows+weights+ids), combine
+        assert fwd.count("c10d::allreduce_") == 0, fwd          # routing statistics ride in the split exchange
         assert bwd.count("c10d::alltoall_base_") == 2, bwd     # the two data exchanges in reverse
         assert rows == want_rows                                # distinct (token, remote rank) pairs
         assert split_ok == [True, True, True, True]            # split_to cases, all_reduce_coalesced

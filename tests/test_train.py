@@ -47,12 +47,29 @@ def _norms(rank, world):
                 "fsdp": P("fsdp"), "packed": P("tp", "fsdp", packed=2), "nested": P(("fsdp", "tp"))}
         sh = fmoe.shard(full, fmoe.Plan({k: v for k, v in plan.items()}), mesh)
         out.append(float(global_norm(sh)))
+        out.append(_reduce_inplace_ok(sh, mesh))
     return want, out
 
 
+def _reduce_inplace_ok(sh, mesh):
+    """reduce_grads leaves its input alone by default; inplace=True gives the same result."""
+    from fmoe.train.grads import reduce_grads
+
+    grads = fmoe.tree.map_with_path(lambda _, t: t + 1.0, sh)          # per-rank "gradients"
+    before = {k: v.to_local().clone() for k, v in fmoe.tree.flatten(grads).items()}
+    copy = fmoe.gather(reduce_grads(grads, sh, mesh))
+    untouched = all(torch.equal(fmoe.tree.flatten(grads)[k].to_local(), v) for k, v in before.items())
+    inplace = fmoe.gather(reduce_grads(grads, sh, mesh, inplace=True))
+    same = all(torch.equal(copy[k], inplace[k]) for k in copy)
+    return untouched and same
+
+
 def test_global_norm_counts_every_element_once_on_every_mesh():
+    """Also: reduce_grads(inplace=False) leaves the given gradients unchanged, inplace=True agrees."""
     for want, got in spawn(_norms, 4):
-        for g in got:
+        for g in got[1::2]:
+            assert g is True
+        for g in got[::2]:
             assert abs(g - want) <= 1e-6 * want, (g, want)
 
 

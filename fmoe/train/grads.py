@@ -46,7 +46,7 @@ def _axes_to_reduce(g: Any) -> tuple:
                  if mesh.shape[i] > 1 and (isinstance(pl, Partial) or (isinstance(pl, Replicate) and name in DATA_AXES)))
 
 
-def reduce_grads(grads: Any, params: Any, mesh: Mesh) -> Any:
+def reduce_grads(grads: Any, params: Any, mesh: Mesh, inplace: bool = False) -> Any:
     """Sum gradients over the data-parallel copies that do not hold them yet, divide by the
     number of batches; returns a tree placed like ``params``.
 
@@ -57,9 +57,17 @@ def reduce_grads(grads: Any, params: Any, mesh: Mesh) -> Any:
         grads: per-rank gradients (``p.grad`` of every leaf), same structure as ``params``.
         params: the parameters (their placements are the result's placements).
         mesh: the job's :class:`fmoe.Mesh`.
+        inplace: divide the given gradients in place instead of copying them (for gradients
+            nothing else reads, e.g. fresh from ``torch.autograd.grad``): saves one full-size
+            copy of every leaf that needs no reduction, such as the experts.
     Returns:
         reduced gradients.
+
+    Example:
+        >>> # grads = reduce_grads(grads, params, mesh, inplace=True)   # then the optimizer step
     """
+    if not isinstance(inplace, bool):
+        raise TypeError(f"reduce_grads: inplace must be a bool, got {type(inplace).__name__}")
     n = mesh.num_batches
     flat_g, flat_p = _tree.flatten(grads), _tree.flatten(params)
     with torch.no_grad():
@@ -75,7 +83,7 @@ def reduce_grads(grads: Any, params: Any, mesh: Mesh) -> Any:
                 for k, t in zip(keys, all_reduce_coalesced([local[k] for k in keys], group)):
                     local[k] = t
                     owned.add(k)
-        # fresh reduction buffers are divided in place; the caller's own gradients are not touched
-        out = {k: _like(local[k] if n == 1 else local[k].div_(n) if k in owned else local[k] / n, flat_p[k])
-               for k in flat_g}
+        # fresh reduction buffers are divided in place; the caller's own ones only if inplace
+        out = {k: _like(local[k] if n == 1 else local[k].div_(n) if inplace or k in owned else local[k] / n,
+                        flat_p[k]) for k in flat_g}
     return _tree.unflatten(out, like=grads)

@@ -126,7 +126,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         aux_total, aux_named = _aux_terms(aux)
         total = loss if aux_total is None else loss + mesh.num_batches * aux_total
         grads = torch.autograd.grad(total, [flat[p] for p in train_paths])
-    grads = reduce_grads(dict(zip(train_paths, grads)), {p: flat[p] for p in train_paths}, mesh)
+    grads = reduce_grads(dict(zip(train_paths, grads)), {p: flat[p] for p in train_paths}, mesh, inplace=True)
     params, opt_state, stats = adamw_update(params, grads, opt_state, step_cfg.opt, lr)
     flat = _tree.flatten(params)
     moe_layers = aux.get("moe", [])
