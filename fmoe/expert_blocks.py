@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .experts import swiglu_backward
 
@@ -47,32 +46,34 @@ def _blocks(counts: Sequence[int], block_rows: int):
 
 
 class _BlockedSwiGLU(torch.autograd.Function):
-    """``out [N, D]`` and ``h [A, 2I]`` (non-differentiable, saved for backward)."""
+    """``out [N, D]``, ``h [A, 2I]`` and ``silu(gate) [A, I]`` (both non-differentiable, saved
+    for backward: on a CPU the memory is cheaper than recomputing the exponentials)."""
 
     @staticmethod
     def forward(rows, row_of, scale, w_gate_up, w_down, counts, block_rows):
         A, n_i = row_of.shape[0], w_down.shape[2]
         out = rows.new_zeros(rows.shape[0], w_down.shape[1])                       # [N, D]
         h = rows.new_empty(A, 2 * n_i)                                             # [A, 2I]
+        sg = rows.new_empty(A, n_i)                                                # [A, I] silu(gate)
         for e, a, b in _blocks(counts, block_rows):
             idx = row_of[a:b]
             hb = torch.mm(rows.index_select(0, idx), w_gate_up[e].t(), out=h[a:b])  # [B, 2I]
-            act = F.silu(hb[:, :n_i]).mul_(hb[:, n_i:])                          # [B, I]
+            act = torch.ops.aten.silu.out(hb[:, :n_i], out=sg[a:b]) * hb[:, n_i:]  # [B, I]
             if scale is not None:
                 act.mul_(scale[a:b].unsqueeze(1))
             out.index_add_(0, idx, act @ w_down[e].t())
-        return out, h
+        return out, h, sg
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         rows, row_of, scale, w_gate_up, w_down, ctx.counts, ctx.block_rows = inputs
-        ctx.mark_non_differentiable(output[1])
+        ctx.mark_non_differentiable(output[1], output[2])
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(rows, row_of, scale, w_gate_up, w_down, output[1])
+        ctx.save_for_backward(rows, row_of, scale, w_gate_up, w_down, output[1], output[2])
 
     @staticmethod
-    def backward(ctx, dout, _dh):
-        rows, row_of, scale, w_gate_up, w_down, h = ctx.saved_tensors
+    def backward(ctx, dout, _dh, _dsg):
+        rows, row_of, scale, w_gate_up, w_down, h, sg = ctx.saved_tensors
         if dout is None:
             return (None,) * 7
         need = ctx.needs_input_grad
@@ -89,7 +90,7 @@ class _BlockedSwiGLU(torch.autograd.Function):
             idx = row_of[a:b]
             x, dy = rows.index_select(0, idx), dout.index_select(0, idx)          # [B, D]
             gate, up = h[a:b, :n_i], h[a:b, n_i:]
-            s = F.silu(gate)
+            s = sg[a:b]
             act = s * up                                                           # unscaled [B, I]
             da = dy @ w_down[e]                                                    # [B, I]
             if scale is not None:
