@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import tree as _tree
@@ -221,11 +222,39 @@ def to_local(t: Any, partial_grad: Sequence[str] = ()) -> torch.Tensor:
     """
     if not isinstance(t, DTensor):
         return t
-    if not partial_grad:
-        return t.to_local()
-    grad_pl = [Partial() if name in partial_grad and isinstance(pl, Replicate) else pl
-               for name, pl in zip(t.device_mesh.mesh_dim_names, t.placements)]
-    return t.to_local(grad_placements=grad_pl)
+    names = t.device_mesh.mesh_dim_names
+    grad_pl = tuple(Partial() if name in partial_grad and isinstance(pl, Replicate) else
+                    Replicate() if isinstance(pl, Partial) else pl for name, pl in zip(names, t.placements))
+    return _ToLocal.apply(t, grad_pl)
+
+
+class _ToLocal(torch.autograd.Function):
+    """``DTensor.to_local`` whose backward wraps the local gradient with a prepared spec
+    (``DTensor(g, spec)``) instead of ``DTensor.from_local``: one per leaf and step, ~25x cheaper."""
+
+    @staticmethod
+    def forward(t, grad_placements):
+        return t._local_tensor.view_as(t._local_tensor)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        t, grad_placements = inputs
+        ctx.set_materialize_grads(False)
+        local = t._local_tensor
+        ctx.spec, ctx.grad_placements, ctx.stride = t._spec, grad_placements, local.stride()
+        ctx.contiguous = local.is_contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is None:
+            return None, None
+        spec = ctx.spec
+        if g.stride() != ctx.stride and ctx.contiguous:
+            g = g.contiguous()
+        if g.stride() != ctx.stride:         # an unusual layout: let torch compute the global stride
+            return DTensor.from_local(g, spec.mesh, ctx.grad_placements, run_check=False), None
+        return DTensor(g, DTensorSpec(spec.mesh, ctx.grad_placements, tensor_meta=spec.tensor_meta),
+                       requires_grad=False), None
 
 
 def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequence[str] = ()) -> torch.Tensor:

@@ -63,8 +63,12 @@ def _like(local: torch.Tensor, ref: Any) -> Any:
     """Wrap a new local tensor with ``ref``'s placements (and fmoe placement tag)."""
     if not isinstance(ref, DTensor):
         return local
-    out = DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
-                             shape=ref.shape, stride=ref.stride())
+    mine = ref._local_tensor
+    if local.dtype == ref.dtype and local.shape == mine.shape and local.stride() == mine.stride():
+        out = DTensor(local, ref._spec, requires_grad=False)    # same spec: skips from_local's checks (25x)
+    else:
+        out = DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
+                                 shape=ref.shape, stride=ref.stride())
     tag = getattr(ref, _ATTR, None)
     if tag is not None:
         setattr(out, _ATTR, tag)
