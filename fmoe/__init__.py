@@ -11,8 +11,9 @@ from .mesh import Mesh
 from .moe import moe
 from .placement import P
 from .plan import STYLES, Plan
+from .prefetch import prefetch, prefetch_layers
 from .sharding import gather, materialize, placement_of, shard, to_local
 
-__all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "materialize",
+__all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "materialize", "prefetch", "prefetch_layers",
            "moe", "nn", "routing", "aux_losses", "load_stats", "shared_experts", "regather", "ep", "experts", "collectives", "testing", "tree"]
 __version__ = "0.1.0"

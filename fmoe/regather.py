@@ -13,60 +13,113 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .collectives import all_gather_rows
 
-__all__ = ["register_gathered", "regather_in_backward", "stats"]
+__all__ = ["register_gathered", "register_gathered_group", "gather_flat", "regather_in_backward", "stats"]
 
 _RECIPES: "weakref.WeakValueDictionary[int, _Recipe]" = weakref.WeakValueDictionary()
-_STATS = {"packed": 0, "regathered": 0}
+_STATS = {"packed": 0, "regathered": 0, "gathers": 0}
+
+
+def gather_flat(locals_: Sequence[torch.Tensor], dims: Sequence[int], group,
+                like: Optional[Sequence[tuple]] = None) -> list[torch.Tensor]:
+    """Every rank's ``locals_[i]`` concatenated along ``dims[i]``, for all ``i`` in ONE all-gather
+    (equal pieces, rank order; not differentiable). ``like[i]`` = ``(stride, storage_offset,
+    storage_numel)`` lays result ``i`` out exactly like an earlier gathered tensor."""
+    flat = torch.cat([t.reshape(-1) for t in locals_])
+    out = all_gather_rows(flat, group).view(-1, flat.numel())                     # [n, total]
+    n, fulls, start = out.shape[0], [], 0
+    for i, (t, d) in enumerate(zip(locals_, dims)):
+        pieces = out[:, start:start + t.numel()].reshape(n, *t.shape)             # [n, *local]
+        start += t.numel()
+        shape = list(t.shape)
+        shape[d] *= n
+        if like is None:
+            full = t.new_empty(shape)
+        else:
+            stride, offset, numel = like[i]
+            full = t.new_empty(numel).as_strided(shape, stride, offset)
+        for r in range(n):
+            full.narrow(d, r * t.shape[d], t.shape[d]).copy_(pieces[r])
+        fulls.append(full)
+    return fulls
 
 
 class _Recipe:
-    __slots__ = ("local", "group", "dim", "full", "__weakref__")
+    """Local shards of tensors gathered together (one collective): how to gather them again.
+    The first unpack of any member re-gathers all of them (each in its forward memory layout,
+    so saved views keep their strides); the copies live until every saved reference has been
+    unpacked."""
 
-    def __init__(self, local: torch.Tensor, group, dim: int, full: torch.Tensor):
-        self.local, self.group, self.dim = local, group, dim
-        self.full = weakref.ref(full)
+    __slots__ = ("locals", "group", "dims", "fulls", "layouts", "cache", "pending", "__weakref__")
+
+    def __init__(self, locals_: Sequence[torch.Tensor], group, dims: Sequence[int], fulls: Sequence[torch.Tensor]):
+        self.locals, self.group, self.dims = [t.detach() for t in locals_], group, list(dims)
+        self.fulls = [weakref.ref(f) for f in fulls]
+        self.layouts = [(f.stride(), f.storage_offset(), f.untyped_storage().nbytes() // f.element_size())
+                        for f in fulls]
+        self.cache: Optional[list] = None
+        self.pending = 0
+
+    def unpack(self, i: int) -> torch.Tensor:
+        if self.cache is None:
+            _STATS["gathers"] += 1
+            self.cache = gather_flat(self.locals, self.dims, self.group, like=self.layouts)
+        out = self.cache[i]
+        self.pending -= 1
+        if self.pending <= 0:
+            self.cache = None
+        return out
+
+
+def register_gathered_group(fulls: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor], group,
+                            dims: Sequence[int]) -> None:
+    """Remember that each ``fulls[i]`` is ``locals_[i]`` all-gathered over ``group`` along
+    ``dims[i]`` (equal pieces, rank order), all in one collective: backward re-gathers them the
+    same way."""
+    recipe = _Recipe(locals_, group, dims, fulls)
+    for i, full in enumerate(fulls):
+        full._fmoe_recipe = (recipe, i)  # type: ignore[attr-defined]  (keeps the recipe alive with full)
+        _RECIPES[full.untyped_storage().data_ptr()] = recipe
 
 
 def register_gathered(full: torch.Tensor, local: torch.Tensor, group, dim: int) -> None:
     """Remember that ``full`` is ``local`` all-gathered over ``group`` along ``dim``
     (equal pieces, concatenated in rank order)."""
-    recipe = _Recipe(local.detach(), group, dim, full)
-    full._fmoe_recipe = recipe  # type: ignore[attr-defined]  (keeps the recipe alive with full)
-    _RECIPES[full.untyped_storage().data_ptr()] = recipe
+    register_gathered_group([full], [local], group, [dim])
 
 
-def _lookup(t: torch.Tensor) -> Optional[_Recipe]:
+def _lookup(t: torch.Tensor) -> Optional[tuple[_Recipe, int]]:
     ptr = t.untyped_storage().data_ptr()
     recipe = _RECIPES.get(ptr)
     if recipe is None:
         return None
-    full = recipe.full()
-    if full is None or full.untyped_storage().data_ptr() != ptr:   # storage reused by another tensor
-        return None
-    return recipe
+    for i, ref in enumerate(recipe.fulls):
+        full = ref()
+        if full is not None and full.untyped_storage().data_ptr() == ptr:
+            return recipe, i
+    return None                                                    # storage reused by another tensor
 
 
 def _pack(t: torch.Tensor) -> Any:
-    recipe = _lookup(t) if t.numel() else None
-    if recipe is None:
+    found = _lookup(t) if t.numel() and _RECIPES else None
+    if found is None:
         return t
     _STATS["packed"] += 1
-    return (recipe, tuple(t.shape), t.stride(), t.storage_offset())
+    found[0].pending += 1
+    return (found[0], found[1], tuple(t.shape), t.stride(), t.storage_offset())
 
 
 def _unpack(obj: Any) -> torch.Tensor:
     if isinstance(obj, torch.Tensor):
         return obj
-    recipe, shape, stride, offset = obj
+    recipe, i, shape, stride, offset = obj
     _STATS["regathered"] += 1
-    out = all_gather_rows(recipe.local.movedim(recipe.dim, 0).contiguous(), recipe.group)
-    return out.as_strided(shape, stride, offset)   # same layout as the storage gathered in forward
+    return recipe.unpack(i).as_strided(shape, stride, offset)   # same layout as the storage gathered in forward
 
 
 @contextlib.contextmanager
@@ -82,5 +135,6 @@ def regather_in_backward():
 
 
 def stats() -> dict:
-    """Counters: saved tensors replaced by recipes, and re-gathers performed (for tests)."""
+    """Counters (for tests): saved tensors replaced by recipes (``packed``), unpacked again
+    (``regathered``), and the collectives those unpacks issued (``gathers``)."""
     return dict(_STATS)

@@ -277,10 +277,15 @@ def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequen
         torch.Size([2])
     """
     from .collectives import all_gather
+    from .prefetch import prefetched
     from .regather import register_gathered
 
     if not isinstance(t, DTensor):
         return t
+    if not partial_grad:
+        ready = prefetched(t, keep)               # gathered with its layer (fmoe.prefetch)
+        if ready is not None:
+            return ready
     p = placement_of(t)
     out = to_local(t, partial_grad)
     for d in p.sharded_dims():

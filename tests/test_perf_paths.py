@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fmoe
+from fmoe import P
 from fmoe.ep import pack_ids, unpack_ids
 from fmoe.experts import expert_mlp
 from fmoe.testing import spawn
@@ -190,3 +191,63 @@ def test_split_to_validates_sizes():
 
     with pytest.raises(ValueError, match=r"sizes \[3\] sum to 3"):
         split_to(torch.ones(4, 2), None, [3])
+
+
+def _prefetch_checks(rank, world):
+    """One layer-like function over FSDP-split weights, with and without fmoe.prefetch (and
+    regather_in_backward): same outputs and gradients; collectives counted per path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fmoe.regather import regather_in_backward
+
+    calls = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                calls.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    mesh = fmoe.Mesh(tp=1)
+    g = torch.Generator().manual_seed(0)
+    full = {"a": torch.randn(8, 6, generator=g), "b": torch.randn(6, 8, generator=g), "n": torch.rand(6, generator=g),
+            "h": torch.randn(4, 6, generator=g).double(), "unused": torch.randn(4, 2, generator=g)}
+    plan = fmoe.Plan({"a": P("fsdp", None), "b": P(None, "fsdp"), "n": P("fsdp"), "h": P("fsdp", None),
+                      "unused": P("fsdp", None)})
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1 + rank))
+
+    def layer(p):
+        y = fmoe.nn.linear(fmoe.nn.rms_norm(x, p["n"]), p["a"])                       # [3, 8]
+        y = fmoe.nn.linear(torch.nn.functional.silu(y), p["b"])                        # [3, 6]
+        return y.sum() + fmoe.nn.linear(x.double(), p["h"]).square().sum()
+
+    out = {}
+    for mode in ("per_leaf", "prefetch"):
+        params = fmoe.shard({k: v.clone().requires_grad_() for k, v in full.items()}, plan, mesh)
+        leaves = [params[k] for k in ("a", "b", "n", "h")]
+        del calls[:]
+        with Count(), regather_in_backward():
+            if mode == "prefetch":
+                with fmoe.prefetch(params):
+                    loss = layer(params)
+            else:
+                loss = layer(params)
+            fwd = list(calls)
+            grads = torch.autograd.grad(loss, leaves)
+        out[mode] = (float(loss), [gr.to_local() for gr in grads], fwd, calls[len(fwd):])
+    (l1, g1, f1, b1), (l2, g2, f2, b2) = out["per_leaf"], out["prefetch"]
+    # the gathered weights are laid out differently (one buffer vs per-weight views), so the
+    # matmuls may round differently: fp32 tolerance, not bitwise
+    same = abs(l1 - l2) <= 1e-6 * abs(l1) and all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(g1, g2))
+    gathers = lambda c: sum("allgather" in n for n in c)  # noqa: E731
+    scatters = lambda c: sum("reduce_scatter" in n for n in c)  # noqa: E731
+    return same, (gathers(f1), gathers(b1), scatters(b1)), (gathers(f2), gathers(b2), scatters(b2))
+
+
+def test_prefetch_gathers_a_layer_in_one_collective_per_group_and_dtype():
+    """Forward: one all-gather per dtype instead of one per weight; backward: one reduce-scatter
+    per dtype, one re-gather for all the saved fp32 weights (the fp64 one is not saved)."""
+    for same, per_leaf, prefetched in spawn(_prefetch_checks, 2):
+        assert same                                   # losses and gradients equal
+        assert per_leaf == (4, 2, 4), per_leaf        # per weight (the two saved ones re-gathered)
+        assert prefetched == (2, 1, 2), prefetched    # per dtype (fp32 a, b, n, unused; fp64 h)
