@@ -25,10 +25,11 @@ Bytes are counted by a ``TorchDispatchMode`` that sees every collective either l
 forward and backward: all-to-all bytes and rows sent to *other* ranks, ring-algorithm bytes for
 all-reduce (``2 (n-1)/n`` of the tensor), all-gather and reduce-scatter (``(n-1)/n``).
 
-Expert compute: the expert MLP alone (``fmoe.experts.expert_mlp``, fwd + bwd) on this rank's
-received rows, timed in the same run as ``torch.mm`` doing the same FLOPs as one GEMM
-(``[A, D] x [D, 3I]`` three times, the fwd + bwd count): the ratio is the fraction of the
-machine's matmul rate that the grouped expert GEMMs + activation reach.
+Expert compute: what the layer runs on this rank's received assignments, fwd + bwd, alone:
+on CPU the blocked path ``fmoe.expert_blocks.weighted_expert_sum`` (gather, GEMMs, SwiGLU,
+routing weight, scatter-add per expert block), timed in the same run as ``torch.mm`` doing the
+same FLOPs as one GEMM (``[A, D] x [D, 3I]`` three times, the fwd + bwd count): the ratio is the
+fraction of the machine's matmul rate that the expert work reaches.
 
     python benchmarks/bench_dispatch.py [--worlds 1 2 4] [--k 2 4 8] [--tokens 1024] [--steps 8]
 
@@ -169,7 +170,7 @@ def fwd_bwd(layer, leaves, x, gy):
 # ----------------------------------------------------------------------------- per rank
 def expert_fraction(x: torch.Tensor, ids: torch.Tensor, w: dict, mesh, steps: int) -> dict:
     """This rank's expert MLP on the rows it receives, vs torch.mm of the same FLOPs."""
-    from fmoe.experts import expert_mlp
+    from fmoe.expert_blocks import weighted_expert_sum
 
     rng = range(E) if mesh is None else mesh.expert_range(E)
     mine = ids[(ids >= rng.start) & (ids < rng.stop)] - rng.start
@@ -181,14 +182,14 @@ def expert_fraction(x: torch.Tensor, ids: torch.Tensor, w: dict, mesh, steps: in
         mine = flat[(flat >= rng.start) & (flat < rng.stop)] - rng.start
     A = int(mine.numel())
     counts = torch.bincount(mine, minlength=len(rng)).tolist()
-    rows = torch.randn(A, D)
+    rows, row_of, scale = torch.randn(A, D), torch.randperm(A), torch.rand(A, requires_grad=True)
     wgu, wd = w["w_gate_up"][rng.start:rng.stop].clone().requires_grad_(), w["w_down"][rng.start:rng.stop].clone().requires_grad_()
     a, b = torch.randn(A, D), torch.randn(D, 3 * I)
     gy, gm = torch.randn(A, D), torch.randn(A, 3 * I)
 
     def experts():
         r = rows.clone().requires_grad_()
-        torch.autograd.grad(expert_mlp(r, counts, wgu, wd), [r, wgu, wd], gy)
+        torch.autograd.grad(weighted_expert_sum(r, row_of, counts, wgu, wd, scale=scale), [r, scale, wgu, wd], gy)
 
     def mm():  # the same 3 x 2 x A x D x 3I FLOPs: forward, dA, dB
         a @ b, gm @ b.t(), a.t() @ gm

@@ -22,7 +22,9 @@ all three). The expert rank sorts the received (row, slot) assignments by expert
 layer's only sort), runs its experts with the routing weight folded into the hidden
 activation and sums per row, so the combine returns **one already-weighted row per (token,
 rank)**; the source adds them up. Per layer that is three collectives forward (split sizes,
-payload, combine; the split-size exchange is the one host sync) and two backward. Both data
+payload, combine; the split-size exchange is the one host sync) and two backward. When the
+expert group is the ``fsdp`` group (``tp == 1``, ``efsdp == 1``) the layer's routing statistics
+ride in the split-size exchange (:func:`folds_stats`), so they need no all-reduce. Both data
 exchanges are differentiable all-to-alls, so gradients of the routing weights travel back to
 the token's rank. The TP slices are reassembled with an all-gather whose backward keeps each
 rank's slice, and each rank takes its slice of the inputs (tokens and weights, concatenated)

@@ -13,7 +13,10 @@ A router puts it in ``Routing.aux``; ``fmoe.moe`` calls :func:`finalize`, which 
 ``GlobalStat``'s tensors over the data-parallel batches in **one** packed all-reduce (a tensor
 shared by several stats is sent once) and replaces each entry by ``finish(global sums)``. In a
 single process ``finish`` gets the local sums, so the value on N ranks equals the
-single-process value on the union of their batches.
+single-process value on the union of their batches. The token dispatch can carry the packed
+vector (:func:`pack` of :func:`stat_sums`) in its split-size exchange and hand ``finalize`` the
+sum over the ``fsdp`` group (``summed_over_fsdp``): the same values and gradients, one
+collective fewer per layer.
 
 The all-reduce is ``fmoe.collectives.all_reduce`` (backward: identity) over the ranks with the
 same tensor-parallel index: the ``fsdp`` group, then the ``dp_replicate`` group (sizes 1 are

@@ -29,7 +29,8 @@ losses, drop rates) reduced over the data-parallel batches and finished, plus
 ``tokens_per_expert`` (``[E]`` int64, this rank's slots per global expert), ``dispatch_rows``
 (rows this rank sent to *other* ranks), ``load`` (``[E]`` int64, routed slots per expert over all
 batches) and ``imbalance`` (max / mean of ``load``). All statistics travel in one small
-all-reduce over the batches.
+all-reduce over the batches, or inside the token dispatch's split-size exchange when its expert
+group is the fsdp group (:func:`fmoe.ep.folds_stats`).
 """
 
 from __future__ import annotations
