@@ -53,8 +53,11 @@ from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, gro
 from .expert_blocks import weighted_expert_sum
 from .experts import Activation, expert_mlp, swiglu
 
-__all__ = ["LocalExperts", "register", "get", "registered", "local", "all_to_all_impl", "folds_stats",
+__all__ = ["LocalExperts", "BLOCKED_MIN_ROWS", "register", "get", "registered", "local", "all_to_all_impl", "folds_stats",
            "all_reduce_impl", "sorted_by_expert", "pack_ids", "unpack_ids"]
+
+
+BLOCKED_MIN_ROWS = 256   # mean rows per local expert from which "auto" takes the blocked CPU path
 
 
 class LocalExperts:
@@ -82,18 +85,22 @@ class LocalExperts:
         out = self.run_sorted(rows.index_select(0, order), counts)
         return torch.empty_like(out).index_copy(0, order, out)
 
-    def blocked(self, rows: torch.Tensor) -> bool:
-        """Whether :meth:`weighted_sum` runs :func:`fmoe.expert_blocks.weighted_expert_sum`
-        (plain SwiGLU experts without biases on CPU, ``matmul`` ``"auto"`` or ``"loop"``)."""
-        return (self.act is swiglu and rows.device.type == "cpu" and self.matmul in ("auto", "loop")
-                and "b_gate_up" not in self.weights and "b_down" not in self.weights)
+    def blocked(self, rows: torch.Tensor, num_assignments: int) -> bool:
+        """Whether :meth:`weighted_sum` runs :func:`fmoe.expert_blocks.weighted_expert_sum`:
+        plain SwiGLU experts without biases on CPU, with ``matmul="loop"``, or ``"auto"`` and
+        at least ``BLOCKED_MIN_ROWS`` assignments per local expert on average (below that the
+        whole-tensor grouped GEMMs cost less than a Python loop over experts)."""
+        plain = (self.act is swiglu and rows.device.type == "cpu"
+                 and "b_gate_up" not in self.weights and "b_down" not in self.weights)
+        return plain and (self.matmul == "loop" or
+                          (self.matmul == "auto" and num_assignments >= BLOCKED_MIN_ROWS * self.num_local))
 
     def weighted_sum(self, rows: torch.Tensor, row_of: torch.Tensor, counts: list[int],
                      scale: torch.Tensor) -> torch.Tensor:
         """``out[n] = sum of scale[a] * expert(rows[n])`` over the assignments ``a`` of row ``n``
         (``row_of [A]`` sorted by local expert, ``counts[e]`` each); ``[N, D]``."""
         w = self.weights
-        if self.blocked(rows):
+        if self.blocked(rows, row_of.shape[0]):
             return weighted_expert_sum(rows, row_of, counts, w["w_gate_up"], w["w_down"], scale=scale)
         out = self.run_sorted(rows.index_select(0, row_of), counts, scale=scale)   # [A, D], weighted
         return out.new_zeros(rows.shape[0], out.shape[-1]).index_add(0, row_of, out)

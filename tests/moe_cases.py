@@ -63,15 +63,17 @@ def expected_dispatch_rows(ids, e_local, mesh):
     return sum(len({int(e) // e_local for e in row} - {me}) for row in ids[start:stop])
 
 
-def check_case(mesh, impl, router_name, sizes, seed=0):
-    """Distributed fmoe.moe vs single process on this rank's batch; returns a list of failures."""
+def check_case(mesh, impl, router_name, sizes, seed=0, matmul="auto"):
+    """Distributed fmoe.moe vs single process on this rank's batch; returns a list of failures.
+    ``matmul="loop"`` forces the blocked CPU expert path (``"auto"`` takes it only from
+    ``fmoe.ep.BLOCKED_MIN_ROWS`` rows per expert, more than these tiny batches have)."""
     router = ROUTERS[router_name] if isinstance(router_name, str) else router_name
     full = full_params(seed)
     leaves = {k: v.clone().requires_grad_(True) for k, v in full.items()}
     sharded = fmoe.shard(leaves, Plan({"w_*": P("ep", None, None)}, default=P()), mesh)
     b = mesh.batch_index
     x, coef = batch(b, sizes[b])
-    y, gx, aux = run(sharded, x, coef, router, mesh, impl)
+    y, gx, aux = run(sharded, x, coef, router, mesh, impl, matmul)
     grads = fmoe.gather({k: v.grad for k, v in sharded.items()})
     # single-process references: this batch, and every batch of this rank's EP group
     group_batches = sorted({r // mesh.tp for r in mesh.ranks("ep")})

@@ -86,17 +86,21 @@ def test_under_torch_func_grad():
 
 
 def test_moe_uses_the_blocked_path_on_cpu_and_matches_grouped():
-    """``fmoe.moe`` on CPU with plain SwiGLU experts runs the blocked path (``matmul="auto"``),
-    and its outputs and gradients equal the whole-tensor grouped path."""
+    """``fmoe.moe`` on CPU with plain SwiGLU experts runs the blocked path (``matmul="loop"``,
+    or ``"auto"`` from ``BLOCKED_MIN_ROWS`` rows per expert on), and its outputs and gradients
+    equal the whole-tensor grouped path."""
     g = torch.Generator().manual_seed(0)
     E = 4
     p = {"router": torch.randn(E, D, generator=g), "w_gate_up": torch.randn(E, 2 * I, D, generator=g),
          "w_down": torch.randn(E, D, I, generator=g)}
     x = torch.randn(9, D, generator=g)
     experts = fmoe.ep.LocalExperts({k: p[k] for k in ("w_gate_up", "w_down")}, 0, E)
-    assert experts.blocked(x) and not fmoe.ep.LocalExperts(experts.weights, 0, E, matmul="grouped").blocked(x)
+    many = fmoe.ep.BLOCKED_MIN_ROWS * E
+    assert experts.blocked(x, many) and not experts.blocked(x, many - 1)
+    assert fmoe.ep.LocalExperts(experts.weights, 0, E, matmul="loop").blocked(x, 1)
+    assert not fmoe.ep.LocalExperts(experts.weights, 0, E, matmul="grouped").blocked(x, many)
     got = []
-    for matmul in ("auto", "grouped"):
+    for matmul in ("loop", "grouped"):
         leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
         xi = x.clone().requires_grad_()
         y, _ = fmoe.moe(leaves, xi, router=fmoe.routing.topk(2), matmul=matmul)

@@ -26,6 +26,10 @@ def _four_ranks(rank, world):
         mesh = fmoe.Mesh(tp=tp, ep=ep)
         for r in ALL_ROUTERS:
             fails += check_case(mesh, impl, r, sizes)
+    for (tp, ep), impl, sizes in cases[:4]:           # the blocked CPU expert path, same checks
+        mesh = fmoe.Mesh(tp=tp, ep=ep)
+        for r in ("top2", "duplicate", "one_rank"):
+            fails += [f"matmul=loop: {f}" for f in check_case(mesh, impl, r, sizes, matmul="loop")]
     return fails
 
 
