@@ -25,9 +25,9 @@ Bytes are counted by a ``TorchDispatchMode`` that sees every collective either l
 forward and backward: all-to-all bytes and rows sent to *other* ranks, ring-algorithm bytes for
 all-reduce (``2 (n-1)/n`` of the tensor), all-gather and reduce-scatter (``(n-1)/n``).
 
-Expert compute: what the layer runs on this rank's received assignments, fwd + bwd, alone:
-on CPU the blocked path ``fmoe.expert_blocks.weighted_expert_sum`` (gather, GEMMs, SwiGLU,
-routing weight, scatter-add per expert block), timed in the same run as ``torch.mm`` doing the
+Expert compute: what the layer runs on this rank's received assignments, fwd + bwd, alone
+(``fmoe.ep.LocalExperts.weighted_sum``: gather, GEMMs, SwiGLU, routing weight, scatter-add; on
+CPU the blocked path from 256 rows per expert on, the whole-tensor grouped path below), timed in the same run as ``torch.mm`` doing the
 same FLOPs as one GEMM (``[A, D] x [D, 3I]`` three times, the fwd + bwd count): the ratio is the
 fraction of the machine's matmul rate that the expert work reaches.
 
@@ -170,7 +170,7 @@ def fwd_bwd(layer, leaves, x, gy):
 # ----------------------------------------------------------------------------- per rank
 def expert_fraction(x: torch.Tensor, ids: torch.Tensor, w: dict, mesh, steps: int) -> dict:
     """This rank's expert MLP on the rows it receives, vs torch.mm of the same FLOPs."""
-    from fmoe.expert_blocks import weighted_expert_sum
+    from fmoe.ep import LocalExperts
 
     rng = range(E) if mesh is None else mesh.expert_range(E)
     mine = ids[(ids >= rng.start) & (ids < rng.stop)] - rng.start
@@ -189,7 +189,8 @@ def expert_fraction(x: torch.Tensor, ids: torch.Tensor, w: dict, mesh, steps: in
 
     def experts():
         r = rows.clone().requires_grad_()
-        torch.autograd.grad(weighted_expert_sum(r, row_of, counts, wgu, wd, scale=scale), [r, scale, wgu, wd], gy)
+        experts = LocalExperts({"w_gate_up": wgu, "w_down": wd}, 0, len(rng))
+        torch.autograd.grad(experts.weighted_sum(r, row_of, counts, scale), [r, scale, wgu, wd], gy)
 
     def mm():  # the same 3 x 2 x A x D x 3I FLOPs: forward, dA, dB
         a @ b, gm @ b.t(), a.t() @ gm
