@@ -19,6 +19,7 @@ In a single process (or a one-rank world) ``shard`` validates and returns the le
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -253,8 +254,9 @@ class _ToLocal(torch.autograd.Function):
             g = g.contiguous()
         if g.stride() != ctx.stride:         # an unusual layout: let torch compute the global stride
             return DTensor.from_local(g, spec.mesh, ctx.grad_placements, run_check=False), None
-        return DTensor(g, DTensorSpec(spec.mesh, ctx.grad_placements, tensor_meta=spec.tensor_meta),
-                       requires_grad=False), None
+        grad_spec = (copy.copy(spec) if ctx.grad_placements == spec.placements else
+                     DTensorSpec(spec.mesh, ctx.grad_placements, tensor_meta=spec.tensor_meta))
+        return DTensor(g, grad_spec, requires_grad=False), None
 
 
 def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequence[str] = ()) -> torch.Tensor:
