@@ -23,8 +23,8 @@ layer's only sort), runs its experts with the routing weight folded into the hid
 activation and sums per row, so the combine returns **one already-weighted row per (token,
 rank)**; the source adds them up. Per layer that is three collectives forward (split sizes,
 payload, combine; the split-size exchange is the one host sync) and two backward. When the
-expert group is the ``fsdp`` group (``tp == 1``, ``efsdp == 1``) the layer's routing statistics
-ride in the split-size exchange (:func:`folds_stats`), so they need no all-reduce. Both data
+expert group holds the whole ``fsdp`` group (``efsdp == 1``) the layer's routing statistics ride
+in the split-size exchange (:func:`folds_stats`), so they need no all-reduce. Both data
 exchanges are differentiable all-to-alls, so gradients of the routing weights travel back to
 the token's rank. The TP slices are reassembled with an all-gather whose backward keeps each
 rank's slice, and each rank takes its slice of the inputs (tokens and weights, concatenated)
@@ -188,15 +188,17 @@ def unpack_ids(bits: torch.Tensor) -> torch.Tensor:
 
 def folds_stats(mesh) -> bool:
     """Whether :func:`all_to_all_impl` can sum the layer's routing statistics in its split-size
-    exchange: its expert group is exactly the ``fsdp`` group (``tp == 1``, ``efsdp == 1``),
-    whose sum is the statistics' sum over batches."""
-    return mesh is not None and mesh.tp == 1 and mesh.efsdp == 1 and mesh.ep > 1
+    exchange: with ``efsdp == 1`` the expert group holds every rank of this rank's ``fsdp``
+    group (each batch once per tp rank), so the statistics' sum over batches is the sum of the
+    rows received from those ranks."""
+    return mesh is not None and mesh.efsdp == 1 and mesh.ep > 1
 
 
-def _exchange_splits(in_splits: torch.Tensor, stats: Optional[torch.Tensor], group):
+def _exchange_splits(in_splits: torch.Tensor, stats: Optional[torch.Tensor], group, mesh):
     """Split sizes to and from every rank; with ``stats`` (fp64 ``[S]``, differentiable) also
-    their sum over the group in the same exchange: the value every rank computes identically,
-    the gradient passed straight to this rank's own stats (``all_reduce``'s backward)."""
+    their sum over this rank's ``fsdp`` group in the same exchange: the value every rank of the
+    group computes identically (same rows, same order), the gradient passed straight to this
+    rank's own stats (``all_reduce``'s backward)."""
     if stats is None:
         out_splits = torch.empty_like(in_splits)
         torch.distributed.all_to_all_single(out_splits, in_splits, group=group)
@@ -205,7 +207,9 @@ def _exchange_splits(in_splits: torch.Tensor, stats: Optional[torch.Tensor], gro
     send = torch.cat([in_splits.to(torch.float64).unsqueeze(1), stats.detach().expand(n, -1)], dim=1)  # [ep, 1+S]
     recv = torch.empty_like(send)
     torch.distributed.all_to_all_single(recv, send, group=group)
-    total = recv[:, 1:].sum(0)                                     # rank order: the same bits everywhere
+    batch_peers = set(mesh.ranks("fsdp"))                          # one rank per batch, my tp index
+    rows = [j for j, r in enumerate(mesh.ranks("ep")) if r in batch_peers]
+    total = recv[rows, 1:].sum(0)                                  # ep-group order: the same bits everywhere
     return recv[:, 0].long().tolist(), total + (stats - stats.detach())
 
 
@@ -238,7 +242,7 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh, stats: 
     payload = torch.cat([xs.index_select(0, pair_tok), send_w, pack_ids(send_ids, x.dtype)], dim=1)  # [Pn, D+2K]
     in_splits = torch.bincount(pair_rank, minlength=ep)
     # ---- split sizes (the host sync; routing statistics ride along), then one exchange of rows + weights + ids
-    out_s, stats_sum = _exchange_splits(in_splits, stats, ep_group)
+    out_s, stats_sum = _exchange_splits(in_splits, stats, ep_group, mesh)
     in_s = in_splits.tolist()
     recv = all_to_all(payload, out_s, in_s, ep_group)                           # [Nr, D + 2K]
     rows, recv_w, recv_bits = recv.split([D, K, K], dim=1)                      # backward: one cat

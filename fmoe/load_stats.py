@@ -99,7 +99,7 @@ def reduce_over_batches(tensors: Sequence[torch.Tensor], mesh, summed_over_fsdp:
         mesh: ``fmoe.Mesh`` or None.
         summed_over_fsdp: ``pack(tensors)`` already summed over the ``fsdp`` group by another
             exchange (the token dispatch folds it into its split-size exchange when its expert
-            group is the fsdp group); only ``dp_replicate`` is then left to reduce.
+            group holds the whole fsdp group); only ``dp_replicate`` is then left to reduce.
     Returns:
         the global sums, in order.
 

@@ -30,7 +30,7 @@ losses, drop rates) reduced over the data-parallel batches and finished, plus
 (rows this rank sent to *other* ranks), ``load`` (``[E]`` int64, routed slots per expert over all
 batches) and ``imbalance`` (max / mean of ``load``). All statistics travel in one small
 all-reduce over the batches, or inside the token dispatch's split-size exchange when its expert
-group is the fsdp group (:func:`fmoe.ep.folds_stats`).
+group holds the whole fsdp group (:func:`fmoe.ep.folds_stats`).
 """
 
 from __future__ import annotations
