@@ -16,9 +16,9 @@ Built in:
 ``all_to_all`` (token dispatch). With ``tp > 1`` the ranks of a TP group hold the same tokens,
 so each dispatches a disjoint ``1/tp`` slice of the rows (uneven or empty slices are fine).
 Every token of the slice goes **once to each rank** that owns at least one of its experts, as
-one payload row ``[x (D) | K weights | K local expert ids]`` (weights zeroed and ids -1 for
-slots owned elsewhere; the ids ride bit-cast in the payload dtype, so one exchange carries
-all three). The expert rank sorts the received (row, slot) assignments by expert once (the
+one payload row ``[x (D) | K weights | K global expert ids]``, gathered once from a per-token
+row (the ids ride bit-cast in the payload dtype, so one exchange carries all three; the expert
+rank keeps the slots it owns, whose unused weights get a zero gradient). The expert rank sorts the received (row, slot) assignments by expert once (the
 layer's only sort), runs its experts with the routing weight folded into the hidden
 activation and sums per row, so the combine returns **one already-weighted row per (token,
 rank)**; the source adds them up. Per layer that is three collectives forward (split sizes,
@@ -226,27 +226,27 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh, stats: 
     # ---- this TP rank's disjoint slice of the rows
     sizes = [b - a for a, b in (tp_slice_bounds(T, tp, r) for r in range(tp))]
     start, stop = tp_slice_bounds(T, tp, mesh.rank_in("tp"))
-    if tp > 1:  # own slice; backward all-gathers the slices' gradients (half copy_to's bytes)
-        xs, ws = split_to(torch.cat([x, weights.to(x.dtype)], dim=1), tp_group, sizes).split([D, weights.shape[1]], 1)
-    else:
-        xs, ws = x, weights.to(x.dtype)                                         # [Ts, D], [Ts, K]
     ids = expert_ids[start:stop]                                                # [Ts, K]
     Ts, K = ids.shape
-    # ---- (token, destination rank) pairs, once per rank, grouped by rank (no sort)
+    # ---- one row per token [x | K weights | K global ids], this TP rank's slice of them
+    if tp > 1:  # own slice; backward all-gathers the slices' gradients (half copy_to's bytes)
+        xw = split_to(torch.cat([x, weights.to(x.dtype)], dim=1), tp_group, sizes)
+        tok = torch.cat([xw, pack_ids(ids, x.dtype)], dim=1)                    # [Ts, D+2K]
+    else:
+        tok = torch.cat([x, weights.to(x.dtype), pack_ids(ids, x.dtype)], dim=1)
+    # ---- (token, destination rank) pairs, once per rank, grouped by rank (no sort): one gather
     dest = torch.div(ids, e_local, rounding_mode="floor")                       # [Ts, K]
     need = torch.zeros(Ts, ep, dtype=torch.bool, device=x.device).scatter_(1, dest, True)
     pair_rank, pair_tok = torch.nonzero(need.t(), as_tuple=True)                # Pn pairs
-    on_rank = dest.index_select(0, pair_tok) == pair_rank.unsqueeze(1)          # [Pn, K]
-    send_ids = torch.where(on_rank, (ids - dest * e_local).index_select(0, pair_tok), -1)
-    send_w = torch.where(on_rank, ws.index_select(0, pair_tok), 0)             # [Pn, K]
-    payload = torch.cat([xs.index_select(0, pair_tok), send_w, pack_ids(send_ids, x.dtype)], dim=1)  # [Pn, D+2K]
+    payload = tok.index_select(0, pair_tok)                                     # [Pn, D+2K]
     in_splits = torch.bincount(pair_rank, minlength=ep)
     # ---- split sizes (the host sync; routing statistics ride along), then one exchange of rows + weights + ids
     out_s, stats_sum = _exchange_splits(in_splits, stats, ep_group, mesh)
     in_s = in_splits.tolist()
     recv = all_to_all(payload, out_s, in_s, ep_group)                           # [Nr, D + 2K]
     rows, recv_w, recv_bits = recv.split([D, K, K], dim=1)                      # backward: one cat
-    recv_ids = unpack_ids(recv_bits)                                            # [Nr, K]
+    gids = unpack_ids(recv_bits)                                                # [Nr, K] global ids
+    recv_ids = torch.where(torch.div(gids, e_local, rounding_mode="floor") == me, gids - me * e_local, -1)
     # ---- experts: one weighted row per received (token, rank)
     combined = _weighted_sum_per_row(rows, recv_w, recv_ids, experts)           # [Nr, D]
     back = all_to_all(combined, in_s, out_s, ep_group)                          # [Pn, D]

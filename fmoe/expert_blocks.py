@@ -40,13 +40,16 @@ __all__ = ["weighted_expert_sum", "BLOCK_ROWS"]
 BLOCK_ROWS = 2048  # rows per block: whole experts at training sizes; temporaries stay far below 32 MB
 
 
-def _blocks(counts: Sequence[int], block_rows: int):
-    """``(expert, start, stop)`` row blocks of at most ``block_rows`` rows, in sorted order."""
-    start = 0
+def _block_plan(counts: Sequence[int], block_rows: int) -> tuple[list[int], list[int], list[bool]]:
+    """Row blocks of at most ``block_rows`` rows, in sorted order: the expert of each block, its
+    size, and whether it is its expert's first block (which writes the weight gradients)."""
+    experts, sizes, firsts = [], [], []
     for e, c in enumerate(counts):
-        for a in range(start, start + c, block_rows):
-            yield e, a, min(a + block_rows, start + c)
-        start += c
+        for a in range(0, c, block_rows):
+            experts.append(e)
+            sizes.append(min(block_rows, c - a))
+            firsts.append(a == 0)
+    return experts, sizes, firsts
 
 
 class _BlockedSwiGLU(torch.autograd.Function):
@@ -59,13 +62,15 @@ class _BlockedSwiGLU(torch.autograd.Function):
         out = rows.new_zeros(rows.shape[0], w_down.shape[1])                       # [N, D]
         h = rows.new_empty(A, 2 * n_i)                                             # [A, 2I]
         sg = rows.new_empty(A, n_i)                                                # [A, I] silu(gate)
-        for e, a, b in _blocks(counts, block_rows):
-            idx = row_of[a:b]
-            hb = torch.mm(rows.index_select(0, idx), w_gate_up[e].t(), out=h[a:b])  # [B, 2I]
-            act = torch.ops.aten.silu.out(hb[:, :n_i], out=sg[a:b]) * hb[:, n_i:]  # [B, I]
-            if scale is not None:
-                act.mul_(scale[a:b].unsqueeze(1))
-            out.index_add_(0, idx, act @ w_down[e].t())
+        experts, sizes, _ = _block_plan(counts, block_rows)
+        scales = scale.unsqueeze(1).split(sizes) if scale is not None else [None] * len(sizes)
+        wgu_t, wd_t = w_gate_up.transpose(1, 2).unbind(0), w_down.transpose(1, 2).unbind(0)
+        for e, idx, hb, sb, sc in zip(experts, row_of.split(sizes), h.split(sizes), sg.split(sizes), scales):
+            torch.mm(rows.index_select(0, idx), wgu_t[e], out=hb)                # [B, 2I]
+            act = torch.ops.aten.silu.out(hb[:, :n_i], out=sb) * hb[:, n_i:]      # [B, I]
+            if sc is not None:
+                act.mul_(sc)
+            out.index_add_(0, idx, act @ wd_t[e])
         return out, h, sg
 
     @staticmethod
@@ -89,29 +94,33 @@ class _BlockedSwiGLU(torch.autograd.Function):
         dscale = scale.new_empty(scale.shape) if scale is not None and need[2] else None
         dw_gu = _weight_grad(w_gate_up, ctx.counts) if need[3] else None
         dw_dn = _weight_grad(w_down, ctx.counts) if need[4] else None
-        for e, a, b in _blocks(ctx.counts, ctx.block_rows):
-            first = a == sum(ctx.counts[:e])    # the expert's first block writes its weight grads
-            idx = row_of[a:b]
+        experts, sizes, firsts = _block_plan(ctx.counts, ctx.block_rows)
+        none = [None] * len(sizes)
+        scales = scale.unsqueeze(1).split(sizes) if scale is not None else none
+        dscales = dscale.split(sizes) if dscale is not None else none
+        wgu, wd = w_gate_up.unbind(0), w_down.unbind(0)
+        dwgu = dw_gu.unbind(0) if dw_gu is not None else None
+        dwdn = dw_dn.unbind(0) if dw_dn is not None else None
+        blocks = zip(experts, firsts, row_of.split(sizes), h[:, :n_i].split(sizes), h[:, n_i:].split(sizes),
+                     sg.split(sizes), scales, dscales)
+        for e, first, idx, gate, up, s, sc, dsc in blocks:
             x, dy = rows.index_select(0, idx), dout.index_select(0, idx)          # [B, D]
-            gate, up = h[a:b, :n_i], h[a:b, n_i:]
-            s = sg[a:b]
             act = s * up                                                           # unscaled [B, I]
-            da = dy @ w_down[e]                                                    # [B, I]
-            if scale is not None:
-                if dscale is not None:
-                    torch.linalg.vecdot(da, act, out=dscale[a:b])
-                sc = scale[a:b].unsqueeze(1)
+            da = dy @ wd[e]                                                        # [B, I]
+            if sc is not None:
+                if dsc is not None:
+                    torch.linalg.vecdot(da, act, out=dsc)
                 act.mul_(sc)
                 da.mul_(sc)
-            if dw_dn is not None:
-                _accumulate_mm(dw_dn[e], dy.t(), act, first)                       # [D, I]
-            dh = torch.empty(b - a, 2 * n_i, dtype=h.dtype, device=h.device)      # [B, 2I]
+            if dwdn is not None:
+                _accumulate_mm(dwdn[e], dy.t(), act, first)                        # [D, I]
+            dh = torch.empty(x.shape[0], 2 * n_i, dtype=h.dtype, device=h.device)  # [B, 2I]
             torch.mul(da, s, out=dh[:, n_i:])
             torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=dh[:, :n_i])
             if drows is not None:
-                drows.index_add_(0, idx, dh @ w_gate_up[e])
-            if dw_gu is not None:
-                _accumulate_mm(dw_gu[e], dh.t(), x, first)                         # [2I, D]
+                drows.index_add_(0, idx, dh @ wgu[e])
+            if dwgu is not None:
+                _accumulate_mm(dwgu[e], dh.t(), x, first)                          # [2I, D]
         return drows, None, dscale, dw_gu, dw_dn, None, None
 
 
