@@ -176,7 +176,10 @@ def moe(
         mesh: ``fmoe.Mesh`` or None for a single process.
         impl: ``"auto"``, ``"all_to_all"``, ``"all_reduce"`` or a registered name.
         act: expert activation ``act(gate, up)`` (default SwiGLU).
-        matmul: expert matmul path: ``"auto"``, ``"grouped"``, ``"loop"``.
+        matmul: expert path: ``"grouped"`` (whole-tensor ``torch._grouped_mm``), ``"loop"``
+            (one expert at a time; on CPU the fused blocked path of :mod:`fmoe.expert_blocks`)
+            or ``"auto"`` (CPU: blocked from ``fmoe.ep.BLOCKED_MIN_ROWS`` rows per local expert
+            on, grouped below; CUDA: grouped where aligned). Same numbers on every path.
         router_inputs: extra keyword inputs for the router, e.g. ``{"token_ids": ids [T]}``.
     Returns:
         ``(y [T, D], aux)``.
