@@ -251,3 +251,52 @@ def test_prefetch_gathers_a_layer_in_one_collective_per_group_and_dtype():
         assert same                                   # losses and gradients equal
         assert per_leaf == (4, 2, 4), per_leaf        # per weight (the two saved ones re-gathered)
         assert prefetched == (2, 1, 2), prefetched    # per dtype (fp32 a, b, n, unused; fp64 h)
+
+
+def _fold_and_prefetch_on_four(rank, world):
+    """tp=2, ep=4 (fsdp=2): the statistics still need no all-reduce. A tiny Qwen3-MoE on an
+    FSDP plan (dense over fsdp, experts over efsdp with ep=2) gives the single-process logits
+    under no_grad, with one all-gather per layer and weight group instead of one per weight."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fmoe.models import qwen3_moe
+    from fmoe.train.fsdp import data_parallel_plan
+
+    calls = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                calls.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    mesh = fmoe.Mesh(tp=2, ep=4)
+    g = torch.Generator().manual_seed(0)
+    p = {"router": torch.randn(8, 16, generator=g), "w_gate_up": torch.randn(8, 8, 16, generator=g),
+         "w_down": torch.randn(8, 16, 4, generator=g)}
+    p = fmoe.shard({k: v.requires_grad_() for k, v in p.items()}, fmoe.Plan({"router": "replicate", "w_*": "expert"}), mesh)
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(mesh.batch_index)).requires_grad_()
+    with Count():
+        fmoe.moe(p, x, router=fmoe.routing.topk(2), mesh=mesh, impl="all_to_all")
+    stats_reduces = calls.count("c10d::allreduce_")
+
+    cfg = qwen3_moe.Config.tiny()
+    full = qwen3_moe.init(cfg, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
+    want = qwen3_moe.forward(full, tokens, cfg)
+    mesh2 = fmoe.Mesh(tp=1, ep=2)                                       # fsdp=4, efsdp=2
+    sharded = fmoe.shard(full, data_parallel_plan(qwen3_moe.plan(cfg), full, mesh2), mesh2)
+    del calls[:]
+    with torch.no_grad(), Count():
+        got = qwen3_moe.forward(sharded, tokens, cfg, mesh2)
+    gathers = sum("allgather" in c for c in calls)
+    leaves = len(fmoe.tree.leaves(full))
+    return stats_reduces, bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5)), gathers, leaves, cfg.num_hidden_layers
+
+
+def test_stats_fold_with_tp_and_prefetch_on_a_model():
+    for stats_reduces, same, gathers, leaves, layers in spawn(_fold_and_prefetch_on_four, 4, timeout=300):
+        assert stats_reduces == 0
+        assert same
+        # per layer: one dense group (fsdp) and one expert group (efsdp); 3 top-level leaves
+        assert gathers <= 2 * layers + 3 < leaves, (gathers, layers, leaves)
