@@ -18,15 +18,15 @@ so each dispatches a disjoint ``1/tp`` slice of the rows (uneven or empty slices
 Every token of the slice goes **once to each rank** that owns at least one of its experts, as
 one payload row ``[x (D) | K weights | K global expert ids]``, gathered once from a per-token
 row (the ids ride bit-cast in the payload dtype, so one exchange carries all three; the expert
-rank keeps the slots it owns, whose unused weights get a zero gradient). The expert rank sorts the received (row, slot) assignments by expert once (the
-layer's only sort), runs its experts with the routing weight folded into the hidden
-activation and sums per row, so the combine returns **one already-weighted row per (token,
-rank)**; the source adds them up. Per layer that is three collectives forward (split sizes,
-payload, combine; the split-size exchange is the one host sync) and two backward. When the
-expert group holds the whole ``fsdp`` group (``efsdp == 1``) the layer's routing statistics ride
-in the split-size exchange (:func:`folds_stats`), so they need no all-reduce. Both data
-exchanges are differentiable all-to-alls, so gradients of the routing weights travel back to
-the token's rank. The TP slices are reassembled with an all-gather whose backward keeps each
+rank keeps the slots it owns, whose unused weights get a zero gradient). The expert rank
+sorts the received (row, slot) assignments by expert once (the layer's only sort), runs its
+experts with the routing weight folded into the hidden activation and sums per row, so the
+combine returns **one already-weighted row per (token, rank)**; the source adds them up. Per
+layer that is three collectives forward (split sizes, payload, combine; the split-size exchange
+is the one host sync) and two backward. When the expert group holds the whole ``fsdp``
+group (``efsdp == 1``) the layer's routing statistics ride in the split-size exchange
+(:func:`folds_stats`), so they need no all-reduce. Both data exchanges are differentiable
+all-to-alls, so gradients of the routing weights travel back to the token's rank. The TP slices are reassembled with an all-gather whose backward keeps each
 rank's slice, and each rank takes its slice of the inputs (tokens and weights, concatenated)
 with ``split_to``, whose backward all-gathers the slices' gradients, so every TP rank ends
 with the full-batch gradient of ``x`` and the router. It also returns ``{"dispatch_rows": ...}`` (rows sent to other ranks) for the

@@ -22,8 +22,9 @@ transformers' time in one process.
 It is the CPU path of the layer for plain SwiGLU experts without biases with ``matmul="loop"``,
 or ``"auto"`` from ``fmoe.ep.BLOCKED_MIN_ROWS`` (256) rows per local expert on average: below
 that the whole-tensor path's few large ops beat a Python loop over many small experts (measured:
-1024 tokens, 32 experts, top-2 is 0.88x transformers' time whole-tensor, 1.03x blocked). CUDA keeps ``torch._grouped_mm`` over whole tensors (one kernel per op beats a
-Python loop over experts there). Double backward and ``torch.func`` transforms run the same math
+1024 tokens, 32 experts, top-2 is 0.88x transformers' time whole-tensor, 1.03x blocked).
+CUDA keeps ``torch._grouped_mm`` over whole tensors (one kernel per op beats a Python loop over
+experts there). Double backward and ``torch.func`` transforms run the same math
 as whole-tensor differentiable ops (``torch.is_grad_enabled()`` inside backward).
 """
 

@@ -31,7 +31,8 @@ def case(counts, n_rows, seed, strided=False):
     E = len(counts)
     base = torch.randn(n_rows, D + 3, generator=g)
     rows = base[:, :D] if strided else base[:, :D].contiguous()              # a column view: row stride D + 3
-    row_of = torch.randint(0, max(n_rows, 1), (sum(counts),), generator=g) if n_rows else torch.zeros(0, dtype=torch.long)
+    row_of = (torch.randint(0, n_rows, (sum(counts),), generator=g) if n_rows
+              else torch.zeros(0, dtype=torch.long))
     wgu, wd = torch.randn(E, 2 * I, D, generator=g), torch.randn(E, D, I, generator=g)
     scale = torch.rand(sum(counts), generator=g)
     return rows, row_of, wgu, wd, scale, torch.randn(n_rows, D, generator=g)

@@ -274,7 +274,8 @@ def _fold_and_prefetch_on_four(rank, world):
     g = torch.Generator().manual_seed(0)
     p = {"router": torch.randn(8, 16, generator=g), "w_gate_up": torch.randn(8, 8, 16, generator=g),
          "w_down": torch.randn(8, 16, 4, generator=g)}
-    p = fmoe.shard({k: v.requires_grad_() for k, v in p.items()}, fmoe.Plan({"router": "replicate", "w_*": "expert"}), mesh)
+    p = fmoe.shard({k: v.requires_grad_() for k, v in p.items()},
+                   fmoe.Plan({"router": "replicate", "w_*": "expert"}), mesh)
     x = torch.randn(6, 16, generator=torch.Generator().manual_seed(mesh.batch_index)).requires_grad_()
     with Count():
         fmoe.moe(p, x, router=fmoe.routing.topk(2), mesh=mesh, impl="all_to_all")
