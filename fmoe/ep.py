@@ -26,11 +26,12 @@ layer that is three collectives forward (split sizes, payload, combine; the spli
 is the one host sync) and two backward. When the expert group holds the whole ``fsdp``
 group (``efsdp == 1``) the layer's routing statistics ride in the split-size exchange
 (:func:`folds_stats`), so they need no all-reduce. Both data exchanges are differentiable
-all-to-alls, so gradients of the routing weights travel back to the token's rank. The TP slices are reassembled with an all-gather whose backward keeps each
-rank's slice, and each rank takes its slice of the inputs (tokens and weights, concatenated)
-with ``split_to``, whose backward all-gathers the slices' gradients, so every TP rank ends
-with the full-batch gradient of ``x`` and the router. It also returns ``{"dispatch_rows": ...}`` (rows sent to other ranks) for the
-layer's aux.
+all-to-alls, so gradients of the routing weights travel back to the token's rank. The TP
+slices are reassembled with an all-gather whose backward keeps each rank's slice, and each rank
+takes its slice of the inputs (tokens and weights, concatenated) with ``split_to``, whose
+backward all-gathers the slices' gradients, so every TP rank ends with the full-batch gradient
+of ``x`` and the router. It also returns ``{"dispatch_rows": ...}`` (rows sent to other ranks)
+for the layer's aux.
 
 ``all_reduce`` (masking; needs ``ep == tp``, i.e. the expert group shares one batch). Each rank
 runs its own experts on every token routed to them and the partial outputs are summed with an
@@ -53,8 +54,8 @@ from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, gro
 from .expert_blocks import weighted_expert_sum
 from .experts import Activation, expert_mlp, swiglu
 
-__all__ = ["LocalExperts", "BLOCKED_MIN_ROWS", "register", "get", "registered", "local", "all_to_all_impl", "folds_stats",
-           "all_reduce_impl", "sorted_by_expert", "pack_ids", "unpack_ids"]
+__all__ = ["LocalExperts", "BLOCKED_MIN_ROWS", "register", "get", "registered", "local", "all_to_all_impl",
+           "folds_stats", "all_reduce_impl", "sorted_by_expert", "pack_ids", "unpack_ids"]
 
 
 BLOCKED_MIN_ROWS = 256   # mean rows per local expert from which "auto" takes the blocked CPU path

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .experts import swiglu_backward
+from .experts import check_groups, swiglu_backward
 
 __all__ = ["weighted_expert_sum", "BLOCK_ROWS"]
 
@@ -177,12 +177,7 @@ def weighted_expert_sum(
         >>> weighted_expert_sum(rows, torch.tensor([0, 2, 0]), [2, 1], wgu, wd).shape
         torch.Size([3, 4])
     """
-    counts = [int(c) for c in counts]
-    if len(counts) != w_gate_up.shape[0] or sum(counts) != row_of.shape[0]:
-        raise ValueError(f"weighted_expert_sum: counts {counts} do not fit {w_gate_up.shape[0]} experts "
-                         f"and {row_of.shape[0]} assignments")
-    if scale is not None and tuple(scale.shape) != (row_of.shape[0],):
-        raise ValueError(f"weighted_expert_sum: scale must have shape ({row_of.shape[0]},), got {tuple(scale.shape)}")
+    counts = check_groups("weighted_expert_sum", counts, w_gate_up.shape[0], row_of.shape[0], "assignments", scale)
     if not isinstance(block_rows, int) or block_rows < 1:
         raise ValueError(f"weighted_expert_sum: block_rows must be a positive int, got {block_rows!r}")
     return _BlockedSwiGLU.apply(rows, row_of, scale, w_gate_up, w_down, counts, block_rows)[0]

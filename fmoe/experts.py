@@ -237,12 +237,7 @@ def expert_mlp(
     """
     if impl not in ("auto", "grouped", "loop"):
         raise ValueError(f"expert_mlp: impl must be 'auto', 'grouped' or 'loop', got {impl!r}")
-    counts = [int(c) for c in counts]
-    if len(counts) != w_gate_up.shape[0] or sum(counts) != x.shape[0]:
-        raise ValueError(f"expert_mlp: counts {counts} do not fit {w_gate_up.shape[0]} experts "
-                         f"and {x.shape[0]} rows")
-    if scale is not None and tuple(scale.shape) != (x.shape[0],):
-        raise ValueError(f"expert_mlp: scale must have shape ({x.shape[0]},), got {tuple(scale.shape)}")
+    counts = check_groups("expert_mlp", counts, w_gate_up.shape[0], x.shape[0], "rows", scale)
     offs = torch.tensor(counts, dtype=torch.int64, device=x.device).cumsum(0).to(torch.int32)
     grouped = use_grouped(x, w_gate_up, w_down, impl)
     if act is swiglu and b_gate_up is None and b_down is None:
@@ -255,6 +250,18 @@ def expert_mlp(
     if b_down is not None:
         out = out + _per_row(b_down, counts)
     return out if scale is None else out * scale.unsqueeze(-1)
+
+
+def check_groups(fn: str, counts: Sequence[int], num_experts: int, n: int, what: str,
+                 scale: Optional[torch.Tensor]) -> list[int]:
+    """``counts`` as ints after checking that they split ``n`` rows (or assignments) over
+    ``num_experts`` experts and that ``scale`` is ``[n]``; ValueError naming ``fn`` otherwise."""
+    counts = [int(c) for c in counts]
+    if len(counts) != num_experts or sum(counts) != n:
+        raise ValueError(f"{fn}: counts {counts} do not fit {num_experts} experts and {n} {what}")
+    if scale is not None and tuple(scale.shape) != (n,):
+        raise ValueError(f"{fn}: scale must have shape ({n},), got {tuple(scale.shape)}")
+    return counts
 
 
 def _per_row(b: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:

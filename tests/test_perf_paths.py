@@ -93,18 +93,22 @@ def test_ids_survive_the_payload_bit_cast(dtype):
     assert torch.equal(unpack_ids(payload[:, 4:]), ids)
 
 
-def _count_collectives(rank, world):
-    """Collectives one MoE layer issues, forward and backward, with token dispatch."""
+def _c10d_log(calls: list):
+    """A dispatch mode that appends the name of every c10d op issued while it is active to ``calls``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    calls = []
-
-    class Count(TorchDispatchMode):
+    class Log(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "c10d":
                 calls.append(func.name())
             return func(*args, **(kwargs or {}))
 
+    return Log()
+
+
+def _count_collectives(rank, world):
+    """Collectives one MoE layer issues, forward and backward, with token dispatch."""
+    calls = []
     mesh = fmoe.Mesh(tp=1, ep=world)
     g = torch.Generator().manual_seed(0)
     p = {"router": torch.randn(8, 16, generator=g), "w_gate_up": torch.randn(8, 8, 16, generator=g),
@@ -114,7 +118,7 @@ def _count_collectives(rank, world):
     x = torch.randn(12, 16, generator=torch.Generator().manual_seed(1 + rank)).requires_grad_()
     router = fmoe.routing.topk(3)
     y, aux = fmoe.moe(p, x, router=router, mesh=mesh, impl="all_to_all")  # warm (no counting)
-    with Count():
+    with _c10d_log(calls):
         y, aux = fmoe.moe(p, x, router=router, mesh=mesh, impl="all_to_all")
         fwd = list(calls)
         y.square().sum().backward()
@@ -196,18 +200,9 @@ def test_split_to_validates_sizes():
 def _prefetch_checks(rank, world):
     """One layer-like function over FSDP-split weights, with and without fmoe.prefetch (and
     regather_in_backward): same outputs and gradients; collectives counted per path."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from fmoe.regather import regather_in_backward
 
     calls = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d":
-                calls.append(func.name())
-            return func(*args, **(kwargs or {}))
-
     mesh = fmoe.Mesh(tp=1)
     g = torch.Generator().manual_seed(0)
     full = {"a": torch.randn(8, 6, generator=g), "b": torch.randn(6, 8, generator=g), "n": torch.rand(6, generator=g),
@@ -226,7 +221,7 @@ def _prefetch_checks(rank, world):
         params = fmoe.shard({k: v.clone().requires_grad_() for k, v in full.items()}, plan, mesh)
         leaves = [params[k] for k in ("a", "b", "n", "h")]
         del calls[:]
-        with Count(), regather_in_backward():
+        with _c10d_log(calls), regather_in_backward():
             if mode == "prefetch":
                 with fmoe.prefetch(params):
                     loss = layer(params)
@@ -257,19 +252,10 @@ def _fold_and_prefetch_on_four(rank, world):
     """tp=2, ep=4 (fsdp=2): the statistics still need no all-reduce. A tiny Qwen3-MoE on an
     FSDP plan (dense over fsdp, experts over efsdp with ep=2) gives the single-process logits
     under no_grad, with one all-gather per layer and weight group instead of one per weight."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from fmoe.models import qwen3_moe
     from fmoe.train.fsdp import data_parallel_plan
 
     calls = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d":
-                calls.append(func.name())
-            return func(*args, **(kwargs or {}))
-
     mesh = fmoe.Mesh(tp=2, ep=4)
     g = torch.Generator().manual_seed(0)
     p = {"router": torch.randn(8, 16, generator=g), "w_gate_up": torch.randn(8, 8, 16, generator=g),
@@ -277,7 +263,7 @@ def _fold_and_prefetch_on_four(rank, world):
     p = fmoe.shard({k: v.requires_grad_() for k, v in p.items()},
                    fmoe.Plan({"router": "replicate", "w_*": "expert"}), mesh)
     x = torch.randn(6, 16, generator=torch.Generator().manual_seed(mesh.batch_index)).requires_grad_()
-    with Count():
+    with _c10d_log(calls):
         fmoe.moe(p, x, router=fmoe.routing.topk(2), mesh=mesh, impl="all_to_all")
     stats_reduces = calls.count("c10d::allreduce_")
 
@@ -288,7 +274,7 @@ def _fold_and_prefetch_on_four(rank, world):
     mesh2 = fmoe.Mesh(tp=1, ep=2)                                       # fsdp=4, efsdp=2
     sharded = fmoe.shard(full, data_parallel_plan(qwen3_moe.plan(cfg), full, mesh2), mesh2)
     del calls[:]
-    with torch.no_grad(), Count():
+    with torch.no_grad(), _c10d_log(calls):
         got = qwen3_moe.forward(sharded, tokens, cfg, mesh2)
     gathers = sum("allgather" in c for c in calls)
     leaves = len(fmoe.tree.leaves(full))
