@@ -52,7 +52,7 @@ import torch
 
 from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, group_size, split_to
 from .expert_blocks import weighted_expert_sum
-from .experts import Activation, expert_mlp, swiglu
+from .experts import Activation, check_matmul, expert_mlp, swiglu
 
 __all__ = ["LocalExperts", "BLOCKED_MIN_ROWS", "register", "get", "registered", "local", "all_to_all_impl",
            "folds_stats", "all_reduce_impl", "sorted_by_expert", "pack_ids", "unpack_ids"]
@@ -75,6 +75,7 @@ class LocalExperts:
 
     def __init__(self, weights: dict, first: int, num_experts: int, act: Activation = swiglu,
                  matmul: str = "auto"):
+        check_matmul("LocalExperts", "matmul", matmul)
         self.weights, self.first, self.num_experts = weights, first, num_experts
         self.num_local = weights["w_gate_up"].shape[0]
         self.range = range(first, first + self.num_local)

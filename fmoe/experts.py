@@ -235,8 +235,7 @@ def expert_mlp(
         >>> expert_mlp(torch.randn(5, 4), [2, 3], w1, w2).shape
         torch.Size([5, 4])
     """
-    if impl not in ("auto", "grouped", "loop"):
-        raise ValueError(f"expert_mlp: impl must be 'auto', 'grouped' or 'loop', got {impl!r}")
+    check_matmul("expert_mlp", "impl", impl)
     counts = check_groups("expert_mlp", counts, w_gate_up.shape[0], x.shape[0], "rows", scale)
     offs = torch.tensor(counts, dtype=torch.int64, device=x.device).cumsum(0).to(torch.int32)
     grouped = use_grouped(x, w_gate_up, w_down, impl)
@@ -250,6 +249,12 @@ def expert_mlp(
     if b_down is not None:
         out = out + _per_row(b_down, counts)
     return out if scale is None else out * scale.unsqueeze(-1)
+
+
+def check_matmul(fn: str, name: str, value: object) -> None:
+    """ValueError naming ``fn``'s argument ``name`` unless ``value`` is an expert matmul path."""
+    if value not in ("auto", "grouped", "loop"):
+        raise ValueError(f"{fn}: {name} must be 'auto', 'grouped' or 'loop', got {value!r}")
 
 
 def check_groups(fn: str, counts: Sequence[int], num_experts: int, n: int, what: str,

@@ -41,7 +41,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import ep as _ep
-from .experts import Activation, swiglu
+from .experts import Activation, check_matmul, swiglu
 from .load_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .shared_experts import check_shared, shared_expert
@@ -197,6 +197,7 @@ def moe(
         raise TypeError(f"moe: mesh must be an fmoe.Mesh or None, got {type(mesh).__name__}")
     if not callable(router):
         raise TypeError(f"moe: router must be callable (e.g. fmoe.routing.topk(2)), got {router!r}")
+    check_matmul("moe", "matmul", matmul)          # before any gather or dispatch
     inputs = _router_inputs(params, router_inputs)
     trained = [v for k, v in params.items() if k not in ("expert_bias", "shared")]
     trained += list(params.get("shared", {}).values())
