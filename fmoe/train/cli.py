@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, is_dataclass
 from typing import Optional, Sequence
 
-MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama")
+MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama", "deepseek_v3")
 
 __all__ = ["parse_args", "main", "run"]
 
@@ -183,7 +183,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     model_plan = model.check_plan(cfg, None, mesh.tp) if hasattr(model, "check_plan") else model.plan(cfg)
     plan = data_parallel_plan(model_plan, full, mesh)
     packed = ckpt.packed_layout(plan, full)
-    params = fmoe.shard(fmoe.tree.map_with_path(lambda _, t: t.detach().requires_grad_(True), full), plan, mesh)
+    params = fmoe.shard(fmoe.tree.map_with_path(lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")), full), plan, mesh)
     del full
     opt_state = adamw_init(params)
     start = 0
