@@ -13,7 +13,9 @@ from .placement import P
 from .plan import STYLES, Plan
 from .prefetch import prefetch, prefetch_layers
 from .sharding import gather, materialize, placement_of, shard, to_local
+from . import remat  # noqa: E402  (activation recomputation policy; models mark their blocks)
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "materialize", "prefetch", "prefetch_layers",
            "moe", "nn", "routing", "aux_losses", "load_stats", "shared_experts", "regather", "ep", "experts", "collectives", "testing", "tree"]
+__all__ += ["remat"]
 __version__ = "0.1.0"

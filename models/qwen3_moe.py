@@ -222,6 +222,17 @@ def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl:
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
 
 
+def _layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
+           mesh: Optional[fmoe.Mesh], impl: str, router: Optional[Any]) -> tuple[torch.Tensor, Optional[dict]]:
+    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block or None)``."""
+    h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg)
+    x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+    if "moe" not in layer:
+        return h + nn.swiglu_mlp(x, layer["mlp"]["w_gate_up"], layer["mlp"]["w_down"]), None
+    y, aux = fmoe.remat.call("moe", _moe, layer["moe"], x, cfg, mesh, impl, router)
+    return h + y, aux
+
+
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False,
             router: Optional[Any] = None) -> Union[torch.Tensor, tuple[torch.Tensor, dict]]:
@@ -256,14 +267,8 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     cos, sin = nn.rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), inv_freq, scaling, h.dtype)
     auxes = []
     for layer in fmoe.prefetch_layers(params["layers"]):  # FSDP: one gather per layer
-        h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg)
-        x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-        if "moe" in layer:
-            y, aux = _moe(layer["moe"], x, cfg, mesh, impl, router)
-            auxes.append(aux)
-        else:
-            y = nn.swiglu_mlp(x, layer["mlp"]["w_gate_up"], layer["mlp"]["w_down"])
-        h = h + y
+        h, aux = fmoe.remat.call("layer", _layer, layer, h, cos, sin, cfg, mesh, impl, router)
+        auxes += [aux] if aux is not None else []
     h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
     logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
     return (logits, {"moe": auxes}) if return_aux else logits

@@ -20,6 +20,8 @@ import sys
 from dataclasses import asdict, is_dataclass
 from typing import Optional, Sequence
 
+from . import options
+
 MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama", "deepseek_v3")
 
 __all__ = ["parse_args", "main", "run"]
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--export-hf", default=None, help="write a Hugging Face checkpoint at the end")
     ap.add_argument("--timeout", type=_positive_float("--timeout"), default=1800.0, help="collective timeout, s")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    options.add_arguments(ap)
     return ap
 
 
@@ -116,6 +119,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      f"{['auto'] + fmoe.ep.registered()}")
     if args.resume and args.init_hf:
         ap.error("--resume and --init-hf are exclusive")
+    options.check(args, ap)
     args.ep = ep
     return args
 
@@ -162,21 +166,26 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     import fmoe
     from fmoe.train import ckpt
-    from fmoe.train.data import Corpus
+    from fmoe.train.evaluate import evaluate
     from fmoe.train.fsdp import data_parallel_plan
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
     from fmoe.train.step import StepConfig, train_step
 
     model = importlib.import_module(f"fmoe.models.{args.model}")
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
+    device = options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))
     if args.init_hf:
         full, cfg = model.load_hf(args.init_hf)
+        tokenizer = options.resolve_tokenizer(args, cfg.vocab_size)
     else:
-        cfg = _preset(model, args.preset, args.tp)
+        tokenizer = options.resolve_tokenizer(args)
+        cfg = options.fit_vocab(_preset(model, args.preset, args.tp), tokenizer, args.tp)
         full = model.init(cfg, seed=args.seed)
-    if cfg.vocab_size < 256:
-        raise ValueError(f"--init-hf {args.init_hf!r}: vocab_size {cfg.vocab_size} < 256; the built-in "
-                         "corpus is byte-level and needs token ids 0..255")
+    train_data, held_out = options.open_streams(args, tokenizer)
+    if cfg.vocab_size < max(256, train_data.vocab_size or 0):
+        raise ValueError(f"model vocab_size {cfg.vocab_size} cannot hold the data's token ids "
+                         f"(vocabulary {train_data.vocab_size} of {train_data.name})")
+    full = fmoe.tree.map_with_path(lambda _, t: t.to(device), full)
     if hasattr(cfg, "output_router_logits"):
         cfg = dataclasses.replace(cfg, output_router_logits=args.aux_weight > 0,
                                   router_aux_loss_coef=args.aux_weight)
@@ -194,20 +203,28 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         meta = ckpt.load(path, params, opt_state, packed)
         start = meta["step"]
     step_cfg = StepConfig(opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
-                          impl=args.impl)
-    corpus = Corpus.stdlib()
+                          impl=args.impl, **options.step_options(args))
     rank0 = rank == 0
     if rank0:
         os.makedirs(args.out, exist_ok=True)
+        if not args.quiet:
+            options.print_memory_plan(args, model, cfg, model_plan, world)
     meta = {"model": args.model, "config": _config_dict(cfg), "seed": args.seed, "batch": args.batch,
             "seq": args.seq, "mesh": {"tp": mesh.tp, "ep": mesh.ep, "fsdp": mesh.fsdp,
-                                      "dp_replicate": mesh.dp_replicate, "world": mesh.world}}
+                                      "dp_replicate": mesh.dp_replicate, "world": mesh.world},
+            **options.run_meta(args, tokenizer, device)}
     bar = _Progress(args.steps, rank0 and not args.quiet)
     last: dict = {}
     for step in range(start + 1, args.steps + 1):
-        batch = corpus.batch(step, mesh.batch_index, args.batch, args.seq, args.seed)
+        batch = train_data.batch(step, mesh.batch_index, args.batch * args.grad_accum, args.seq, args.seed,
+                                 num_batches=mesh.num_batches)
         lr = lr_at(step, args.lr, args.warmup, args.steps)
-        params, opt_state, m = train_step(model, cfg, params, opt_state, batch, mesh=mesh, step_cfg=step_cfg, lr=lr)
+        params, opt_state, m = train_step(model, cfg, params, opt_state, tuple(t.to(device) for t in batch),
+                                          mesh=mesh, step_cfg=step_cfg, lr=lr)
+        if options.should_eval(args, step):
+            m.update(evaluate(model, cfg, params, held_out, mesh=mesh, batches=args.eval_batches, batch=args.batch,
+                              seq=args.seq, seed=args.seed, impl=args.impl, router=step_cfg.router,
+                              dtype=args.dtype, device=device))
         last = {"step": step, **m}
         if rank0:
             with open(os.path.join(args.out, "log.jsonl"), "a") as f:
@@ -217,6 +234,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
     if args.export_hf:
         model.save_hf(params, cfg, args.export_hf)
+        if rank0:
+            options.export_tokenizer(tokenizer, args.export_hf)
     return last
 
 
@@ -234,7 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         world = int(os.environ["WORLD_SIZE"])
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+            backend = "nccl" if options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0))).type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
         last = run(int(os.environ["RANK"]), world, args)
         if int(os.environ["RANK"]) != 0:                 # one summary per job
             return 0

@@ -25,7 +25,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["add_arguments", "check", "parse_router", "router_from_spec", "resolve_device", "open_streams"]
+#: Models whose forward marks its layers and MoE blocks for :mod:`fmoe.remat`.
+REMAT_MODELS = ("qwen3_moe", "mixtral")
+
+__all__ = ["REMAT_MODELS", "add_arguments", "check", "parse_router", "router_from_spec", "resolve_device", "open_streams"]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -65,10 +68,16 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.error(f"--data {args.data!r} does not exist")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available (use --device cpu or auto)")
+    if args.device == "cuda" and args.nproc > 1 and "RANK" not in os.environ:
+        ap.error(f"--device cuda --nproc {args.nproc}: launch several GPUs with torchrun --nproc-per-node "
+                 f"{args.nproc} (one GPU per rank over NCCL); --nproc spawns local gloo ranks")
     if args.tokenizer not in (None, "bytes"):
         from ..data import find_tokenizer_file
         if find_tokenizer_file(args.tokenizer) is None:
             ap.error(f"--tokenizer {args.tokenizer!r}: not 'bytes', a tokenizer.json, or a directory holding one")
+    if args.remat != "none" and args.model not in REMAT_MODELS:
+        ap.error(f"--remat {args.remat}: model {args.model} does not mark its blocks for recomputation; "
+                 f"--remat works with {list(REMAT_MODELS)}")
     if args.router is not None:
         try:
             router_from_spec(args.router)
@@ -136,10 +145,12 @@ def router_from_spec(spec: str) -> Callable:
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``cpu``, or this local rank's GPU for ``cuda`` (``auto``: cuda when available)."""
+    """``cpu``, or this local rank's GPU for ``cuda`` (``auto``: cuda when available, except in
+    ranks the job spawned itself, which talk gloo: use ``torchrun`` for several GPUs)."""
     if name not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+    spawned = "FMOE_SPAWNED" in os.environ
+    if name == "cpu" or (name == "auto" and (spawned or not torch.cuda.is_available())):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("device cuda: no CUDA device is available")
@@ -153,3 +164,90 @@ def open_streams(args: argparse.Namespace, tokenizer: Any):
     from ..data import open_data
 
     return open_data(args.data, tokenizer).split(args.eval_fraction)
+
+
+def resolve_tokenizer(args: argparse.Namespace, vocab_size: Optional[int] = None):
+    """The tokenizer of the job: ``--tokenizer``, else the one in ``--init-hf DIR``, else bytes.
+
+    A Hugging Face checkpoint without a tokenizer trains on byte ids only with an explicit
+    ``--tokenizer bytes`` (or when its vocabulary is exactly the 256 bytes): a real vocabulary
+    fed byte ids would train silently on nonsense.
+
+    Raises:
+        ValueError: no usable tokenizer, or its ids do not fit ``vocab_size``.
+    """
+    from ..data import find_tokenizer_file, load_tokenizer
+
+    if args.tokenizer is not None:
+        tok = load_tokenizer(args.tokenizer)
+    elif getattr(args, "init_hf", None) and find_tokenizer_file(args.init_hf):
+        tok = load_tokenizer(args.init_hf)
+    elif getattr(args, "init_hf", None) and vocab_size not in (None, 256):
+        raise ValueError(f"--init-hf {args.init_hf!r} has no tokenizer.json and a vocabulary of {vocab_size} "
+                         "tokens; pass --tokenizer T (its tokenizer.json), or --tokenizer bytes to train it on "
+                         "byte ids anyway")
+    else:
+        tok = load_tokenizer("bytes")
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise ValueError(f"--tokenizer {tok.name!r} has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}")
+    return tok
+
+
+def fit_vocab(cfg: Any, tokenizer: Any, tp: int) -> Any:
+    """A preset config whose vocabulary holds the tokenizer's ids, rounded up to a multiple of
+    ``lcm(64, tp)`` (vocab-parallel embedding); unchanged for byte tokens."""
+    import dataclasses
+    import math
+
+    if tokenizer.vocab_size <= 256:
+        return cfg
+    step = math.lcm(64, tp)
+    return dataclasses.replace(cfg, vocab_size=-(-tokenizer.vocab_size // step) * step)
+
+
+def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> dict:
+    """What ``meta.json`` records about these flags (the router spec as given)."""
+    return {"router": args.router, "dtype": args.dtype, "remat": args.remat, "grad_accum": args.grad_accum,
+            "data": os.path.abspath(args.data) if args.data else None, "tokenizer": tokenizer.name,
+            "device": device.type, "eval_fraction": args.eval_fraction}
+
+
+def step_options(args: argparse.Namespace) -> dict:
+    """Keyword arguments of :class:`fmoe.train.step.StepConfig` these flags set."""
+    return {"router": router_from_spec(args.router) if args.router else None, "dtype": args.dtype,
+            "remat": args.remat, "grad_accum": args.grad_accum}
+
+
+def should_eval(args: argparse.Namespace, step: int) -> bool:
+    """Evaluate after this step? (every ``--eval-every`` steps and after the last one)."""
+    return bool(args.eval_every) and (step % args.eval_every == 0 or step == args.steps)
+
+
+def export_tokenizer(tokenizer: Any, path: str) -> list[str]:
+    """Copy a Hugging Face tokenizer's files next to ``--export-hf``'s weights; returns the names."""
+    import shutil
+
+    from ..data import TOKENIZER_FILES
+
+    src = os.path.dirname(getattr(tokenizer, "path", "") or "")
+    copied = []
+    if not src:
+        return copied
+    for name in TOKENIZER_FILES:
+        f = os.path.join(src, name) if name != "tokenizer.json" else tokenizer.path
+        if os.path.isfile(f):
+            shutil.copyfile(f, os.path.join(path, name))
+            copied.append(name)
+    return copied
+
+
+def print_memory_plan(args: argparse.Namespace, model: Any, cfg: Any, model_plan: Any, world: int) -> None:
+    """Rank 0 prints the job's memory plan (:mod:`fmoe.memory_plan`) to stderr at start."""
+    import sys
+
+    from ..memory_plan import format_plan, memory_plan
+
+    plan = memory_plan(model, cfg, nproc=world, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
+                       batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,
+                       grad_accum=args.grad_accum, model_plan=model_plan)
+    print(format_plan(plan, args.memory_gb), file=sys.stderr)
