@@ -25,7 +25,7 @@ import json
 import os
 from typing import Iterable, Mapping, Optional
 
-__all__ = ["digest", "digests", "verify", "inside", "CHECKSUMS", "read_checksums"]
+__all__ = ["digest", "digests", "verify", "inside", "CHECKSUMS", "read_checksums", "write_checksums"]
 
 CHECKSUMS = "fmoe_checksums.json"     # beside a Hugging Face export's files
 _CHUNK = 1 << 22
@@ -116,3 +116,10 @@ def read_checksums(directory: str) -> Optional[dict]:
     if not isinstance(files, dict):
         raise ValueError(f"{file}: expected an object with 'files': {{name: {{sha256, bytes}}}}")
     return files
+
+
+def write_checksums(directory: str, names: Iterable[str]) -> None:
+    """Write ``fmoe_checksums.json`` for the files ``names`` of ``directory``."""
+    body = {"algorithm": "sha256", "files": digests(directory, [n for n in names if n != CHECKSUMS])}
+    with open(os.path.join(directory, CHECKSUMS), "w", encoding="utf-8") as f:
+        f.write(json.dumps(body, indent=2, sort_keys=True) + "\n")

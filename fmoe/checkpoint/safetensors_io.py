@@ -35,6 +35,8 @@ import safetensors
 import safetensors.torch
 import torch
 
+from .integrity import inside
+
 __all__ = ["Checkpoint", "write_checkpoint", "parse_size", "CONFIG", "SINGLE", "INDEX"]
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -88,7 +90,7 @@ class Checkpoint:
         if os.path.isfile(index):
             self._open_indexed(index)
         elif os.path.isfile(os.path.join(self.path, SINGLE)):
-            file = os.path.join(self.path, SINGLE)
+            file = inside(self.path, SINGLE, f"checkpoint {self.path!r}")
             self._where = {k: file for k in self._open(file).keys()}
         else:
             raise FileNotFoundError(f"checkpoint directory {self.path!r} has neither {SINGLE} nor "
@@ -99,6 +101,8 @@ class Checkpoint:
         weight_map = body.get("weight_map") if isinstance(body, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError(f"{index}: expected an object with a 'weight_map' of key -> file name")
+        for key, name in weight_map.items():                # every entry stays in the directory
+            inside(self.path, name, f"{index}: weight_map entry {key!r}")
         for name in sorted(set(weight_map.values())):
             file = os.path.join(self.path, name)
             if not os.path.isfile(file):

@@ -43,7 +43,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import tree as _tree
 from ..checkpoint.integrity import digests, verify
 
-__all__ = ["save", "load", "latest", "read_meta", "packed_layout", "FORMAT"]
+__all__ = ["save", "load", "latest", "read_meta", "packed_layout", "on_rank0", "FORMAT"]
 
 FORMAT = "fmoe-train-safetensors/1"   # meta.json "format" of this layout
 
@@ -131,7 +131,7 @@ def _agree(error: Optional[str]) -> Optional[str]:
     return next((e for e in every if e is not None), None)
 
 
-def _on_rank0(fn: Callable[[], Any], what: str) -> None:
+def on_rank0(fn: Callable[[], Any], what: str) -> None:
     """Run ``fn`` on rank 0; every rank raises if it failed (rank 0 its own exception)."""
     error: Optional[BaseException] = None
     if _rank() == 0:
@@ -202,10 +202,10 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
         os.makedirs(tmp)
 
-    _on_rank0(prepare, what)
+    on_rank0(prepare, what)
     try:
         writer = dcp.HuggingFaceStorageWriter(tmp, save_distributed=True)
-        dcp.save(_views(params, opt_state, packed), storage_writer=writer)
+        dcp.save(_views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
     except (Exception, dcp.api.CheckpointException) as e:
         raise _io_error(e, what) from e
     _barrier()
@@ -224,7 +224,7 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
         else:
             os.replace(tmp, final)
 
-    _on_rank0(commit, what)
+    on_rank0(commit, what)
     return final
 
 
@@ -313,7 +313,7 @@ def load(ckpt: str, params: Any, opt_state: Any, packed: Optional[dict] = None) 
     state = _views(params, opt_state, packed)
     try:
         with torch.no_grad():
-            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt))
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt), no_dist=not _dist())
             opt_state["step"].copy_(state["opt"]["step"])
     except (Exception, dcp.api.CheckpointException) as e:
         raise _io_error(e, f"reading {ckpt}") from e
