@@ -46,8 +46,7 @@ from typing import Iterator, Union
 __all__ = ["atomic_directory", "replace_files", "check_target", "checkpoint_file", "foreign_files"]
 
 _CKPT_FILE = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors|"
-                        r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json|"
-                        r"fmoe_checksums\.json)$")
+                        r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json)$")
 
 
 def checkpoint_file(name: str) -> bool:

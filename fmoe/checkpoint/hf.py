@@ -45,7 +45,7 @@ from ..mesh import Mesh
 from ..plan import Plan
 from ..sharding import from_local_slice, gather, rank_blocks
 from .atomic import atomic_directory, check_target, foreign_files, replace_files
-from .integrity import CHECKSUMS, read_checksums, verify, write_checksums
+from .integrity import verify_tensors
 from .safetensors_io import CONFIG, Checkpoint, write_checkpoint
 from .spec import Spec
 
@@ -143,10 +143,8 @@ def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optiona
         _check_keys(model, flat, ck)
         bound = {p: s.bind(ck) for p, s in flat.items()}
         _check_dtypes(bound, ck, dtype)
-        sums = read_checksums(ck.path)
-        if sums is not None:                               # written by fmoe: verify before reading
-            used = {os.path.basename(ck.file_of(k.name)) for s in flat.values() for k in s.leaves()}
-            verify(ck.path, sums, os.path.join(ck.path, CHECKSUMS), sorted(used))
+        for file in sorted({ck.file_of(k.name) for s in flat.values() for k in s.leaves()}):
+            verify_tensors(file)                           # when written by fmoe: before reading
         if mesh is not None:                               # validate the plan before reading
             if hasattr(model, "check_plan"):               # user rules merge over the default plan
                 plan = model.check_plan(cfg, plan, mesh.tp)
@@ -275,8 +273,7 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
                 tensors.update(spec.split(full[p].detach()))
             place = replace_files if foreign_files(os.path.abspath(path)) else atomic_directory
             with place(path) as tmp:
-                names = write_checkpoint(tmp, tensors, config, max_shard_size)
-                write_checksums(tmp, [n for n in names if n.endswith(".safetensors")])
+                write_checkpoint(tmp, tensors, config, max_shard_size)
         except BaseException as e:  # noqa: BLE001 - every rank must learn that the save failed
             error = e
     if distributed and dist.get_world_size() > 1:

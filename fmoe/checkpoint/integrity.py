@@ -1,9 +1,11 @@
 """Checksums and path confinement for checkpoint files.
 
 safetensors checks a file's header and length, not its bytes: a flipped bit in a tensor loads
-silently. fmoe therefore records a SHA-256 per file when it writes a checkpoint (a training
-checkpoint's ``meta.json`` under ``"files"``, a Hugging Face export's ``fmoe_checksums.json``)
-and checks them before anything is read into a model.
+silently. fmoe therefore records SHA-256 checksums when it writes a checkpoint and checks them
+before anything is read into a model: a training checkpoint's ``meta.json`` holds one per file
+(``"files"``); a Hugging Face export's safetensors files carry one per tensor in their own
+header metadata (``"fmoe_sha256"``, a JSON string; other tools ignore it), so the export stays
+exactly the files transformers writes.
 
 A checkpoint directory is also a trust boundary: a file named by an index or a manifest must be
 a plain file name inside the directory (no ``..``, no absolute path, no symlink leading out), so
@@ -23,11 +25,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from typing import Iterable, Mapping, Optional
 
-__all__ = ["digest", "digests", "verify", "inside", "CHECKSUMS", "read_checksums", "write_checksums"]
+import torch
 
-CHECKSUMS = "fmoe_checksums.json"     # beside a Hugging Face export's files
+__all__ = ["digest", "digests", "verify", "inside", "tensor_digest", "verify_tensors", "HEADER_KEY"]
+
+HEADER_KEY = "fmoe_sha256"     # safetensors header metadata: JSON {tensor key: sha256}
 _CHUNK = 1 << 22
 
 
@@ -102,24 +107,45 @@ def verify(directory: str, expected: Mapping[str, Mapping], what: str,
                              "corrupt (a changed byte) or was replaced after it was written")
 
 
-def read_checksums(directory: str) -> Optional[dict]:
-    """The ``fmoe_checksums.json`` of a Hugging Face directory, or None if it has none."""
-    file = os.path.join(directory, CHECKSUMS)
-    if not os.path.isfile(file):
-        return None
-    try:
-        with open(file, encoding="utf-8") as f:
-            body = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from e
-    files = body.get("files") if isinstance(body, dict) else None
-    if not isinstance(files, dict):
-        raise ValueError(f"{file}: expected an object with 'files': {{name: {{sha256, bytes}}}}")
-    return files
+def tensor_digest(t: "torch.Tensor") -> str:
+    """SHA-256 of a tensor's bytes as safetensors stores them (contiguous, little-endian)."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy()).hexdigest()
 
 
-def write_checksums(directory: str, names: Iterable[str]) -> None:
-    """Write ``fmoe_checksums.json`` for the files ``names`` of ``directory``."""
-    body = {"algorithm": "sha256", "files": digests(directory, [n for n in names if n != CHECKSUMS])}
-    with open(os.path.join(directory, CHECKSUMS), "w", encoding="utf-8") as f:
-        f.write(json.dumps(body, indent=2, sort_keys=True) + "\n")
+def _header(file: str) -> tuple[dict, int]:
+    with open(file, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n)), 8 + n
+
+
+def verify_tensors(file: str) -> bool:
+    """Check every tensor of a safetensors file against the ``fmoe_sha256`` of its header.
+
+    Returns:
+        False when the file carries no checksums (written by another tool), True when checked.
+    Raises:
+        ValueError: naming the file and the tensor whose bytes differ.
+    """
+    header, start = _header(file)
+    sums = header.get("__metadata__", {}).get(HEADER_KEY)
+    if sums is None:
+        return False
+    sums = json.loads(sums)
+    with open(file, "rb") as f:
+        for key in sorted(sums):
+            if key not in header:
+                raise ValueError(f"{file}: checksum recorded for {key!r}, which the file does not hold")
+            lo, hi = header[key]["data_offsets"]
+            f.seek(start + lo)
+            h, left = hashlib.sha256(), hi - lo
+            while left:
+                block = f.read(min(_CHUNK, left))
+                if not block:
+                    break
+                h.update(block)
+                left -= len(block)
+            if h.hexdigest() != sums[key]:
+                raise ValueError(f"{file}: tensor {key!r} does not match the SHA-256 fmoe recorded when "
+                                 "writing it: the file is corrupt (a changed byte)")
+    return True

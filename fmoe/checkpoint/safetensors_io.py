@@ -12,8 +12,9 @@ Errors name what is wrong: a missing directory, ``config.json`` or shard file ra
 ``FileNotFoundError``; a corrupt or truncated safetensors file, a bad JSON file or an index that
 does not match its files raises ``ValueError`` naming the file. safetensors checks at open time
 that the header is valid and that the file covers every tensor it declares, so a truncated file
-is caught before anything is read (corrupted tensor *bytes* cannot be detected: the format has
-no checksum).
+is caught before anything is read. The format has no checksum of the tensor bytes, so
+:func:`write_checkpoint` records a SHA-256 per tensor in each file's header metadata and
+``load_hf`` checks them when present (see :mod:`fmoe.checkpoint.integrity`).
 
 :func:`write_checkpoint` writes the same layout (single file below ``max_shard_size``, otherwise
 numbered shards and an index), as transformers' ``save_pretrained`` does.
@@ -35,7 +36,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from .integrity import inside
+from .integrity import HEADER_KEY, inside, tensor_digest
 
 __all__ = ["Checkpoint", "write_checkpoint", "parse_size", "CONFIG", "SINGLE", "INDEX"]
 
@@ -243,8 +244,10 @@ def write_checkpoint(directory: str, tensors: Mapping[str, torch.Tensor], config
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for i in range(len(shards))]
     for name, keys in zip(names, shards):
-        safetensors.torch.save_file({k: _own_storage(tensors[k]) for k in keys},
-                                    os.path.join(directory, name), metadata={"format": "pt"})
+        own = {k: _own_storage(tensors[k]) for k in keys}
+        sums = json.dumps({k: tensor_digest(t) for k, t in own.items()}, sort_keys=True)
+        safetensors.torch.save_file(own, os.path.join(directory, name),
+                                    metadata={"format": "pt", HEADER_KEY: sums})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         params = sum(t.numel() for t in tensors.values())
