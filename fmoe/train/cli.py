@@ -34,7 +34,7 @@ import traceback
 from dataclasses import asdict, is_dataclass
 from typing import Optional, Sequence
 
-MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama")
+MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama", "deepseek_v3")
 DEFAULT_OUT = "runs/fmoe"
 
 __all__ = ["build_parser", "parse_args", "main", "run", "DEFAULT_OUT"]
@@ -368,7 +368,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     packed = ckpt.packed_layout(plan, full)
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(full))   # params + 2 moments
     ckpt.on_rank0(lambda: check_room(args.out, need), f"checking --out {args.out}")
-    params = fmoe.shard(fmoe.tree.map_with_path(lambda _, t: t.detach().requires_grad_(True), full), plan, mesh)
+    params = fmoe.shard(fmoe.tree.map_with_path(
+        lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")), full), plan, mesh)
     del full
     opt_state = adamw_init(params)
     start = 0
