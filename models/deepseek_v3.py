@@ -414,19 +414,20 @@ def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping,
 
 
 def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
-            plan: Union[Plan, Mapping, None] = None) -> tuple[dict, Config]:
+            plan: Union[Plan, Mapping, None] = None, *,
+            dtype: Optional[torch.dtype] = None) -> tuple[dict, Config]:
     """Load a Hugging Face checkpoint directory; with a mesh each rank reads only its slices.
 
     Example:
         >>> # params, cfg = load_hf("DeepSeek-V3-tiny", mesh=fmoe.Mesh(tp=2, ep=4))
     """
-    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
+    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan, dtype=dtype)
 
 
-def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
+def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
     """Write ``params`` (or a gradient tree) as ``save_pretrained`` would, atomically; call on every rank.
 
     Example:
         >>> # save_hf(params, cfg, "out"); transformers.DeepseekV3ForCausalLM.from_pretrained("out")
     """
-    ckpt.save_hf(sys.modules[__name__], params, cfg, path)
+    ckpt.save_hf(sys.modules[__name__], params, cfg, path, overwrite=overwrite)

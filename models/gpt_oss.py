@@ -333,7 +333,8 @@ def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping,
 
 
 def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
-            plan: Union[Plan, Mapping, None] = None) -> tuple[dict, Config]:
+            plan: Union[Plan, Mapping, None] = None, *,
+            dtype: Optional[torch.dtype] = None) -> tuple[dict, Config]:
     """Load a Hugging Face checkpoint directory (``config.json`` + safetensors, one file or an
     indexed set); with a mesh each rank reads only its own slices, after :func:`check_plan`
     has checked the plan against the config (before any tensor is read).
@@ -342,20 +343,22 @@ def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
         path: the checkpoint directory.
         mesh: None for full tensors, else the :class:`fmoe.Mesh` to shard on.
         plan: a Plan, user rules merged over the default plan by key, or None (default plan).
+        dtype: cast every parameter to this dtype (default: the checkpoint's, which must be one
+            floating-point dtype).
     Returns:
         ``(params, cfg)``; with a mesh the params equal ``shard(full_params, cfg, mesh, plan)``.
 
     Example:
         >>> # params, cfg = load_hf("gpt-oss-20b", mesh=fmoe.Mesh(tp=2, ep=4))
     """
-    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
+    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan, dtype=dtype)
 
 
-def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
+def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
     """Write ``params`` (or a gradient tree) in the layout ``save_pretrained`` writes
     (interleaved, transposed ``gate_up_proj``); call on every rank.
 
     Example:
         >>> # save_hf(params, cfg, "out"); transformers.GptOssForCausalLM.from_pretrained("out")
     """
-    ckpt.save_hf(sys.modules[__name__], params, cfg, path)
+    ckpt.save_hf(sys.modules[__name__], params, cfg, path, overwrite=overwrite)

@@ -348,16 +348,17 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, ckp
 
 
 def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
-            plan: Union[Plan, Mapping, None] = None) -> tuple[dict, Config]:
+            plan: Union[Plan, Mapping, None] = None, *,
+            dtype: Optional[torch.dtype] = None) -> tuple[dict, Config]:
     """Load a Hugging Face Llama checkpoint directory; with a mesh each rank reads only its
     slices (``plan``: a Plan, user rules merged over :func:`plan`, or None).
 
     Example:
         >>> # params, cfg = load_hf("llama-dir", mesh=fmoe.Mesh(tp=2))
     """
-    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
+    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan, dtype=dtype)
 
 
-def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
+def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
     """Write ``params`` (or a gradient tree) in the layout ``save_pretrained`` writes, atomically."""
-    ckpt.save_hf(sys.modules[__name__], params, cfg, path)
+    ckpt.save_hf(sys.modules[__name__], params, cfg, path, overwrite=overwrite)
