@@ -270,7 +270,7 @@ def softmax_scale(cfg: Config) -> float:
     Example:
         >>> round(softmax_scale(Config.tiny(rope_scaling=(("factor", 40.0), ("mscale_all_dim", 1.0),
         ...     ("original_max_position_embeddings", 64), ("rope_type", "yarn")))), 4)
-        0.3462
+        0.4685
     """
     s, scale = dict(cfg.rope_scaling), cfg.qk_head_dim ** -0.5
     if s.get("rope_type", s.get("type", "default")) != "default" and s.get("mscale_all_dim"):
@@ -402,7 +402,7 @@ def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 
     Example:
         >>> check_plan(Config.tiny(num_attention_heads=6), tp=4)
         Traceback (most recent call last):
-        ValueError: check_plan: tp=4 does not divide num_attention_heads=6 (layers.0.attn.wq_b is split over tp by rule 'layers.*.attn.wq_b')
+        ValueError: check_plan: tp=4 does not divide num_attention_heads=6 (layers.0.attn.wkv_b is split over tp by rule 'layers.*.attn.wkv_b')
     """
     shapes = {k: s.shape for k, s in hf_specs(cfg).items()}
     return _common.check_plan(cfg, rules, tp, default=plan(cfg), shapes=shapes)
@@ -414,19 +414,20 @@ def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping,
 
 
 def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
-            plan: Union[Plan, Mapping, None] = None) -> tuple[dict, Config]:
+            plan: Union[Plan, Mapping, None] = None, *,
+            dtype: Optional[torch.dtype] = None) -> tuple[dict, Config]:
     """Load a Hugging Face checkpoint directory; with a mesh each rank reads only its slices.
 
     Example:
         >>> # params, cfg = load_hf("DeepSeek-V3-tiny", mesh=fmoe.Mesh(tp=2, ep=4))
     """
-    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
+    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan, dtype=dtype)
 
 
-def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
+def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
     """Write ``params`` (or a gradient tree) as ``save_pretrained`` would, atomically; call on every rank.
 
     Example:
         >>> # save_hf(params, cfg, "out"); transformers.DeepseekV3ForCausalLM.from_pretrained("out")
     """
-    ckpt.save_hf(sys.modules[__name__], params, cfg, path)
+    ckpt.save_hf(sys.modules[__name__], params, cfg, path, overwrite=overwrite)

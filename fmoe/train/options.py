@@ -208,7 +208,7 @@ def fit_vocab(cfg: Any, tokenizer: Any, tp: int) -> Any:
 def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> dict:
     """What ``meta.json`` records about these flags (the router spec as given)."""
     return {"router": args.router, "dtype": args.dtype, "remat": args.remat, "grad_accum": args.grad_accum,
-            "data": os.path.abspath(args.data) if args.data else None, "tokenizer": tokenizer.name,
+            "data": args.data, "tokenizer_flag": args.tokenizer, "tokenizer": tokenizer.name,
             "device": device.type, "eval_fraction": args.eval_fraction}
 
 
