@@ -177,6 +177,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         raise ValueError(f"memory plan: dtype must be 'fp32' or 'bf16', got {dtype!r}")
     if remat not in ("none", "layer", "moe"):
         raise ValueError(f"memory plan: remat must be 'none', 'layer' or 'moe', got {remat!r}")
+    m0 = VirtualMesh(nproc, 0, tp, ep, dp_replicate)          # mesh errors first, before any model work
     with torch.device("meta"):
         full = model.init(cfg)
     flat = _tree.flatten(full)
@@ -214,7 +215,6 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         ranks.append({"rank": r, "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
                       "activations_bytes": acts, "collective_bytes": int(collective),
                       "total_bytes": params + grads + optimizer + acts})
-    m0 = VirtualMesh(nproc, 0, tp, ep, dp_replicate)
     return {"model": getattr(model, "__name__", str(model)).rsplit(".", 1)[-1],
             "mesh": {"nproc": nproc, "tp": tp, "ep": m0.ep, "fsdp": m0.fsdp, "efsdp": m0.efsdp,
                      "dp_replicate": dp_replicate},
@@ -248,7 +248,7 @@ def format_plan(plan: dict, memory_gb: Optional[float] = None) -> str:
     if len(rows) < len(plan["ranks"]):
         lines.append("(ranks not shown equal the rank above them)")
     if memory_gb is not None and plan["max_total_bytes"] > memory_gb * 1e9:
-        lines.append(f"WARNING: {plan['max_total_bytes'] / 1e9:.2f} GB per rank exceeds --memory-gb {memory_gb}")
+        lines.append(f"WARNING: {plan['max_total_bytes'] / 1e9:.3g} GB per rank exceeds --memory-gb {memory_gb}")
     return "\n".join(lines)
 
 

@@ -100,3 +100,26 @@ def test_bf16_plan_on_four_ranks():
     """bf16 autocast: masters, grads and moments stay fp32 (exact), activations within 25%."""
     per_rank = fmoe.testing.spawn(_measure_all, 4, 1, 4, 1, [("small", 2, 64, "bf16")], timeout=300)
     print("bf16", [round(r, 3) for r in _check([r[0] for r in per_rank])])
+
+
+def test_plan_command_json_text_and_warning():
+    def run(*flags):
+        return subprocess.run([sys.executable, "-m", "fmoe.plan", *flags], capture_output=True, text=True, timeout=120)
+    flags = ["--model", "qwen3_moe", "--preset", "small", "--nproc", "4", "--tp", "2", "--ep", "4", "--batch", "2",
+             "--seq", "64", "--dtype", "bf16", "--remat", "layer"]
+    r = run(*flags, "--json", "--memory-gb", "0.05")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    from fmoe.models import qwen3_moe
+    from fmoe.train.cli import _preset
+    want = memory_plan(qwen3_moe, _preset(qwen3_moe, "small", 2), nproc=4, tp=2, ep=4, batch=2, seq=64,
+                       dtype="bf16", remat="layer")
+    assert got["ranks"] == want["ranks"] and len(got["ranks"]) == 4 and got["fits"] is False
+    assert set(got["ranks"][0]) >= {"params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes"}
+    r = run(*flags, "--memory-gb", "0.05")
+    assert r.returncode == 0 and "WARNING" in r.stdout and "exceeds --memory-gb 0.05" in r.stdout
+    assert "memory plan: qwen3_moe on 4 ranks (tp=2 ep=4 fsdp=2" in r.stdout
+    assert "WARNING" not in run(*flags, "--memory-gb", "100").stdout
+    r = run("--nproc", "4", "--tp", "3")
+    assert r.returncode == 2 and "nproc=4 must be divisible by tp * dp_replicate = 3" in r.stderr
+    assert format_plan(want).count("\n") >= 3

@@ -32,8 +32,8 @@ import difflib
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from . import tree as _tree
-from .placement import P
+from .. import tree as _tree
+from ..placement import P
 
 __all__ = ["Plan", "STYLES", "style"]
 
