@@ -395,10 +395,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             skipped += 1
             if skipped > args.skip_nonfinite:
                 good = ckpt.latest(args.out)
+                what = "loss" if not math.isfinite(m["loss"]) else "gradient norm"
                 raise NonFiniteStep(
-                    f"step {step}: non-finite loss {m['loss']} or gradient norm {m['grad_norm']}; the update "
-                    f"was not applied and nothing was saved (last good checkpoint: {good or 'none'}). Try a "
-                    f"lower --lr, or --skip-nonfinite N to skip up to N such steps")
+                    f"step {step}: non-finite {what} (loss {m['loss']}, gradient norm {m['grad_norm']}); the "
+                    f"update was not applied and nothing was saved (last good checkpoint: {good or 'none'}). "
+                    f"Try a lower --lr, or --skip-nonfinite N to skip up to N such steps")
             continue
         bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
