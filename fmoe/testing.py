@@ -10,6 +10,7 @@ the loopback interface. Ranks never outlive the caller: each asks the kernel to 
 parent dies (``PR_SET_PDEATHSIG`` on Linux) and a watchdog thread exits it when it is
 re-parented (elsewhere). Ctrl-C goes to the caller, which then stops the ranks. Queues, pipes
 and process handles are closed when ``spawn`` returns or raises, not at garbage collection.
+Deprecation and future warnings print once (rank 0), not once per rank.
 
 It never hangs and never hides a failure:
 
@@ -50,6 +51,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 from typing import Any, Callable, Optional
 
 import cloudpickle
@@ -100,6 +102,9 @@ def _worker(payload: bytes, rank: int, world: int, store_dir: str, threads: int,
             parent: int) -> None:
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is the caller's to handle
+    if rank:                                              # same code on every rank: warn once
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       OMP_NUM_THREADS=str(threads))
     lo = _loopback_interface()

@@ -38,6 +38,16 @@ def strict_log(out):
         return [json.loads(line, parse_constant=no_constant) for line in f]
 
 
+def load_trained(path):
+    """Load a llama-tiny training checkpoint the way --resume does (ckpt.load checks finiteness)."""
+    from fmoe.models import llama
+    from fmoe.train.fsdp import data_parallel_plan
+    from fmoe.train.optim import adamw_init
+    params = llama.init(cli._preset(llama, "tiny", 1), seed=5)
+    plan = data_parallel_plan(llama.plan(cli._preset(llama, "tiny", 1)), params, fmoe.Mesh())
+    return ckpt.load(path, params, adamw_init(params), ckpt.packed_layout(plan, params))
+
+
 def one_line(stderr):
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, stderr[-3000:]
@@ -58,7 +68,7 @@ def test_help_gives_every_flag_a_meaning_and_a_default():
 
 def test_out_is_protected_locked_and_resume_is_validated(tmp_path):
     out, exp = str(tmp_path / "exp1"), str(tmp_path / "mine")
-    job(*BASE, "--steps", "3", "--out", out, check=0)
+    job(*BASE, "--steps", "3", "--warmup", "1", "--out", out, check=0)
     before = sorted(os.listdir(out))
     assert before == ["log.jsonl", "step-3"]
     # a new run into it, or an export into it, is refused before anything starts
@@ -82,7 +92,7 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path):
         assert a in r.stderr and b in r.stderr, (flags, r.stderr[-2000:])
     meta_file = os.path.join(out, "step-3", "meta.json")
     meta = json.load(open(meta_file))
-    assert meta["schedule"] == {"kind": "warmup-cosine", "lr": 3e-3, "warmup": 5, "total": 3, "min_ratio": 0.1}
+    assert meta["schedule"] == {"kind": "warmup-cosine", "lr": 3e-3, "warmup": 1, "total": 3, "min_ratio": 0.1}
     json.dump({**meta, "step": -3}, open(meta_file, "w"))
     r = job(*BASE, "--out", out, "--resume", out, "--steps", "5", check=2)
     assert "'step' must be a non-negative integer, got -3" in r.stderr
@@ -96,7 +106,7 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path):
     rows = strict_log(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and not os.path.exists(os.path.join(out, ".lock"))
     # schedule rule: steps beyond the started run's --steps train at its final lr, no restart
-    assert rows[3]["lr"] == rows[4]["lr"] == pytest.approx(lr_at(3, 3e-3, 5, 3)) == pytest.approx(3e-4)
+    assert rows[3]["lr"] == rows[4]["lr"] == pytest.approx(lr_at(3, 3e-3, 1, 3)) == pytest.approx(3e-4)
     # --overwrite replaces the run's files only
     open(os.path.join(out, "notes.txt"), "w").write("mine")
     job(*BASE, "--steps", "2", "--out", out, "--overwrite", "--export-hf", out, check=0)
@@ -115,17 +125,13 @@ def test_non_finite_steps_stop_before_the_update_and_never_reach_a_checkpoint(tm
     assert all(r["skipped"] is False and "nonfinite" not in r for r in rows[:-1])
     steps = sorted(n for n in os.listdir(out) if n.startswith("step-"))
     assert steps == [f"step-{s}" for s in range(1, bad["step"])]
-    from fmoe.models import llama
-    params = llama.init(cli._preset(llama, "tiny", 1), seed=5)
-    from fmoe.train.optim import adamw_init
-    ckpt.load(ckpt.latest(out), params, adamw_init(params))          # finite (load checks it)
+    load_trained(ckpt.latest(out))                                   # finite (load checks it)
     # --skip-nonfinite N skips such steps (no update) and goes on
     out2 = str(tmp_path / "skip")
     job(*BASE, "--steps", "4", "--lr", "1e6", "--skip-nonfinite", "10", "--out", out2, check=0)
     rows = strict_log(out2)
     assert len(rows) == 4 and any(r["skipped"] for r in rows)
-    params = llama.init(cli._preset(llama, "tiny", 1), seed=5)
-    ckpt.load(os.path.join(out2, "step-4"), params, adamw_init(params))
+    load_trained(os.path.join(out2, "step-4"))
 
 
 def _children(pid):
@@ -320,3 +326,52 @@ def test_spawned_ranks_exit_when_their_parent_is_killed(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_notebooks_readme_clears_outputs_with_installed_tools_only(tmp_path):
+    import importlib.util
+    import re
+
+    import nbformat
+    root = os.path.join(os.path.dirname(__file__), "..")
+    text = open(os.path.join(root, "notebooks", "README.md")).read()
+    assert "nbconvert" not in text or importlib.util.find_spec("nbconvert") is not None
+    script = re.search(r"```bash\n(python - <<'EOF'\n.*?\nEOF)\n```", text, re.S).group(1)
+    (tmp_path / "notebooks").mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")])
+    nb.cells[0].outputs = [nbformat.v4.new_output("execute_result", {"text/plain": "2"}, execution_count=1)]
+    nb.cells[0].execution_count = 1
+    nbformat.write(nb, str(tmp_path / "notebooks" / "x.ipynb"))
+    subprocess.run(["bash", "-c", script.replace("python -", f"{sys.executable} -", 1)], cwd=tmp_path, check=True)
+    cell = nbformat.read(str(tmp_path / "notebooks" / "x.ipynb"), as_version=4).cells[0]
+    assert cell.outputs == [] and cell.execution_count is None
+
+
+def _warn(rank, world):
+    import warnings
+    warnings.warn("`thing` is deprecated", FutureWarning)
+    return rank
+
+
+def test_future_warnings_print_once_not_per_rank(capfd):
+    assert spawn(_warn, 3) == [0, 1, 2]
+    assert capfd.readouterr().err.count("FutureWarning: `thing` is deprecated") == 1
+
+
+def test_init_hf_of_a_bf16_checkpoint_trains_fp32_masters_and_moments(tmp_path, capsys):
+    from safetensors import safe_open
+
+    from fmoe.models import llama
+    import dataclasses
+    cfg = dataclasses.replace(llama.Config.tiny(), vocab_size=256)
+    params = fmoe.tree.map_with_path(lambda p, t: t.to(torch.bfloat16), llama.init(cfg))
+    llama.save_hf(params, cfg, str(tmp_path / "bf16"))
+    out = str(tmp_path / "run")
+    assert cli.main([*BASE, "--steps", "1", "--init-hf", str(tmp_path / "bf16"), "--out", out]) == 0
+    meta = json.load(open(os.path.join(out, "step-1", "meta.json")))
+    assert meta["param_dtype"] == "float32"
+    dtypes = set()
+    for name in meta["files"]:
+        with safe_open(os.path.join(out, "step-1", name), "pt") as f:
+            dtypes |= {f.get_slice(k).get_dtype() for k in f.keys() if not k.endswith("opt.step")}
+    assert dtypes == {"F32"}                     # params and both AdamW moments

@@ -122,7 +122,11 @@ def _views(params: Any, opt_state: Any, packed: dict) -> dict:
 
 @contextlib.contextmanager
 def _single_process_ok():
-    """Silence DCP's "assuming the intent is to save/load in a single process" (it is)."""
+    """Silence DCP's "assuming the intent is to save/load in a single process" (it is). Only
+    then: ``catch_warnings`` resets the once-per-location registry of every warning."""
+    if _dist():
+        yield
+        return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield

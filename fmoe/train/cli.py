@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from dataclasses import asdict, is_dataclass
 from typing import Optional, Sequence
 
@@ -347,6 +348,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from fmoe.train.outdir import check_room
     from fmoe.train.step import StepConfig, train_step
 
+    warnings.filterwarnings("ignore", category=FutureWarning,        # the job's output stays clean;
+                            message=r".*reduce_scatter_tensor. is deprecated")  # library: see notes
     model = importlib.import_module(f"fmoe.models.{args.model}")
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
     if args.init_hf:                                   # fp32 master weights whatever the file holds
@@ -400,8 +403,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
                     f"step {step}: non-finite {what} (loss {m['loss']}, gradient norm {m['grad_norm']}); the "
                     f"update was not applied and nothing was saved (last good checkpoint: {good or 'none'}). "
                     f"Try a lower --lr, or --skip-nonfinite N to skip up to N such steps")
-            continue
-        bar.update(step, m)
+        else:
+            bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
     if args.export_hf:
