@@ -270,7 +270,7 @@ def softmax_scale(cfg: Config) -> float:
     Example:
         >>> round(softmax_scale(Config.tiny(rope_scaling=(("factor", 40.0), ("mscale_all_dim", 1.0),
         ...     ("original_max_position_embeddings", 64), ("rope_type", "yarn")))), 4)
-        0.3462
+        0.4685
     """
     s, scale = dict(cfg.rope_scaling), cfg.qk_head_dim ** -0.5
     if s.get("rope_type", s.get("type", "default")) != "default" and s.get("mscale_all_dim"):
@@ -402,7 +402,7 @@ def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 
     Example:
         >>> check_plan(Config.tiny(num_attention_heads=6), tp=4)
         Traceback (most recent call last):
-        ValueError: check_plan: tp=4 does not divide num_attention_heads=6 (layers.0.attn.wq_b is split over tp by rule 'layers.*.attn.wq_b')
+        ValueError: check_plan: tp=4 does not divide num_attention_heads=6 (layers.0.attn.wkv_b is split over tp by rule 'layers.*.attn.wkv_b')
     """
     shapes = {k: s.shape for k, s in hf_specs(cfg).items()}
     return _common.check_plan(cfg, rules, tp, default=plan(cfg), shapes=shapes)

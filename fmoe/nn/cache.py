@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from ..placement import P
 from ..sharding import placement_of, shard, to_local
 
-__all__ = ["Step", "init_cache", "begin", "write", "finish"]
+__all__ = ["Step", "init_cache", "kv_cache", "begin", "write", "finish", "outputs"]
 
 
 @dataclass(frozen=True)
@@ -162,3 +162,19 @@ def finish(cache: dict, step: Step, layers: list) -> dict:
     mask = cache["mask"].slice_scatter(step.key_mask[:, step.start:].to(cache["mask"].device), dim=1,
                                        start=step.start, end=step.start + S)
     return {"length": torch.tensor(step.start + S, dtype=torch.long), "mask": mask, "layers": layers}
+
+
+def outputs(logits: torch.Tensor, cache: Optional[dict], step: Step, entries: list,
+            aux: Optional[dict] = None) -> Any:
+    """What a model's ``forward`` returns: ``logits``, then the new cache when one was given,
+    then ``aux`` when asked for (a tuple when more than the logits)."""
+    out = (logits,) + (() if cache is None else (finish(cache, step, entries),)) + (() if aux is None else (aux,))
+    return out if len(out) > 1 else logits
+
+
+def kv_cache(num_layers: int, num_kv_heads: int, head_dim: int, batch: int, max_len: int, mesh: Any = None,
+             dtype: torch.dtype = torch.float32) -> dict:
+    """:func:`init_cache` of per-head keys and values ``[B, L, G, hd]`` per layer, split over
+    tp like the KV heads (the usual GQA cache)."""
+    kv = {"k": (num_kv_heads, head_dim), "v": (num_kv_heads, head_dim)}
+    return init_cache(batch, max_len, [kv] * num_layers, dtype=dtype, mesh=mesh, split_heads=("k", "v"))
