@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from dataclasses import asdict, is_dataclass
 from typing import Optional, Sequence
 
@@ -351,6 +352,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from fmoe.train.outdir import check_room
     from fmoe.train.step import StepConfig, train_step
 
+    warnings.filterwarnings("ignore", category=FutureWarning,        # the job's output stays clean;
+                            message=r".*reduce_scatter_tensor. is deprecated")  # library: see notes
     model = importlib.import_module(f"fmoe.models.{args.model}")
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
     device = options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))
@@ -412,12 +415,13 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             skipped += 1
             if skipped > args.skip_nonfinite:
                 good = ckpt.latest(args.out)
+                what = "loss" if not math.isfinite(m["loss"]) else "gradient norm"
                 raise NonFiniteStep(
-                    f"step {step}: non-finite loss {m['loss']} or gradient norm {m['grad_norm']}; the update "
-                    f"was not applied and nothing was saved (last good checkpoint: {good or 'none'}). Try a "
-                    f"lower --lr, or --skip-nonfinite N to skip up to N such steps")
-            continue
-        bar.update(step, m)
+                    f"step {step}: non-finite {what} (loss {m['loss']}, gradient norm {m['grad_norm']}); the "
+                    f"update was not applied and nothing was saved (last good checkpoint: {good or 'none'}). "
+                    f"Try a lower --lr, or --skip-nonfinite N to skip up to N such steps")
+        else:
+            bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
     if args.export_hf:
