@@ -35,9 +35,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """Add the data / eval / precision / device / memory / routing flags to ``ap``."""
     g = ap.add_argument_group("data, evaluation, precision, devices, memory, routing")
     g.add_argument("--data", default=None, help="a .txt/.jsonl file, a directory of them, or a shard directory "
-                   "from `python -m fmoe.data prepare` (default: the Python standard library, byte tokens)")
+                   "from `python -m fmoe.data prepare` (default: the Python standard library's source, byte tokens)")
     g.add_argument("--tokenizer", default=None, help="'bytes' or a Hugging Face tokenizer.json (file or "
-                   "directory); default: bytes, or the tokenizer of --init-hf DIR")
+                   "directory) (default: bytes, or the tokenizer.json in --init-hf DIR)")
     g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N steps (0: never)")
     g.add_argument("--eval-batches", type=int, default=4, help="held-out batches per data-parallel rank")
     g.add_argument("--eval-fraction", type=float, default=0.05, help="tail of the data held out for evaluation")
@@ -48,8 +48,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--remat", choices=("none", "layer", "moe"), default="none",
                    help="recompute each layer / MoE block in backward instead of keeping activations")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (each --batch rows)")
-    g.add_argument("--router", default=None, help="NAME[:k=v,...] of fmoe.routing, or module:function[:k=v,...]")
-    g.add_argument("--memory-gb", type=float, default=None, help="warn when the memory plan exceeds this per rank")
+    g.add_argument("--router", default=None, help="NAME[:k=v,...] of fmoe.routing, or module:function[:k=v,...] "
+                   "(default: the model's own router)")
+    g.add_argument("--memory-gb", type=float, default=None, help="warn when the memory plan exceeds this per rank (default: no limit)")
 
 
 def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
