@@ -256,7 +256,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]
     cos, sin = nn.rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), inv_freq, scaling, h.dtype)
     auxes = []
-    for layer, kind in zip(fmoe.prefetch_layers(params["layers"]), cfg.layer_types):  # FSDP: one gather per layer
+    for layer, kind in zip(fmoe.unsharded_layers(params["layers"]), cfg.layer_types):  # FSDP: one gather per layer
         window = cfg.sliding_window if kind == "sliding_attention" else None
         h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, window)
         y, aux = _moe(layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, impl, router)

@@ -190,7 +190,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
                                             cfg.max_position_embeddings)
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]
     cos, sin = nn.rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), inv_freq, scaling, h.dtype)
-    for layer in fmoe.prefetch_layers(params["layers"]):  # FSDP: one gather per layer
+    for layer in fmoe.unsharded_layers(params["layers"]):  # FSDP: one gather per layer
         h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg)
         m = layer["mlp"]
         h = h + nn.swiglu_mlp(nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), m["w_gate_up"], m["w_down"],

@@ -233,7 +233,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]
     cos, sin = nn.rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), inv_freq, scaling, h.dtype)
     auxes = []
-    for layer in fmoe.prefetch_layers(params["layers"]):  # FSDP: one gather per layer
+    for layer in fmoe.unsharded_layers(params["layers"]):  # FSDP: one gather per layer
         h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg)
         y, aux = _moe(layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, impl, router)
         h = h + y

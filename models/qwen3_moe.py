@@ -255,7 +255,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]
     cos, sin = nn.rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), inv_freq, scaling, h.dtype)
     auxes = []
-    for layer in fmoe.prefetch_layers(params["layers"]):  # FSDP: one gather per layer
+    for layer in fmoe.unsharded_layers(params["layers"]):  # FSDP: one gather per layer
         h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg)
         x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
         if "moe" in layer:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from ..sharding import materialize
+from ..fsdp import unshard
 from ._tp import check_tensor
 
 __all__ = ["attention", "visible"]
@@ -120,7 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if sinks is None:
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     else:
-        sl = materialize(sinks, keep=("tp",))
+        sl = unshard(sinks, keep=("tp",))
         if sl.shape[0] != q.shape[2]:
             raise ValueError(f"attention: sinks has {sl.shape[0]} local entries but q has {q.shape[2]} "
                              "heads; place sinks like the query heads (style 'local')")

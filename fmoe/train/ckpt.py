@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import tree as _tree
+from ..collectives import barrier
 
 __all__ = ["save", "load", "latest", "read_meta", "packed_layout"]
 
@@ -42,8 +43,7 @@ def _dist() -> bool:
 
 
 def _barrier() -> None:
-    if _dist():
-        dist.barrier()
+    barrier()
 
 
 def packed_layout(plan: Any, params: Any, mesh: Any = None) -> dict[str, tuple[int, int]]:
