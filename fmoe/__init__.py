@@ -8,6 +8,7 @@ of the modules is ``ARCHITECTURE.md``.
 
 from . import aux_losses, collectives, ep, experts, fsdp, load_stats, nn, routing, shared_experts, testing, tree
 from .fsdp import unshard, unshard_layer, unsharded_layers
+from .generate import generate
 from .mesh import Mesh
 from .moe import moe
 from .placement import P
@@ -18,6 +19,6 @@ materialize = unshard            # former names, kept working
 prefetch_layers = unsharded_layers
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "unshard", "unshard_layer",
-           "unsharded_layers", "materialize", "prefetch_layers", "moe", "nn", "routing", "aux_losses", "load_stats",
-           "shared_experts", "fsdp", "ep", "experts", "collectives", "testing", "tree"]
+           "unsharded_layers", "materialize", "prefetch_layers", "moe", "generate", "nn", "routing", "aux_losses",
+           "load_stats", "shared_experts", "fsdp", "ep", "experts", "collectives", "testing", "tree"]
 __version__ = "0.1.0"

@@ -18,8 +18,8 @@ split_to           keep own slice             all-gather of the slices' gradient
 
 Not differentiable (bookkeeping and buffers that autograd never sees): ``all_gather_rows``,
 ``reduce_scatter_rows``, ``all_to_all_rows`` (one equal row per rank, e.g. split sizes),
-``all_gather_sizes``, ``all_reduce_coalesced``, and the world-level ``sum_over_world``,
-``barrier`` and ``broadcast_object``.
+``all_gather_sizes``, ``all_reduce_coalesced``, ``broadcast_from``, and the world-level
+``sum_over_world``, ``barrier``, ``broadcast_object`` and ``all_gather_objects``.
 
 This module is the only one in the package that calls ``torch.distributed`` collectives
 (``tests/test_architecture.py`` checks it); process-group bookkeeping (``get_rank``,
@@ -44,7 +44,7 @@ import torch.distributed as dist
 __all__ = ["all_to_all", "all_reduce", "copy_to", "all_gather", "gather_replicated",
            "reduce_scatter", "split_to", "group_size", "all_gather_sizes", "all_reduce_coalesced",
            "all_gather_rows", "reduce_scatter_rows", "all_to_all_rows", "sum_over_world", "barrier",
-           "broadcast_object"]
+           "broadcast_object", "broadcast_from", "all_gather_objects"]
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -203,6 +203,23 @@ def barrier() -> None:
     """Wait for every rank of the default group (no-op in one process)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def broadcast_from(x: torch.Tensor, group: Optional[dist.ProcessGroup], group_src: int = 0) -> torch.Tensor:
+    """``x`` of the rank with index ``group_src`` in ``group``, on every rank of it, in place
+    (contiguous ``x``; no-op for one rank); returns ``x``. Not differentiable."""
+    if group_size(group) > 1:
+        dist.broadcast(x, group=group, group_src=group_src)
+    return x
+
+
+def all_gather_objects(obj: object) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank of the default group."""
+    if _world_size() == 1:
+        return [obj]
+    every: list = [None] * _world_size()
+    dist.all_gather_object(every, obj)
+    return every
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:

@@ -34,7 +34,7 @@ from .mesh import Mesh
 from .placement import P
 from .plan import Plan, local_shape
 
-__all__ = ["shard", "gather", "placement_of", "to_local", "placed_like", "dtensor_placements",
+__all__ = ["shard", "gather", "placement_of", "to_local", "placed_like", "local_part", "dtensor_placements",
            "slice_for_rank", "rank_blocks", "from_local_slice"]
 
 #: The one layer option a DTensor spec cannot hold: ``P(..., gather=True)`` (a colwise layer
@@ -133,11 +133,27 @@ def from_local_slice(local: torch.Tensor, full_shape: Sequence[int], p: P, mesh:
     return out
 
 
+def local_part(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """This rank's part of ``full`` (the same whole tensor on every rank), cut as ``like`` (a
+    DTensor of ``full``'s shape) is placed; nothing is communicated.
+
+    Example:
+        >>> local_part(torch.ones(3), torch.zeros(3)).shape
+        torch.Size([3])
+    """
+    if not isinstance(like, DTensor):
+        return full
+    replicated = [Replicate()] * like.device_mesh.ndim
+    t = DTensor.from_local(full, like.device_mesh, replicated, run_check=False)
+    return t.redistribute(like.device_mesh, like.placements).to_local()
+
+
 def placed_like(local: torch.Tensor, ref: Any, spec: Optional[DTensorSpec] = None) -> Any:
     """``local`` (a new local tensor: an optimizer update, a gathered weight) placed like
     ``ref``: a DTensor with ``ref``'s spec (or ``spec``, e.g. ``ref``'s placements with an axis
     gathered) and ``ref``'s layer option; ``local`` itself when ``ref`` is a plain tensor.
-    Nothing is communicated and the result carries no autograd history.
+    Nothing is communicated; a ``local`` that requires grad keeps its autograd history
+    (``DTensor.from_local``), any other is wrapped directly (25x cheaper).
 
     Args:
         local: this rank's tensor.
@@ -155,7 +171,8 @@ def placed_like(local: torch.Tensor, ref: Any, spec: Optional[DTensorSpec] = Non
     mine = ref._local_tensor
     if spec is not None:
         out = DTensor(local, spec, requires_grad=False)
-    elif local.dtype == ref.dtype and local.shape == mine.shape and local.stride() == mine.stride():
+    elif (not local.requires_grad and local.dtype == ref.dtype and local.shape == mine.shape
+          and local.stride() == mine.stride()):
         out = DTensor(local, ref._spec, requires_grad=False)    # same spec: skips from_local's checks (25x)
     else:
         out = DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,

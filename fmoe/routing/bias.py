@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from .. import tree as _tree
-from ..sharding import placed_like, to_local
+from ..sharding import local_part, placed_like, to_local
 from .core import Router, Routing, check_k, check_logits
 from .topk import group_mask
 
@@ -87,6 +87,8 @@ def _updated(bias: Any, load: torch.Tensor, rate: float, where: str) -> Any:
     with torch.no_grad():
         load = load.detach().to(device=local.device, dtype=torch.float64)
         step = torch.sign(load.mean() - load) * rate                              # [E]
+        if local.shape != step.shape:                      # bias split (fsdp): own block of the step
+            step = local_part(step, bias)
         new = local.detach() + step.to(local.dtype)
     return placed_like(new, bias)
 
