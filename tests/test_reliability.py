@@ -375,3 +375,34 @@ def test_init_hf_of_a_bf16_checkpoint_trains_fp32_masters_and_moments(tmp_path, 
         with safe_open(os.path.join(out, "step-1", name), "pt") as f:
             dtypes |= {f.get_slice(k).get_dtype() for k in f.keys() if not k.endswith("opt.step")}
     assert dtypes == {"F32"}                     # params and both AdamW moments
+
+
+def _mount_tmpfs(path, options):
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+def test_a_real_full_disk_and_a_real_read_only_out(tmp_path):
+    """The same one-liners on real filesystems: a tmpfs just too small for the checkpoint (the
+    save fails mid-way; the partial save stays a hidden .step-N.tmp) and a read-only tmpfs."""
+    from fmoe.models import llama
+    params = llama.init(cli._preset(llama, "tiny", 1))
+    need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(params))
+    full = tmp_path / "full"
+    if not _mount_tmpfs(full, f"size={need + 12 * 1024}"):
+        pytest.skip("needs permission to mount a tmpfs (root in a privileged environment)")
+    try:
+        out = str(full / "run")
+        r = job(*BASE, "--steps", "2", "--out", out, check=1)
+        assert one_line(r.stderr) == f"fmoe.train: error: no space left on device writing {out}/step-2"
+        assert sorted(os.listdir(out)) == [".step-2.tmp", "log.jsonl"]      # no step-2, no lock left
+    finally:
+        subprocess.run(["umount", str(full)])
+    ro = tmp_path / "ro"
+    assert _mount_tmpfs(ro, "ro,size=64k")
+    try:
+        r = job(*BASE, "--steps", "2", "--out", str(ro / "run"), check=1)
+        assert one_line(r.stderr) == f"fmoe.train: error: cannot write --out {ro / 'run'}: Read-only file system"
+    finally:
+        subprocess.run(["umount", str(ro)])

@@ -322,6 +322,14 @@ class NonFiniteStep(RuntimeError):
     """A step's loss or gradient norm was NaN/Inf (the update was not applied)."""
 
 
+def _append_log(path: str, line: str) -> None:
+    try:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e} writing {path}") from e
+
+
 def _job_meta(args: argparse.Namespace, model, cfg, mesh) -> dict:
     """What ``meta.json`` records about the job (read back by :mod:`fmoe.train.resume`)."""
     from fmoe.train import resume
@@ -392,8 +400,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         params, opt_state, m = train_step(model, cfg, params, opt_state, batch, mesh=mesh, step_cfg=step_cfg, lr=lr)
         last = {"step": step, **m}
         if rank0:
-            with open(os.path.join(args.out, "log.jsonl"), "a") as f:
-                f.write(log_row(last) + "\n")
+            _append_log(os.path.join(args.out, "log.jsonl"), log_row(last))
         if m.get("skipped"):
             skipped += 1
             if skipped > args.skip_nonfinite:
