@@ -30,6 +30,17 @@ def job(*args, check=None, **kw):
     return out
 
 
+def in_process(capsys, code, *args):
+    """Run the job in this process (--nproc 1 or a usage error); check its exit code; stderr."""
+    try:
+        got = cli.main(list(args))
+    except SystemExit as e:
+        got = e.code
+    err = capsys.readouterr().err
+    assert got == code, err[-3000:]
+    return err
+
+
 def strict_log(out):
     """Every line of log.jsonl parses as strict JSON (no bare NaN / Infinity)."""
     def no_constant(c):
@@ -66,20 +77,20 @@ def test_help_gives_every_flag_a_meaning_and_a_default():
     assert "runs/fmoe" in readme
 
 
-def test_out_is_protected_locked_and_resume_is_validated(tmp_path):
+def test_out_is_protected_locked_and_resume_is_validated(tmp_path, capsys):
     out, exp = str(tmp_path / "exp1"), str(tmp_path / "mine")
-    job(*BASE, "--steps", "3", "--warmup", "1", "--out", out, check=0)
+    in_process(capsys, 0, *BASE, "--steps", "3", "--warmup", "1", "--out", out)
     before = sorted(os.listdir(out))
     assert before == ["log.jsonl", "step-3"]
     # a new run into it, or an export into it, is refused before anything starts
-    r = job(*BASE, "--steps", "2", "--out", out, check=2)
-    assert "holds another run" in r.stderr and "--overwrite" in r.stderr
-    r = job(*BASE, "--steps", "2", "--out", str(tmp_path / "new"), "--export-hf", out, check=2)
-    assert "not a checkpoint directory" in r.stderr
+    r = in_process(capsys, 2, *BASE, "--steps", "2", "--out", out)
+    assert "holds another run" in r and "--overwrite" in r
+    r = in_process(capsys, 2, *BASE, "--steps", "2", "--out", str(tmp_path / "new"), "--export-hf", out)
+    assert "not a checkpoint directory" in r
     os.makedirs(exp)
     open(os.path.join(exp, "notes.txt"), "w").write("mine")
-    r = job(*BASE, "--steps", "2", "--out", str(tmp_path / "new2"), "--export-hf", exp, check=2)
-    assert "notes.txt" in r.stderr and not os.path.exists(tmp_path / "new2")
+    r = in_process(capsys, 2, *BASE, "--steps", "2", "--out", str(tmp_path / "new2"), "--export-hf", exp)
+    assert "notes.txt" in r and not os.path.exists(tmp_path / "new2")
     assert sorted(os.listdir(out)) == before and os.listdir(exp) == ["notes.txt"]
     # resume keeps the run's settings: mismatches name both values
     cases = [(["--seed", "1"], "--seed 0", "--seed 1"), (["--model", "mixtral"], "--model 'llama'", "'mixtral'"),
@@ -87,37 +98,37 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path):
              (["--nproc", "2"], "1 data-parallel batches", "has 2"), (["--steps", "3"], "--steps 3", "step 3"),
              (["--aux-weight", "0.5"], "--aux-weight 0.01", "0.5")]
     for flags, a, b in cases:
-        r = job(*BASE, "--out", out, "--resume", out, *[f for f in flags], *([] if "--steps" in flags else ["--steps", "5"]),
-                check=2)
-        assert a in r.stderr and b in r.stderr, (flags, r.stderr[-2000:])
+        steps = [] if "--steps" in flags else ["--steps", "5"]
+        r = in_process(capsys, 2, *BASE, "--out", out, "--resume", out, *flags, *steps)
+        assert a in r and b in r, (flags, r[-2000:])
     meta_file = os.path.join(out, "step-3", "meta.json")
     meta = json.load(open(meta_file))
     assert meta["schedule"] == {"kind": "warmup-cosine", "lr": 3e-3, "warmup": 1, "total": 3, "min_ratio": 0.1}
     json.dump({**meta, "step": -3}, open(meta_file, "w"))
-    r = job(*BASE, "--out", out, "--resume", out, "--steps", "5", check=2)
-    assert "'step' must be a non-negative integer, got -3" in r.stderr
+    r = in_process(capsys, 2, *BASE, "--out", out, "--resume", out, "--steps", "5")
+    assert "'step' must be a non-negative integer, got -3" in r
     json.dump(meta, open(meta_file, "w"))
     # one job per OUT: a live lock refuses, a stale one is taken over
     with OutLock(out):
-        r = job(*BASE, "--out", out, "--resume", out, "--steps", "5", check=1)
-        assert f"in use by another fmoe.train job (pid {os.getpid()}" in one_line(r.stderr)
+        r = in_process(capsys, 1, *BASE, "--out", out, "--resume", out, "--steps", "5")
+        assert f"in use by another fmoe.train job (pid {os.getpid()}" in one_line(r)
     open(os.path.join(out, ".lock"), "w").write("pid 999999 on a-dead-host")
-    job(*BASE, "--out", out, "--resume", out, "--steps", "5", check=0)     # extends the run
+    in_process(capsys, 0, *BASE, "--out", out, "--resume", out, "--steps", "5")     # extends the run
     rows = strict_log(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and not os.path.exists(os.path.join(out, ".lock"))
     # schedule rule: steps beyond the started run's --steps train at its final lr, no restart
     assert rows[3]["lr"] == rows[4]["lr"] == pytest.approx(lr_at(3, 3e-3, 1, 3)) == pytest.approx(3e-4)
     # --overwrite replaces the run's files only
     open(os.path.join(out, "notes.txt"), "w").write("mine")
-    job(*BASE, "--steps", "2", "--out", out, "--overwrite", "--export-hf", out, check=0)
+    in_process(capsys, 0, *BASE, "--steps", "2", "--out", out, "--overwrite", "--export-hf", out)
     assert sorted(os.listdir(out)) == ["config.json", "log.jsonl", "model.safetensors", "notes.txt", "step-2"]
     assert [r["step"] for r in strict_log(out)] == [1, 2]
 
 
-def test_non_finite_steps_stop_before_the_update_and_never_reach_a_checkpoint(tmp_path):
+def test_non_finite_steps_stop_before_the_update_and_never_reach_a_checkpoint(tmp_path, capsys):
     out = str(tmp_path / "nan")
-    r = job(*BASE, "--steps", "6", "--lr", "1e6", "--save-every", "1", "--out", out, check=1)
-    line = one_line(r.stderr)
+    r = in_process(capsys, 1, *BASE, "--steps", "6", "--lr", "1e6", "--save-every", "1", "--out", out)
+    line = one_line(r)
     rows = strict_log(out)
     bad = rows[-1]
     assert f"fmoe.train: error: step {bad['step']}: non-finite" in line and "last good checkpoint" in line
@@ -128,7 +139,7 @@ def test_non_finite_steps_stop_before_the_update_and_never_reach_a_checkpoint(tm
     load_trained(ckpt.latest(out))                                   # finite (load checks it)
     # --skip-nonfinite N skips such steps (no update) and goes on
     out2 = str(tmp_path / "skip")
-    job(*BASE, "--steps", "4", "--lr", "1e6", "--skip-nonfinite", "10", "--out", out2, check=0)
+    r = in_process(capsys, 0, *BASE, "--steps", "4", "--lr", "1e6", "--skip-nonfinite", "10", "--out", out2)
     rows = strict_log(out2)
     assert len(rows) == 4 and any(r["skipped"] for r in rows)
     load_trained(os.path.join(out2, "step-4"))
