@@ -118,6 +118,16 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and not os.path.exists(os.path.join(out, ".lock"))
     # schedule rule: steps beyond the started run's --steps train at its final lr, no restart
     assert rows[3]["lr"] == rows[4]["lr"] == pytest.approx(lr_at(3, 3e-3, 1, 3)) == pytest.approx(3e-4)
+    # resuming an older checkpoint while newer ones exist, or into another run's OUT, is refused
+    r = in_process(capsys, 2, *BASE, "--out", out, "--resume", f"{out}/step-3", "--steps", "4")
+    assert "holds newer checkpoints (step-5)" in r
+    other = str(tmp_path / "other")
+    in_process(capsys, 0, *BASE, "--steps", "1", "--out", other)
+    r = in_process(capsys, 2, *BASE, "--out", other, "--resume", f"{out}/step-3", "--steps", "4")
+    assert f"holds not the run --resume {out}/step-3 continues" in r
+    in_process(capsys, 0, *BASE, "--out", out, "--resume", f"{out}/step-3", "--steps", "4", "--overwrite")
+    assert sorted(os.listdir(out)) == ["log.jsonl", "step-3", "step-4"]
+    assert [r["step"] for r in strict_log(out)] == [1, 2, 3, 4]
     # --overwrite replaces the run's files only
     open(os.path.join(out, "notes.txt"), "w").write("mine")
     in_process(capsys, 0, *BASE, "--steps", "2", "--out", out, "--overwrite", "--export-hf", out)
