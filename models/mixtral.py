@@ -267,7 +267,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]
     cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
     auxes, entries = [], []
-    for i, layer in enumerate(fmoe.prefetch_layers(params["layers"])):  # FSDP: one gather per layer
+    for i, layer in enumerate(fmoe.unsharded_layers(params["layers"])):  # FSDP: one gather per layer
         h, aux, entry = fmoe.remat.call("layer", _layer, layer, h, cos, sin, cfg, mesh, impl, router, step,
                                         None if cache is None else cache["layers"][i])
         entries.append(entry)

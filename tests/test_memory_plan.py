@@ -31,9 +31,8 @@ def _measure(rank, world, preset, tp, ep, dpr, batch, seq, dtype):
     from fmoe.data import TokenStream
     from fmoe.memory_plan import memory_plan
     from fmoe.models import qwen3_moe
-    from fmoe.regather import _lookup, regather_in_backward
+    from fmoe.fsdp import _RECIPE, _root, data_parallel_plan, regather_in_backward
     from fmoe.train.cli import _preset
-    from fmoe.train.fsdp import data_parallel_plan
     from fmoe.train.grads import reduce_grads
     from fmoe.train.optim import adamw_init
     from fmoe.train.step import _aux_terms, autocast, forward_with_aux
@@ -49,7 +48,7 @@ def _measure(rank, world, preset, tp, ep, dpr, batch, seq, dtype):
 
     def pack(t):
         st = t.untyped_storage()
-        if st.data_ptr() not in own and st.data_ptr() not in seen and _lookup(t) is None:
+        if st.data_ptr() not in own and st.data_ptr() not in seen and getattr(_root(t), _RECIPE, None) is None:
             seen[st.data_ptr()] = st.nbytes()
         return t
 

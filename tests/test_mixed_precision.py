@@ -27,7 +27,7 @@ def _train(mesh, dtype="fp32", remat="none", grad_accum=1, steps=STEPS, aux=True
     from fmoe.data import TokenStream
     from fmoe.models import qwen3_moe
     from fmoe.train.cli import _preset
-    from fmoe.train.fsdp import data_parallel_plan
+    from fmoe.fsdp import data_parallel_plan
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
     from fmoe.train.step import StepConfig, train_step
     cfg = dataclasses.replace(_preset(qwen3_moe, "tiny", mesh.tp), output_router_logits=aux, router_aux_loss_coef=0.01)

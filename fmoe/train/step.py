@@ -43,7 +43,8 @@ from .. import tree as _tree
 from ..load_stats import imbalance
 from ..mesh import Mesh
 from ..nn import cross_entropy
-from ..regather import regather_in_backward
+from ..collectives import sum_over_world
+from ..fsdp import regather_in_backward
 from .grads import reduce_grads
 from .optim import AdamWConfig, adamw_update, global_norm
 
@@ -117,8 +118,7 @@ def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, me
 def _world_mean(x: torch.Tensor) -> torch.Tensor:
     x = x.detach().clone().float()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x)
-        x /= dist.get_world_size()
+        x = sum_over_world(x) / dist.get_world_size()
     return x
 
 
