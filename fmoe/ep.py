@@ -53,6 +53,8 @@ import torch
 from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, group_size, split_to
 from .expert_blocks import weighted_expert_sum
 from .experts import Activation, check_matmul, expert_mlp, swiglu
+from .grouped_mm import expert_mlp_offs, offsets
+from .transforms import data_checks_enabled
 
 __all__ = ["LocalExperts", "BLOCKED_MIN_ROWS", "register", "get", "registered", "local", "all_to_all_impl",
            "folds_stats", "all_reduce_impl", "sorted_by_expert", "pack_ids", "unpack_ids"]
@@ -128,6 +130,8 @@ def _weighted_sum_per_row(rows, slot_w, slot_ids, experts: LocalExperts) -> torc
     One stable sort of the ``[N * K]`` slots (unused slots keyed last), then the experts with the
     weights folded in over the gathered rows, added back per row (:meth:`LocalExperts.weighted_sum`).
     """
+    if not data_checks_enabled():          # vmap / torch.compile: no host sync (fmoe.transforms)
+        return _weighted_sum_traced(rows, slot_w, slot_ids, experts)
     k = slot_ids.shape[1]
     e = experts.num_local
     flat = slot_ids.reshape(-1)
@@ -138,6 +142,25 @@ def _weighted_sum_per_row(rows, slot_w, slot_ids, experts: LocalExperts) -> torc
     row_of = torch.div(order, k, rounding_mode="floor")
     w = slot_w.reshape(-1).index_select(0, order).to(rows.dtype)               # [A]
     return experts.weighted_sum(rows, row_of, counts, w)                        # [N, D]
+
+
+def _weighted_sum_traced(rows, slot_w, slot_ids, experts: LocalExperts) -> torch.Tensor:
+    """:func:`_weighted_sum_per_row` without a host sync: every slot is kept (an unused one
+    goes to local expert 0 with weight 0, adding nothing), the groups are offsets computed on
+    the device and the experts run as :func:`fmoe.grouped_mm.expert_mlp_offs`."""
+    k, e = slot_ids.shape[1], experts.num_local
+    flat = slot_ids.reshape(-1)                                                 # [N*K]
+    used = flat >= 0
+    keyed = torch.where(used, flat, 0)
+    order = torch.argsort(keyed, stable=True)
+    counts = torch.zeros(e, dtype=torch.int64, device=flat.device).scatter_add(0, keyed, torch.ones_like(keyed))
+    row_of = torch.div(order, k, rounding_mode="floor")
+    w = torch.where(used, slot_w.reshape(-1), 0).index_select(0, order).to(rows.dtype)   # [N*K]
+    ew = experts.weights
+    out = expert_mlp_offs(rows.index_select(0, row_of), offsets(counts), ew["w_gate_up"], ew["w_down"],
+                          ew.get("b_gate_up"), ew.get("b_down"), act=None if experts.act is swiglu else experts.act,
+                          scale=w, impl="loop" if experts.matmul == "loop" else "auto")
+    return out.new_zeros(rows.shape[0], out.shape[-1]).index_add(0, row_of, out)
 
 
 def local(x, weights, expert_ids, experts: LocalExperts, mesh) -> torch.Tensor:

@@ -32,6 +32,7 @@ from . import tree as _tree
 from .mesh import Mesh
 from .placement import P
 from .plan import Plan, local_shape
+from .transforms import peel
 
 __all__ = ["shard", "gather", "placement_of", "to_local", "materialize", "dtensor_placements",
            "slice_for_rank", "rank_blocks", "from_local_slice"]
@@ -192,6 +193,7 @@ def placement_of(t: Any) -> P:
     The exact ``P`` given to :func:`shard` (including ``gather``) is kept on the leaf; for a
     DTensor made elsewhere it is derived from the DTensor's placements.
     """
+    t = peel(t)
     p = getattr(t, _ATTR, None)
     if p is not None:
         return p
@@ -221,11 +223,14 @@ def to_local(t: Any, partial_grad: Sequence[str] = ()) -> torch.Tensor:
     Returns:
         a plain tensor.
     """
-    if not isinstance(t, DTensor):
+    d = peel(t)
+    if not isinstance(d, DTensor):
         return t
-    names = t.device_mesh.mesh_dim_names
-    grad_pl = tuple(Partial() if name in partial_grad and isinstance(pl, Replicate) else
-                    Replicate() if isinstance(pl, Partial) else pl for name, pl in zip(names, t.placements))
+    names = d.device_mesh.mesh_dim_names
+    sizes = d.device_mesh.shape
+    pending = lambda name, i: name in partial_grad or (name in ("fsdp", "efsdp", "dp_replicate") and sizes[i] > 1)
+    grad_pl = tuple(Partial() if pending(name, i) and isinstance(pl, Replicate) else
+                    Replicate() if isinstance(pl, Partial) else pl for i, (name, pl) in enumerate(zip(names, d.placements)))
     return _ToLocal.apply(t, grad_pl)
 
 
@@ -240,6 +245,7 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         t, grad_placements = inputs
+        t = peel(t)
         ctx.set_materialize_grads(False)
         local = t._local_tensor
         ctx.spec, ctx.grad_placements, ctx.stride = t._spec, grad_placements, local.stride()
@@ -282,7 +288,7 @@ def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequen
     from .prefetch import prefetched
     from .regather import register_gathered
 
-    if not isinstance(t, DTensor):
+    if not isinstance(peel(t), DTensor):
         return t
     if not partial_grad:
         ready = prefetched(t, keep)               # gathered with its layer (fmoe.prefetch)
@@ -299,7 +305,7 @@ def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequen
             raise ValueError(f"materialize: placement {p!r} mixes kept axes {list(keep)} and "
                              f"gathered axes {gathered} on dim {d} (or is packed); not supported")
         for a in reversed(axes):      # innermost split first
-            group = t.device_mesh.get_group(a)
+            group = peel(t).device_mesh.get_group(a)
             piece = out
             out = all_gather(piece, group, dim=d, sizes=[piece.shape[d]] * torch.distributed.get_world_size(group))
             register_gathered(out, piece, group, d)   # lets regather_in_backward drop it
