@@ -1,7 +1,10 @@
 """Differentiable collectives: ``torch.autograd.Function``s over torch.distributed.
 
 Each function is a new-style autograd Function (``forward`` + ``setup_context``), so it works
-under ``torch.autograd`` and ``torch.func.grad`` alike. Every one takes a process group and is a
+under ``torch.autograd`` and ``torch.func.grad`` alike. Every collective is linear, so its
+``jvp`` is the same exchange applied to the tangent; its vmap rule moves the batch dim out of
+the way of the exchanged dim (next to the rows for ``all_to_all``, first otherwise) and runs
+the collective once for the whole batch. Every one takes a process group and is a
 no-op when the group is None or has one rank (single process).
 
 =================  =========================  ==========================================
@@ -32,6 +35,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .transforms import apply, forward_mode
+
 __all__ = ["all_to_all", "all_reduce", "copy_to", "all_gather", "gather_replicated",
            "reduce_scatter", "split_to", "group_size", "all_gather_sizes", "all_reduce_coalesced"]
 
@@ -48,6 +53,7 @@ def _exchange(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[in
     return out
 
 
+@forward_mode
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(x, out_splits, in_splits, group):
@@ -60,6 +66,14 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _AllToAll.apply(g, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        return _exchange(dx, ctx.out_splits, ctx.in_splits, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, out_splits, in_splits, group):    # batch next to the rows: [N, B, ...]
+        return _AllToAll.apply(x.movedim(in_dims[0], 1), out_splits, in_splits, group), 1
 
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
@@ -83,9 +97,10 @@ def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[i
         raise ValueError(f"all_to_all: x has {x.shape[0]} rows but in_splits sum to {sum(in_splits)}")
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group)
+    return apply(_AllToAll, x, [int(s) for s in out_splits], [int(s) for s in in_splits], group)
 
 
+@forward_mode
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(x, group):
@@ -95,13 +110,22 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        ctx.group = inputs[1]
 
     @staticmethod
     def backward(ctx, g):
         return g, None
 
+    @staticmethod
+    def jvp(ctx, dx, _):
+        return _AllReduce.forward(dx, ctx.group)
 
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return _AllReduce.apply(x, group), in_dims[0]
+
+
+@forward_mode
 class _CopyTo(torch.autograd.Function):
     @staticmethod
     def forward(x, group):
@@ -115,16 +139,24 @@ class _CopyTo(torch.autograd.Function):
     def backward(ctx, g):
         return _AllReduce.apply(g, ctx.group), None
 
+    @staticmethod
+    def jvp(ctx, dx, _):
+        return dx.view_as(dx)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return _CopyTo.apply(x, group), in_dims[0]
+
 
 def all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Sum ``x`` over ``group``; backward passes the gradient through unchanged."""
-    return x if group_size(group) == 1 else _AllReduce.apply(x, group)
+    return x if group_size(group) == 1 else apply(_AllReduce, x, group)
 
 
 def copy_to(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Identity; backward sums the gradient over ``group`` (a replicated input feeding
     rank-partial computations, e.g. the input of a colwise linear)."""
-    return x if group_size(group) == 1 else _CopyTo.apply(x, group)
+    return x if group_size(group) == 1 else apply(_CopyTo, x, group)
 
 
 def all_gather_sizes(n: int, group: Optional[dist.ProcessGroup]) -> list[int]:
@@ -181,6 +213,7 @@ def _reduce_own_slice(g: torch.Tensor, dim: int, sizes: Sequence[int], group) ->
     return out[:sizes[dist.get_rank(group)]].movedim(0, dim).contiguous()
 
 
+@forward_mode
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(x, dim, sizes, group, replicated):
@@ -195,6 +228,14 @@ class _AllGather(torch.autograd.Function):
         if ctx.replicated:
             return _own_slice(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
         return _reduce_own_slice(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        return _gather(dx, ctx.dim, ctx.sizes, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, dim, sizes, group, replicated):
+        return _AllGather.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group, replicated), 0
 
 
 def _sizes_for(x: torch.Tensor, dim: int, sizes: Optional[Sequence[int]], group) -> list[int]:
@@ -212,7 +253,7 @@ def all_gather(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0
     skip the size exchange). Backward: sum over ranks, keep own slice (reduce-scatter)."""
     if group_size(group) == 1:
         return x
-    return _AllGather.apply(x, dim, _sizes_for(x, dim, sizes, group), group, False)
+    return apply(_AllGather, x, dim, _sizes_for(x, dim, sizes, group), group, False)
 
 
 def gather_replicated(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0,
@@ -221,9 +262,10 @@ def gather_replicated(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: 
     rank's slice of its own gradient, no sum."""
     if group_size(group) == 1:
         return x
-    return _AllGather.apply(x, dim, _sizes_for(x, dim, sizes, group), group, True)
+    return apply(_AllGather, x, dim, _sizes_for(x, dim, sizes, group), group, True)
 
 
+@forward_mode
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(x, dim, group):
@@ -242,6 +284,14 @@ class _ReduceScatter(torch.autograd.Function):
         n = group_size(ctx.group)
         return _AllGather.apply(g, ctx.dim, [g.shape[ctx.dim]] * n, ctx.group, True), None, None
 
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        return _ReduceScatter.forward(dx, ctx.dim, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, dim, group):
+        return _ReduceScatter.apply(x.movedim(in_dims[0], 0), dim + 1, group), 0
+
 
 def reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's equal slice of ``dim``. Backward: all-gather."""
@@ -250,9 +300,10 @@ def reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int
     n = group_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} is not divisible by group size {n}")
-    return _ReduceScatter.apply(x, dim, group)
+    return apply(_ReduceScatter, x, dim, group)
 
 
+@forward_mode
 class _SplitTo(torch.autograd.Function):
     @staticmethod
     def forward(x, dim, sizes, group):
@@ -266,6 +317,14 @@ class _SplitTo(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _gather(g, ctx.dim, ctx.sizes, ctx.group), None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        return _SplitTo.forward(dx, ctx.dim, ctx.sizes, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, dim, sizes, group):
+        return _SplitTo.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group), 0
 
 
 def split_to(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequence[int], dim: int = 0) -> torch.Tensor:
@@ -292,7 +351,7 @@ def split_to(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequenc
         return x
     if len(sizes) != group_size(group):
         raise ValueError(f"split_to: sizes {sizes} must have one entry per rank of the group ({group_size(group)})")
-    return _SplitTo.apply(x, dim, sizes, group)
+    return apply(_SplitTo, x, dim, sizes, group)
 
 
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:

@@ -26,8 +26,7 @@ with ``fullgraph=True``. Each is a ``torch.library.custom_op`` with
 operators with a backward (itself differentiable, for double backward and ``hessian``), a
 ``jvp`` (the product rule: both are bilinear) and ``generate_vmap_rule=True`` (their forward is
 one operator with a vmap rule). Dynamo cannot trace an autograd Function that defines ``jvp``,
-so under ``torch.compile`` the same Functions without ``jvp`` are used (forward mode and
-compile do not mix anyway).
+so under ``torch.compile`` their jvp-less twins are applied (:func:`fmoe.transforms.forward_mode`).
 
 Example:
     >>> x, w = torch.randn(5, 4), torch.randn(2, 3, 4)
@@ -42,6 +41,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from .transforms import apply, forward_mode
 
 __all__ = ["grouped_mm", "grouped_wgrad", "offsets", "IMPLS"]
 
@@ -138,8 +139,9 @@ def _(info, in_dims, a, b, offs, impl):
     return out.reshape(n, -1, *out.shape[1:]), 0
 
 
-class _GroupedMMRev(torch.autograd.Function):
-    """Differentiable ``fmoe::grouped_mm`` (reverse mode; what ``torch.compile`` traces)."""
+@forward_mode
+class _GroupedMM(torch.autograd.Function):
+    """Differentiable ``fmoe::grouped_mm``: backward and jvp by the product rule."""
 
     generate_vmap_rule = True
 
@@ -163,10 +165,6 @@ class _GroupedMMRev(torch.autograd.Function):
             gw = grouped_wgrad(g, x, offs, ctx.impl) if ctx.trans else grouped_wgrad(x, g, offs, ctx.impl)
         return gx, gw, None, None, None
 
-
-class _GroupedMM(_GroupedMMRev):
-    """:class:`_GroupedMMRev` plus forward mode: the product rule."""
-
     @staticmethod
     def jvp(ctx, dx, dw, _doffs, _dtrans, _dimpl):
         x, w, offs = ctx.saved_tensors
@@ -179,8 +177,9 @@ class _GroupedMM(_GroupedMMRev):
         return out
 
 
-class _GroupedWGradRev(torch.autograd.Function):
-    """Differentiable ``fmoe::grouped_wgrad`` (``out[g] = a_g^T b_g``; reverse mode)."""
+@forward_mode
+class _GroupedWGrad(torch.autograd.Function):
+    """Differentiable ``fmoe::grouped_wgrad`` (``out[g] = a_g^T b_g``): backward and jvp by the product rule."""
 
     generate_vmap_rule = True
 
@@ -200,10 +199,6 @@ class _GroupedWGradRev(torch.autograd.Function):
         ga = grouped_mm(b, g, offs, trans=True, impl=ctx.impl) if ctx.needs_input_grad[0] else None   # b_g g^T
         gb = grouped_mm(a, g, offs, trans=False, impl=ctx.impl) if ctx.needs_input_grad[1] else None  # a_g g
         return ga, gb, None, None
-
-
-class _GroupedWGrad(_GroupedWGradRev):
-    """:class:`_GroupedWGradRev` plus forward mode: the product rule."""
 
     @staticmethod
     def jvp(ctx, da, db, _doffs, _dimpl):
@@ -236,7 +231,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool
         ``[N, n]``.
     """
     _check_impl(impl)
-    return (_GroupedMMRev if torch.compiler.is_compiling() else _GroupedMM).apply(x, w, offs, trans, impl)
+    return apply(_GroupedMM, x, w, offs, trans, impl)
 
 
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, impl: str = "auto") -> torch.Tensor:
@@ -255,7 +250,7 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, impl: st
                 [2., 2., 2., 2.]])
     """
     _check_impl(impl)
-    return (_GroupedWGradRev if torch.compiler.is_compiling() else _GroupedWGrad).apply(a, b, offs, impl)
+    return apply(_GroupedWGrad, a, b, offs, impl)
 
 
 def expert_mlp_offs(x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

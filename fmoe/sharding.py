@@ -32,7 +32,7 @@ from . import tree as _tree
 from .mesh import Mesh
 from .placement import P
 from .plan import Plan, local_shape
-from .transforms import peel
+from .transforms import apply, forward_mode, peel
 
 __all__ = ["shard", "gather", "placement_of", "to_local", "materialize", "dtensor_placements",
            "slice_for_rank", "rank_blocks", "from_local_slice"]
@@ -231,9 +231,10 @@ def to_local(t: Any, partial_grad: Sequence[str] = ()) -> torch.Tensor:
     pending = lambda name, i: name in partial_grad or (name in ("fsdp", "efsdp", "dp_replicate") and sizes[i] > 1)
     grad_pl = tuple(Partial() if pending(name, i) and isinstance(pl, Replicate) else
                     Replicate() if isinstance(pl, Partial) else pl for i, (name, pl) in enumerate(zip(names, d.placements)))
-    return _ToLocal.apply(t, grad_pl)
+    return apply(_ToLocal, t, grad_pl)
 
 
+@forward_mode
 class _ToLocal(torch.autograd.Function):
     """``DTensor.to_local`` whose backward wraps the local gradient with a prepared spec
     (``DTensor(g, spec)``) instead of ``DTensor.from_local``: one per leaf and step, ~25x cheaper."""
@@ -263,6 +264,15 @@ class _ToLocal(torch.autograd.Function):
         grad_spec = (copy.copy(spec) if ctx.grad_placements == spec.placements else
                      DTensorSpec(spec.mesh, ctx.grad_placements, tensor_meta=spec.tensor_meta))
         return DTensor(g, grad_spec, requires_grad=False), None
+
+    @staticmethod
+    def jvp(ctx, dt, _):                           # linear: the tangent's local slice
+        d = peel(dt)
+        return d._local_tensor.view_as(d._local_tensor) if isinstance(d, DTensor) else dt.view_as(dt)
+
+    @staticmethod
+    def vmap(info, in_dims, t, grad_placements):   # a batched DTensor: its local slice, batched alike
+        return _ToLocal.apply(t, grad_placements), in_dims[0]
 
 
 def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequence[str] = ()) -> torch.Tensor:

@@ -17,7 +17,7 @@ fmoe's layers are pure functions, so ``torch.func.grad``/``vjp``/``jvp``/``vmap`
    and process groups the layers read; the computation itself stays on the wrapper.
 3. **Custom autograd Functions.** Each has a ``jvp`` (forward mode) and a vmap rule. Dynamo
    cannot trace a Function that defines ``jvp``, so under ``torch.compile`` fmoe applies a twin
-   without it (:func:`pick`).
+   without it (:func:`forward_mode`, :func:`apply`).
 
 Example:
     >>> data_checks_enabled()
@@ -34,7 +34,7 @@ import torch
 from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-__all__ = ["vmapping", "compiling", "data_checks_enabled", "peel", "pick"]
+__all__ = ["vmapping", "compiling", "data_checks_enabled", "peel", "forward_mode", "apply", "vmap_by_loop"]
 
 
 def vmapping() -> bool:
@@ -62,7 +62,38 @@ def peel(t: Any) -> Any:
     return t
 
 
-def pick(with_jvp: type, without_jvp: type) -> type:
-    """The autograd Function class to apply: ``without_jvp`` while compiling (Dynamo does not
-    trace custom ``jvp``), ``with_jvp`` otherwise."""
-    return without_jvp if compiling() else with_jvp
+def forward_mode(cls: type) -> type:
+    """Class decorator for an autograd Function that defines ``jvp``: keeps ``cls`` and gives it
+    a twin without ``jvp`` (``cls.traced``, otherwise identical) for :func:`apply` to use while
+    compiling, since Dynamo refuses to trace a Function with a custom ``jvp``."""
+    attrs = {k: v for k, v in cls.__dict__.items() if k not in ("jvp", "__dict__", "__weakref__")}
+    cls.traced = type(cls.__name__ + "Traced", cls.__bases__, attrs)
+    return cls
+
+
+def apply(cls: type, *args: Any) -> Any:
+    """``cls.apply(*args)``, or its jvp-less twin's while compiling (see :func:`forward_mode`)."""
+    return (cls.traced if compiling() else cls).apply(*args)
+
+
+def vmap_by_loop(apply: Any):
+    """A vmap rule (for an autograd Function's ``vmap`` staticmethod) that runs ``apply`` once
+    per batch element and stacks the results along dim 0: correct for any Function, meant for
+    fused kernels whose inputs carry host-side metadata (group counts) that a batch cannot share.
+    fmoe's layers do not reach these under ``vmap`` (they take the grouped-op path), so the loop
+    only serves direct calls.
+
+    Args:
+        apply: the Function's ``apply``.
+    Returns:
+        ``rule(info, in_dims, *args) -> (outputs, out_dims)``.
+    """
+
+    def rule(info, in_dims, *args):
+        outs = [apply(*[a.select(d, i) if isinstance(d, int) else a for a, d in zip(args, in_dims)])
+                for i in range(info.batch_size)]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+        return torch.stack(outs), 0
+
+    return rule
