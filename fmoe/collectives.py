@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .transforms import apply, forward_mode
+from .transforms import apply, without_jvp
 
 __all__ = ["all_to_all", "all_reduce", "copy_to", "all_gather", "gather_replicated",
            "reduce_scatter", "split_to", "group_size", "all_gather_sizes", "all_reduce_coalesced"]
@@ -53,7 +53,6 @@ def _exchange(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[in
     return out
 
 
-@forward_mode
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(x, out_splits, in_splits, group):
@@ -74,6 +73,9 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, x, out_splits, in_splits, group):    # batch next to the rows: [N, B, ...]
         return _AllToAll.apply(x.movedim(in_dims[0], 1), out_splits, in_splits, group), 1
+
+
+_AllToAllTraced = without_jvp(_AllToAll)
 
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
@@ -97,10 +99,9 @@ def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[i
         raise ValueError(f"all_to_all: x has {x.shape[0]} rows but in_splits sum to {sum(in_splits)}")
     if group_size(group) == 1:
         return x
-    return apply(_AllToAll, x, [int(s) for s in out_splits], [int(s) for s in in_splits], group)
+    return apply(_AllToAll, _AllToAllTraced, x, [int(s) for s in out_splits], [int(s) for s in in_splits], group)
 
 
-@forward_mode
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(x, group):
@@ -125,7 +126,9 @@ class _AllReduce(torch.autograd.Function):
         return _AllReduce.apply(x, group), in_dims[0]
 
 
-@forward_mode
+_AllReduceTraced = without_jvp(_AllReduce)
+
+
 class _CopyTo(torch.autograd.Function):
     @staticmethod
     def forward(x, group):
@@ -148,15 +151,18 @@ class _CopyTo(torch.autograd.Function):
         return _CopyTo.apply(x, group), in_dims[0]
 
 
+_CopyToTraced = without_jvp(_CopyTo)
+
+
 def all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Sum ``x`` over ``group``; backward passes the gradient through unchanged."""
-    return x if group_size(group) == 1 else apply(_AllReduce, x, group)
+    return x if group_size(group) == 1 else apply(_AllReduce, _AllReduceTraced, x, group)
 
 
 def copy_to(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Identity; backward sums the gradient over ``group`` (a replicated input feeding
     rank-partial computations, e.g. the input of a colwise linear)."""
-    return x if group_size(group) == 1 else apply(_CopyTo, x, group)
+    return x if group_size(group) == 1 else apply(_CopyTo, _CopyToTraced, x, group)
 
 
 def all_gather_sizes(n: int, group: Optional[dist.ProcessGroup]) -> list[int]:
@@ -213,7 +219,6 @@ def _reduce_own_slice(g: torch.Tensor, dim: int, sizes: Sequence[int], group) ->
     return out[:sizes[dist.get_rank(group)]].movedim(0, dim).contiguous()
 
 
-@forward_mode
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(x, dim, sizes, group, replicated):
@@ -238,6 +243,9 @@ class _AllGather(torch.autograd.Function):
         return _AllGather.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group, replicated), 0
 
 
+_AllGatherTraced = without_jvp(_AllGather)
+
+
 def _sizes_for(x: torch.Tensor, dim: int, sizes: Optional[Sequence[int]], group) -> list[int]:
     if sizes is None:
         return all_gather_sizes(x.shape[dim], group)
@@ -253,7 +261,7 @@ def all_gather(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0
     skip the size exchange). Backward: sum over ranks, keep own slice (reduce-scatter)."""
     if group_size(group) == 1:
         return x
-    return apply(_AllGather, x, dim, _sizes_for(x, dim, sizes, group), group, False)
+    return apply(_AllGather, _AllGatherTraced, x, dim, _sizes_for(x, dim, sizes, group), group, False)
 
 
 def gather_replicated(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0,
@@ -262,10 +270,9 @@ def gather_replicated(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: 
     rank's slice of its own gradient, no sum."""
     if group_size(group) == 1:
         return x
-    return apply(_AllGather, x, dim, _sizes_for(x, dim, sizes, group), group, True)
+    return apply(_AllGather, _AllGatherTraced, x, dim, _sizes_for(x, dim, sizes, group), group, True)
 
 
-@forward_mode
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(x, dim, group):
@@ -293,6 +300,9 @@ class _ReduceScatter(torch.autograd.Function):
         return _ReduceScatter.apply(x.movedim(in_dims[0], 0), dim + 1, group), 0
 
 
+_ReduceScatterTraced = without_jvp(_ReduceScatter)
+
+
 def reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's equal slice of ``dim``. Backward: all-gather."""
     if group_size(group) == 1:
@@ -300,10 +310,9 @@ def reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int
     n = group_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} is not divisible by group size {n}")
-    return apply(_ReduceScatter, x, dim, group)
+    return apply(_ReduceScatter, _ReduceScatterTraced, x, dim, group)
 
 
-@forward_mode
 class _SplitTo(torch.autograd.Function):
     @staticmethod
     def forward(x, dim, sizes, group):
@@ -325,6 +334,9 @@ class _SplitTo(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, x, dim, sizes, group):
         return _SplitTo.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group), 0
+
+
+_SplitToTraced = without_jvp(_SplitTo)
 
 
 def split_to(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequence[int], dim: int = 0) -> torch.Tensor:
@@ -351,7 +363,7 @@ def split_to(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequenc
         return x
     if len(sizes) != group_size(group):
         raise ValueError(f"split_to: sizes {sizes} must have one entry per rank of the group ({group_size(group)})")
-    return apply(_SplitTo, x, dim, sizes, group)
+    return apply(_SplitTo, _SplitToTraced, x, dim, sizes, group)
 
 
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:

@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from .transforms import apply, forward_mode
+from .transforms import apply, without_jvp
 
 __all__ = ["grouped_mm", "grouped_wgrad", "offsets", "IMPLS"]
 
@@ -139,7 +139,6 @@ def _(info, in_dims, a, b, offs, impl):
     return out.reshape(n, -1, *out.shape[1:]), 0
 
 
-@forward_mode
 class _GroupedMM(torch.autograd.Function):
     """Differentiable ``fmoe::grouped_mm``: backward and jvp by the product rule."""
 
@@ -177,7 +176,9 @@ class _GroupedMM(torch.autograd.Function):
         return out
 
 
-@forward_mode
+_GroupedMMTraced = without_jvp(_GroupedMM)
+
+
 class _GroupedWGrad(torch.autograd.Function):
     """Differentiable ``fmoe::grouped_wgrad`` (``out[g] = a_g^T b_g``): backward and jvp by the product rule."""
 
@@ -212,6 +213,9 @@ class _GroupedWGrad(torch.autograd.Function):
         return out
 
 
+_GroupedWGradTraced = without_jvp(_GroupedWGrad)
+
+
 def _check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"grouped_mm: impl must be one of {list(IMPLS)}, got {impl!r}")
@@ -231,7 +235,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool
         ``[N, n]``.
     """
     _check_impl(impl)
-    return apply(_GroupedMM, x, w, offs, trans, impl)
+    return apply(_GroupedMM, _GroupedMMTraced, x, w, offs, trans, impl)
 
 
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, impl: str = "auto") -> torch.Tensor:
@@ -250,7 +254,7 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, impl: st
                 [2., 2., 2., 2.]])
     """
     _check_impl(impl)
-    return apply(_GroupedWGrad, a, b, offs, impl)
+    return apply(_GroupedWGrad, _GroupedWGradTraced, a, b, offs, impl)
 
 
 def expert_mlp_offs(x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

@@ -29,12 +29,12 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import tree as _tree
-from .mesh import Mesh
+from .mesh import DATA_AXES, Mesh
 from .placement import P
 from .plan import Plan, local_shape
-from .transforms import apply, forward_mode, peel
+from .transforms import apply, compiling, peel, without_jvp
 
-__all__ = ["shard", "gather", "placement_of", "to_local", "materialize", "dtensor_placements",
+__all__ = ["shard", "gather", "placement_of", "to_local", "grad_placements", "materialize", "dtensor_placements",
            "slice_for_rank", "rank_blocks", "from_local_slice"]
 
 _ATTR = "_fmoe_placement"
@@ -226,15 +226,27 @@ def to_local(t: Any, partial_grad: Sequence[str] = ()) -> torch.Tensor:
     d = peel(t)
     if not isinstance(d, DTensor):
         return t
-    names = d.device_mesh.mesh_dim_names
-    sizes = d.device_mesh.shape
-    pending = lambda name, i: name in partial_grad or (name in ("fsdp", "efsdp", "dp_replicate") and sizes[i] > 1)
-    grad_pl = tuple(Partial() if pending(name, i) and isinstance(pl, Replicate) else
-                    Replicate() if isinstance(pl, Partial) else pl for i, (name, pl) in enumerate(zip(names, d.placements)))
-    return apply(_ToLocal, t, grad_pl)
+    grad_pl = grad_placements(d, partial_grad)
+    if compiling():                  # DTensor's own to_local: Dynamo traces it (and its backward)
+        return t.to_local(grad_placements=grad_pl)
+    return apply(_ToLocal, _ToLocalTraced, t, grad_pl)
 
 
-@forward_mode
+def grad_placements(t: DTensor, partial_grad: Sequence[str] = ()) -> tuple:
+    """The honest placements of the gradient of ``t``'s local slice: ``Partial`` (a sum still
+    pending) on every data-parallel axis (``fsdp``, ``efsdp``, ``dp_replicate``, size > 1)
+    over which ``t`` is replicated, since each rank's gradient holds its own batch only, and on
+    the ``partial_grad`` axes; ``t``'s own placement elsewhere (a split axis: the slice's
+    gradient; ``tp``/``ep`` replicated: every rank computes the same full-batch value).
+    ``fmoe.gather`` then sums the pending parts: the gradient of the sum over the batches."""
+    mesh = t.device_mesh
+    out = []
+    for i, (name, pl) in enumerate(zip(mesh.mesh_dim_names, t.placements)):
+        pending = name in partial_grad or (name in DATA_AXES and mesh.shape[i] > 1)
+        out.append(Partial() if pending and isinstance(pl, Replicate) else Replicate() if isinstance(pl, Partial) else pl)
+    return tuple(out)
+
+
 class _ToLocal(torch.autograd.Function):
     """``DTensor.to_local`` whose backward wraps the local gradient with a prepared spec
     (``DTensor(g, spec)``) instead of ``DTensor.from_local``: one per leaf and step, ~25x cheaper."""
@@ -273,6 +285,9 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, t, grad_placements):   # a batched DTensor: its local slice, batched alike
         return _ToLocal.apply(t, grad_placements), in_dims[0]
+
+
+_ToLocalTraced = without_jvp(_ToLocal)
 
 
 def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequence[str] = ()) -> torch.Tensor:

@@ -17,7 +17,7 @@ fmoe's layers are pure functions, so ``torch.func.grad``/``vjp``/``jvp``/``vmap`
    and process groups the layers read; the computation itself stays on the wrapper.
 3. **Custom autograd Functions.** Each has a ``jvp`` (forward mode) and a vmap rule. Dynamo
    cannot trace a Function that defines ``jvp``, so under ``torch.compile`` fmoe applies a twin
-   without it (:func:`forward_mode`, :func:`apply`).
+   without it (:func:`without_jvp`, :func:`apply`).
 
 Example:
     >>> data_checks_enabled()
@@ -34,7 +34,7 @@ import torch
 from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-__all__ = ["vmapping", "compiling", "data_checks_enabled", "peel", "forward_mode", "apply", "vmap_by_loop"]
+__all__ = ["vmapping", "compiling", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
 
 
 def vmapping() -> bool:
@@ -62,18 +62,18 @@ def peel(t: Any) -> Any:
     return t
 
 
-def forward_mode(cls: type) -> type:
-    """Class decorator for an autograd Function that defines ``jvp``: keeps ``cls`` and gives it
-    a twin without ``jvp`` (``cls.traced``, otherwise identical) for :func:`apply` to use while
-    compiling, since Dynamo refuses to trace a Function with a custom ``jvp``."""
+def without_jvp(cls: type) -> type:
+    """A twin of the autograd Function ``cls`` without its ``jvp`` (otherwise identical), for
+    :func:`apply` to use while compiling: Dynamo refuses to trace a Function with a custom
+    ``jvp``. Keep it as a module global (``_FooTraced = without_jvp(_Foo)``): Dynamo resolves
+    globals, not classes hung on other classes."""
     attrs = {k: v for k, v in cls.__dict__.items() if k not in ("jvp", "__dict__", "__weakref__")}
-    cls.traced = type(cls.__name__ + "Traced", cls.__bases__, attrs)
-    return cls
+    return type(cls.__name__ + "Traced", cls.__bases__, attrs)
 
 
-def apply(cls: type, *args: Any) -> Any:
-    """``cls.apply(*args)``, or its jvp-less twin's while compiling (see :func:`forward_mode`)."""
-    return (cls.traced if compiling() else cls).apply(*args)
+def apply(fn: type, traced: type, *args: Any) -> Any:
+    """``fn.apply(*args)``, or ``traced.apply(*args)`` (its :func:`without_jvp` twin) while compiling."""
+    return (traced if compiling() else fn).apply(*args)
 
 
 def vmap_by_loop(apply: Any):

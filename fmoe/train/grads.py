@@ -27,12 +27,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import tree as _tree
 from ..collectives import all_reduce_coalesced
-from ..mesh import Mesh
+from ..mesh import DATA_AXES, Mesh
 from .optim import _like
 
 __all__ = ["reduce_grads", "DATA_AXES"]
 
-DATA_AXES = ("fsdp", "dp_replicate", "efsdp")
 
 
 def _axes_to_reduce(g: Any) -> tuple:
