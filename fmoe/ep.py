@@ -54,7 +54,8 @@ from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, gro
 from .expert_blocks import weighted_expert_sum
 from .experts import Activation, check_matmul, expert_mlp, swiglu
 from .grouped_mm import expert_mlp_offs, offsets
-from .transforms import data_checks_enabled, vmapping
+from .transforms import active as transforms_active
+from .transforms import vmapping
 
 __all__ = ["LocalExperts", "BLOCKED_MIN_ROWS", "register", "get", "registered", "local", "all_to_all_impl",
            "folds_stats", "all_reduce_impl", "sorted_by_expert", "pack_ids", "unpack_ids"]
@@ -132,7 +133,7 @@ def _weighted_sum_per_row(rows, slot_w, slot_ids, experts: LocalExperts,
     weights folded in over the gathered rows, added back per row (:meth:`LocalExperts.weighted_sum`).
     ``num_used``: the number of slots with id >= 0 when the caller knows it on the host.
     """
-    if not data_checks_enabled():          # vmap / torch.compile: the grouped ops (fmoe.transforms)
+    if transforms_active():                # torch.func / torch.compile: the grouped ops (fmoe.transforms)
         return _weighted_sum_traced(rows, slot_w, slot_ids, experts, num_used)
     k = slot_ids.shape[1]
     e = experts.num_local

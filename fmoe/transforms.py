@@ -34,7 +34,7 @@ import torch
 from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-__all__ = ["vmapping", "compiling", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
+__all__ = ["vmapping", "compiling", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
 
 
 def vmapping() -> bool:
@@ -45,6 +45,13 @@ def vmapping() -> bool:
 def compiling() -> bool:
     """Whether Dynamo is tracing (``torch.compile``)."""
     return torch.compiler.is_compiling()
+
+
+def active() -> bool:
+    """Whether any ``torch.func`` transform is active or Dynamo is tracing: fmoe's layers then
+    take their grouped-operator expert path (:mod:`fmoe.grouped_mm`), whose every piece has
+    backward, jvp and vmap rules and no host sync beyond the dispatch's."""
+    return compiling() or bool(retrieve_all_functorch_interpreters())
 
 
 def data_checks_enabled() -> bool:
