@@ -232,7 +232,7 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.replicated:
             return _own_slice(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
-        return _reduce_own_slice(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+        return _ReduceScatter.apply(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
 
     @staticmethod
     def jvp(ctx, dx, *_):
@@ -274,30 +274,29 @@ def gather_replicated(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: 
 
 
 class _ReduceScatter(torch.autograd.Function):
+    """Sum over the group, keep this rank's slice (``sizes`` per rank, uneven allowed); the
+    adjoint of :class:`_AllGather`, and what its backward applies (a Function, so that
+    ``torch.func`` sees a collective on plain tensors at every level)."""
+
     @staticmethod
-    def forward(x, dim, group):
-        n = group_size(group)
-        xm = x.movedim(dim, 0).contiguous()
-        out = xm.new_empty((xm.shape[0] // n,) + tuple(xm.shape[1:]))
-        dist.reduce_scatter_tensor(out, xm, group=group)
-        return out.movedim(0, dim)
+    def forward(x, dim, sizes, group):
+        return _reduce_own_slice(x, dim, sizes, group)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.dim, ctx.group = inputs
+        _, ctx.dim, ctx.sizes, ctx.group = inputs
 
     @staticmethod
     def backward(ctx, g):
-        n = group_size(ctx.group)
-        return _AllGather.apply(g, ctx.dim, [g.shape[ctx.dim]] * n, ctx.group, True), None, None
+        return _AllGather.apply(g, ctx.dim, ctx.sizes, ctx.group, True), None, None, None
 
     @staticmethod
     def jvp(ctx, dx, *_):
-        return _ReduceScatter.forward(dx, ctx.dim, ctx.group)
+        return _reduce_own_slice(dx, ctx.dim, ctx.sizes, ctx.group)
 
     @staticmethod
-    def vmap(info, in_dims, x, dim, group):
-        return _ReduceScatter.apply(x.movedim(in_dims[0], 0), dim + 1, group), 0
+    def vmap(info, in_dims, x, dim, sizes, group):
+        return _ReduceScatter.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group), 0
 
 
 _ReduceScatterTraced = without_jvp(_ReduceScatter)
@@ -310,7 +309,7 @@ def reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int
     n = group_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} is not divisible by group size {n}")
-    return apply(_ReduceScatter, _ReduceScatterTraced, x, dim, group)
+    return apply(_ReduceScatter, _ReduceScatterTraced, x, dim, [x.shape[dim] // n] * n, group)
 
 
 class _SplitTo(torch.autograd.Function):
@@ -325,7 +324,7 @@ class _SplitTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.sizes, ctx.group), None, None, None
+        return _AllGather.apply(g, ctx.dim, ctx.sizes, ctx.group, True), None, None, None
 
     @staticmethod
     def jvp(ctx, dx, *_):

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .collectives import all_gather_rows
+from .transforms import active as transforms_active
 
 __all__ = ["register_gathered", "register_gathered_group", "gather_flat", "regather_in_backward", "stats"]
 
@@ -80,7 +81,10 @@ def register_gathered_group(fulls: Sequence[torch.Tensor], locals_: Sequence[tor
                             dims: Sequence[int]) -> None:
     """Remember that each ``fulls[i]`` is ``locals_[i]`` all-gathered over ``group`` along
     ``dims[i]`` (equal pieces, rank order), all in one collective: backward re-gathers them the
-    same way."""
+    same way. Not under torch.func transforms or compile (wrapped tensors have no storage to
+    key on): there the gathered copies are simply kept for backward."""
+    if transforms_active():
+        return
     recipe = _Recipe(locals_, group, dims, fulls)
     for i, full in enumerate(fulls):
         full._fmoe_recipe = (recipe, i)  # type: ignore[attr-defined]  (keeps the recipe alive with full)
