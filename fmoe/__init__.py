@@ -7,6 +7,7 @@ collectives those placements need. The public namespace is made of explicit re-e
 
 from . import routing  # noqa: I001  (first: aux_losses builds on it)
 from . import aux_losses, collectives, ep, experts, load_stats, nn, regather, shared_experts, testing, tree
+from .generate import generate
 from .mesh import Mesh
 from .moe import moe
 from .placement import P
@@ -15,5 +16,5 @@ from .prefetch import prefetch, prefetch_layers
 from .sharding import gather, materialize, placement_of, shard, to_local
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "materialize", "prefetch", "prefetch_layers",
-           "moe", "nn", "routing", "aux_losses", "load_stats", "shared_experts", "regather", "ep", "experts", "collectives", "testing", "tree"]
+           "moe", "generate", "nn", "routing", "aux_losses", "load_stats", "shared_experts", "regather", "ep", "experts", "collectives", "testing", "tree"]
 __version__ = "0.1.0"

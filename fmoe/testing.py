@@ -1,8 +1,16 @@
 """Run a function on N local gloo ranks: the harness for tests, notebooks and benchmarks.
 
 ``spawn(fn, world_size, *args)`` starts ``world_size`` fresh processes (``spawn`` start method),
-joins them into one gloo process group on a free localhost port, calls
-``fn(rank, world_size, *args)`` on each and returns the per-rank results in rank order.
+joins them into one gloo process group, calls ``fn(rank, world_size, *args)`` on each and
+returns the per-rank results in rank order.
+
+Nothing listens on the network: the ranks meet through a ``FileStore`` in a private temporary
+directory (mode 0700, removed afterwards) instead of a TCP store, and gloo's own connections use
+the loopback interface. Ranks never outlive the caller: each asks the kernel to kill it when its
+parent dies (``PR_SET_PDEATHSIG`` on Linux) and a watchdog thread exits it when it is
+re-parented (elsewhere). Ctrl-C goes to the caller, which then stops the ranks. Queues, pipes
+and process handles are closed when ``spawn`` returns or raises, not at garbage collection.
+Deprecation and future warnings print once (rank 0), not once per rank.
 
 It never hangs and never hides a failure:
 
@@ -29,15 +37,21 @@ Example (in a user's pytest file)::
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing as mp
 import os
 import queue as _queue
+import shutil
+import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
 import types
+import warnings
 from typing import Any, Callable, Optional
 
 import cloudpickle
@@ -56,16 +70,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(payload: bytes, rank: int, world: int, port: int, threads: int, timeout: float, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """Exit this rank as soon as the process that spawned it is gone (SIGTERM, SIGKILL, crash)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (AttributeError, OSError):
+            pass
+
+    def watch() -> None:                 # also covers the race before prctl and other systems
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=watch, name="fmoe-parent-watchdog", daemon=True).start()
+
+
+def _loopback_interface() -> Optional[str]:
+    for name in ("lo", "lo0"):
+        if os.path.exists(f"/sys/class/net/{name}") or (name == "lo0" and sys.platform == "darwin"):
+            return name
+    return None
+
+
+def _worker(payload: bytes, rank: int, world: int, store_dir: str, threads: int, timeout: float, q,
+            parent: int) -> None:
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is the caller's to handle
+    if rank:                                              # same code on every rank: warn once
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      OMP_NUM_THREADS=str(threads))
+    lo = _loopback_interface()
+    if lo is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo            # local ranks: never an outside interface
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
         fn, args = cloudpickle.loads(payload)
-        dist.init_process_group("gloo", rank=rank, world_size=world,
+        store = dist.FileStore(os.path.join(store_dir, "store"), world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, *args)
         q.put(("ok", rank, cloudpickle.dumps(result)))
@@ -112,37 +164,54 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     payload = cloudpickle.dumps((fn, args))
     ctx = mp.get_context("spawn")
+    store_dir = tempfile.mkdtemp(prefix="fmoe-spawn-")      # mode 0700: this user only
     q = ctx.Queue()
-    port = free_port()
     coll = float(collective_timeout or timeout)
-    procs = [ctx.Process(target=_worker, args=(payload, r, world_size, port, threads, coll, q),
-                         daemon=True) for r in range(world_size)]
-    _start_without_main(procs)
+    procs = [ctx.Process(target=_worker, args=(payload, r, world_size, store_dir, threads, coll, q,
+                                               os.getpid()), daemon=True) for r in range(world_size)]
     results: dict[int, Any] = {}
+    error: Optional[BaseException] = None
     deadline = time.monotonic() + timeout
     try:
+        _start_without_main(procs)
         while len(results) < world_size:
             try:
                 kind, rank, body = q.get(timeout=0.2)
             except _queue.Empty:
                 if _dead(procs, results):
-                    _fail(q, procs, results, first=None)
+                    error = _fail(q, procs, results, first=None)
+                    break
                 if time.monotonic() > deadline:
                     busy = [r for r in range(world_size) if r not in results]
                     raise TimeoutError(f"spawn: ranks {busy} still running after {timeout} s; "
                                        "all ranks killed")
                 continue
             if kind == "err":
-                _fail(q, procs, results, first=(rank, body))
+                error = _fail(q, procs, results, first=(rank, body))
+                break
             results[rank] = cloudpickle.loads(body)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
-        q.close()
+        _cleanup(procs, q, store_dir)
+        procs = q = None        # type: ignore[assignment] # a raised traceback keeps this frame alive
+    if error is not None:
+        raise error             # raised here, not deeper: no frame holding the queue stays alive
     return [results[r] for r in range(world_size)]
+
+
+def _cleanup(procs: list, q: Any, store_dir: str) -> None:
+    """Kill what still runs and release every pipe, semaphore and process handle now."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+    q.close()
+    q.join_thread()
+    for p in procs:
+        if p.exitcode is not None:
+            p.close()
+    procs.clear()
+    shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def _start_without_main(procs) -> None:
@@ -170,7 +239,7 @@ def _dead(procs, results) -> list[int]:
     return [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
 
 
-def _fail(q, procs, results, first) -> None:
+def _fail(q, procs, results, first) -> BaseException:
     """Pick the root cause among the failures seen within a short grace period.
 
     When one rank fails, its peers soon fail too, inside collectives ("connection reset").
@@ -188,20 +257,20 @@ def _fail(q, procs, results, first) -> None:
             errors.append((rank, body))
     primary = [e for e in errors if not any(m in e[1][1] for m in _SECONDARY)]
     if primary:
-        _raise_remote(*primary[0])
+        return _remote_error(*primary[0])
     reported = {r for r, _ in errors}
     dead = [r for r in _dead(procs, results) if r not in reported and procs[r].exitcode != 0]
     if dead:
         r = dead[0]
-        raise RuntimeError(f"spawn: rank {r} died with exit code {procs[r].exitcode} "
-                           "before reporting a result")
+        return RuntimeError(f"spawn: rank {r} died with exit code {procs[r].exitcode} "
+                            "before reporting a result")
     if errors:
-        _raise_remote(*errors[0])
+        return _remote_error(*errors[0])
     r = _dead(procs, results)[0]
-    raise RuntimeError(f"spawn: rank {r} exited (code {procs[r].exitcode}) before reporting a result")
+    return RuntimeError(f"spawn: rank {r} exited (code {procs[r].exitcode}) before reporting a result")
 
 
-def _raise_remote(rank: int, body) -> None:
+def _remote_error(rank: int, body) -> BaseException:
     blob, summary, tb = body
     exc = None
     if blob is not None:
@@ -217,4 +286,5 @@ def _raise_remote(rank: int, body) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     exc.rank = rank  # type: ignore[attr-defined]
-    raise exc from RemoteTraceback(f"{note}:\n{tb}")
+    exc.__cause__ = RemoteTraceback(f"{note}:\n{tb}")
+    return exc

@@ -21,6 +21,7 @@ __all__ = ["rope_from_hf", "check_plan", "TP_FIELDS"]
 TP_FIELDS = {
     ("attn.wq", 0): "num_attention_heads", ("attn.bq", 0): "num_attention_heads",
     ("attn.wo", 1): "num_attention_heads", ("attn.sinks", 0): "num_attention_heads",
+    ("attn.wq_b", 0): "num_attention_heads", ("attn.wkv_b", 0): "num_attention_heads",  # MLA
     ("attn.wk", 0): "num_key_value_heads", ("attn.bk", 0): "num_key_value_heads",
     ("attn.wv", 0): "num_key_value_heads", ("attn.bv", 0): "num_key_value_heads",
     ("mlp.w_gate_up", 0): "intermediate_size", ("mlp.b_gate_up", 0): "intermediate_size",

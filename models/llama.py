@@ -162,17 +162,34 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict
     return fmoe.tree.unflatten(flat)
 
 
-def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) -> torch.Tensor:
+def init_cache(cfg: Config, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] = None,
+               dtype: torch.dtype = torch.float32) -> dict:
+    """An empty decoding cache: per layer keys and values ``[B, L, G, hd]``, split over tp like
+    the KV heads (:mod:`fmoe.nn.cache`).
+
+    Example:
+        >>> init_cache(Config.tiny(), 2, 16)["layers"][0]["k"].shape
+        torch.Size([2, 16, 2, 16])
+    """
+    return nn.cache.kv_cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, batch, max_len, mesh, dtype)
+
+
+def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
+               step: nn.cache.Step, entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     heads = lambda t: rearrange(t, "b s (h d) -> b s h d", d=cfg.head_dim)  # noqa: E731
     q = heads(nn.linear(x, a["wq"], a.get("bq")))  # [B, S, H_local, hd]
     k = heads(nn.linear(x, a["wk"], a.get("bk")))  # [B, S, G_local, hd]
     v = heads(nn.linear(x, a["wv"], a.get("bv")))
     q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
-    o = nn.attention(q, k, v, causal=True, num_kv_groups=cfg.num_attention_heads // cfg.num_key_value_heads)
-    return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo"))  # [B, S, D]
+    if entry is not None:
+        entry, (k, v) = nn.cache.write(entry, step, k=k, v=v)  # k, v: [B, cached + S, G_local, hd]
+    o = nn.attention(q, k, v, causal=True, num_kv_groups=cfg.num_attention_heads // cfg.num_key_value_heads,
+                     key_mask=step.key_mask)
+    return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo")), entry  # [B, S, D]
 
 
-def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None) -> torch.Tensor:
+def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
+            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Any:
     """Logits of a causal language model.
 
     Args:
@@ -180,24 +197,34 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
         cfg: the model config.
         mesh: accepted for the common model signature; placements travel with the parameters.
+        cache: a cache from :func:`init_cache` to decode with (then the new cache is returned
+            after the logits; see :mod:`fmoe.nn.cache`).
+        positions: ``[S]`` or ``[B, S]`` rotary positions of the tokens, ``-1`` for left padding;
+            default: right after the cached tokens.
     Returns:
-        logits ``[B, S, V]``, full on every rank.
+        logits ``[B, S, V]``, full on every rank; ``(logits, cache)`` with a cache.
     """
     if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
         raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
                          f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
     inv_freq, scaling = nn.rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict(),
                                             cfg.max_position_embeddings)
+    step = nn.cache.begin(tokens, cache, positions)
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]
-    cos, sin = nn.rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), inv_freq, scaling, h.dtype)
-    for layer in fmoe.prefetch_layers(params["layers"]):  # FSDP: one gather per layer
-        h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg)
+    cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
+    entries = []
+    for i, layer in enumerate(fmoe.prefetch_layers(params["layers"])):  # FSDP: one gather per layer
+        x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+        y, entry = _attention(layer["attn"], x, cos, sin, cfg, step, None if cache is None else cache["layers"][i])
+        entries.append(entry)
+        h = h + y
         m = layer["mlp"]
         h = h + nn.swiglu_mlp(nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), m["w_gate_up"], m["w_down"],
                               m.get("b_gate_up"), m.get("b_down"))
     h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return nn.linear(h, head, gather=True)  # [B, S, V]: the full vocabulary whatever the plan
+    logits = nn.linear(h, head, gather=True)  # [B, S, V]: the full vocabulary whatever the plan
+    return nn.cache.outputs(logits, cache, step, entries)
 
 
 def plan(cfg: Config) -> Plan:
@@ -321,16 +348,17 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, ckp
 
 
 def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
-            plan: Union[Plan, Mapping, None] = None) -> tuple[dict, Config]:
+            plan: Union[Plan, Mapping, None] = None, *,
+            dtype: Optional[torch.dtype] = None) -> tuple[dict, Config]:
     """Load a Hugging Face Llama checkpoint directory; with a mesh each rank reads only its
     slices (``plan``: a Plan, user rules merged over :func:`plan`, or None).
 
     Example:
         >>> # params, cfg = load_hf("llama-dir", mesh=fmoe.Mesh(tp=2))
     """
-    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
+    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan, dtype=dtype)
 
 
-def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
+def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
     """Write ``params`` (or a gradient tree) in the layout ``save_pretrained`` writes, atomically."""
-    ckpt.save_hf(sys.modules[__name__], params, cfg, path)
+    ckpt.save_hf(sys.modules[__name__], params, cfg, path, overwrite=overwrite)

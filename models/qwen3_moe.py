@@ -198,15 +198,30 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict
     return fmoe.tree.unflatten({path: make(path, s.shape).to(dtype) for path, s in hf_specs(cfg).items()})
 
 
-def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) -> torch.Tensor:
+def init_cache(cfg: Config, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] = None,
+               dtype: torch.dtype = torch.float32) -> dict:
+    """An empty decoding cache: per layer keys and values ``[B, L, G, hd]``, split over tp like
+    the KV heads (:mod:`fmoe.nn.cache`).
+
+    Example:
+        >>> init_cache(Config.tiny(), 2, 16)["layers"][0]["k"].shape
+        torch.Size([2, 16, 4, 8])
+    """
+    return nn.cache.kv_cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, batch, max_len, mesh, dtype)
+
+
+def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
+               step: nn.cache.Step, entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     heads = lambda t: rearrange(t, "b s (h d) -> b s h d", d=cfg.head_dim)  # noqa: E731
     eps, H, G = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads
     q = nn.head_rms_norm(heads(nn.linear(x, a["wq"])), a["q_norm"], eps, num_heads=H)  # [B, S, H_local, hd]
     k = nn.head_rms_norm(heads(nn.linear(x, a["wk"])), a["k_norm"], eps, num_heads=G)  # [B, S, G_local, hd]
     v = heads(nn.linear(x, a["wv"]))
     q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
-    o = nn.attention(q, k, v, causal=True, window=cfg.sliding_window, num_kv_groups=H // G)
-    return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"])  # [B, S, D]
+    if entry is not None:
+        entry, (k, v) = nn.cache.write(entry, step, k=k, v=v)  # k, v: [B, cached + S, G_local, hd]
+    o = nn.attention(q, k, v, causal=True, window=cfg.sliding_window, num_kv_groups=H // G, key_mask=step.key_mask)
+    return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry  # [B, S, D]
 
 
 def _router(router, cfg: Config):
@@ -224,7 +239,8 @@ def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl:
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False,
-            router: Optional[Any] = None) -> Union[torch.Tensor, tuple[torch.Tensor, dict]]:
+            router: Optional[Any] = None, cache: Optional[dict] = None,
+            positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
     """Logits of the causal language model.
 
     Args:
@@ -236,8 +252,13 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         return_aux: also return ``{"moe": [aux of each MoE layer, in order]}``.
         router: replaces the model's router in every MoE layer (any ``fmoe.routing`` router or
             your own ``router(logits) -> Routing``): for routing research on a real model.
+        cache: a cache from :func:`init_cache` to decode with (then the new cache is returned
+            after the logits; see :mod:`fmoe.nn.cache`).
+        positions: ``[S]`` or ``[B, S]`` rotary positions of the tokens, ``-1`` for left padding;
+            default: right after the cached tokens.
     Returns:
-        logits ``[B, S, V]``, full on every rank; ``(logits, aux)`` with ``return_aux``.
+        logits ``[B, S, V]``, full on every rank; ``(logits, cache)`` with a cache; aux last with
+        ``return_aux``.
 
     Example:
         >>> cfg = Config.tiny()
@@ -252,11 +273,15 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
     inv_freq, scaling = nn.rope_frequencies(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling) or None,
                                             cfg.max_position_embeddings)
+    step = nn.cache.begin(tokens, cache, positions)
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]
-    cos, sin = nn.rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), inv_freq, scaling, h.dtype)
-    auxes = []
-    for layer in fmoe.prefetch_layers(params["layers"]):  # FSDP: one gather per layer
-        h = h + _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg)
+    cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
+    auxes, entries = [], []
+    for i, layer in enumerate(fmoe.prefetch_layers(params["layers"])):  # FSDP: one gather per layer
+        x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+        y, entry = _attention(layer["attn"], x, cos, sin, cfg, step, None if cache is None else cache["layers"][i])
+        entries.append(entry)
+        h = h + y
         x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
         if "moe" in layer:
             y, aux = _moe(layer["moe"], x, cfg, mesh, impl, router)
@@ -266,7 +291,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         h = h + y
     h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
     logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
-    return (logits, {"moe": auxes}) if return_aux else logits
+    return nn.cache.outputs(logits, cache, step, entries, {"moe": auxes} if return_aux else None)
 
 
 def plan(cfg: Config) -> Plan:
@@ -313,7 +338,8 @@ def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping,
 
 
 def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
-            plan: Union[Plan, Mapping, None] = None) -> tuple[dict, Config]:
+            plan: Union[Plan, Mapping, None] = None, *,
+            dtype: Optional[torch.dtype] = None) -> tuple[dict, Config]:
     """Load a Hugging Face checkpoint directory (``config.json`` + safetensors, one file or an
     indexed set); with a mesh each rank reads only its own slices, after :func:`check_plan`
     has checked the plan against the config (before any tensor is read).
@@ -322,20 +348,22 @@ def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
         path: the checkpoint directory.
         mesh: None for full tensors, else the :class:`fmoe.Mesh` to shard on.
         plan: a Plan, user rules merged over the default plan by key, or None (default plan).
+        dtype: cast every parameter to this dtype (default: the checkpoint's, which must be one
+            floating-point dtype).
     Returns:
         ``(params, cfg)``; with a mesh the params equal ``shard(full_params, cfg, mesh, plan)``.
 
     Example:
         >>> # params, cfg = load_hf("Qwen3-30B-A3B", mesh=fmoe.Mesh(tp=2, ep=4))
     """
-    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan)
+    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan, dtype=dtype)
 
 
-def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike]) -> None:
+def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
     """Write ``params`` (or a gradient tree) with the per-expert keys ``save_pretrained`` writes,
     atomically; transformers' ``from_pretrained`` loads the result. Call on every rank.
 
     Example:
         >>> # save_hf(params, cfg, "out"); transformers.Qwen3MoeForCausalLM.from_pretrained("out")
     """
-    ckpt.save_hf(sys.modules[__name__], params, cfg, path)
+    ckpt.save_hf(sys.modules[__name__], params, cfg, path, overwrite=overwrite)

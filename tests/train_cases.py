@@ -35,7 +35,7 @@ def train(name, mesh, steps=STEPS, num_batches=None):
     ``num_batches`` batches. Returns (losses, grad norms, gathered params)."""
     model, cfg = model_and_cfg(name)
     full = {k: v for k, v in model.init(cfg, seed=0).items()}
-    full = fmoe.tree.map_with_path(lambda _, t: t.detach().requires_grad_(True), full)
+    full = fmoe.tree.map_with_path(lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")), full)
     data = corpus()
     if mesh is None:
         mesh_ = fmoe.Mesh()

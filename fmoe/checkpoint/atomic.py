@@ -15,6 +15,13 @@ On an exception the temporary directory is removed and ``path`` is untouched. A 
 mid-write leaves its hidden temporary directory behind (never anything at ``path``); the next
 ``atomic_directory`` for the same ``path`` removes such leftovers whose process is gone.
 
+Writes never destroy what they did not create: :func:`check_target` refuses a non-empty
+``path`` holding files that are not checkpoint files (``config.json``, ``*.safetensors``, the
+index, ...). With ``overwrite=True`` such a directory is kept and :func:`replace_files` swaps
+in only the checkpoint files (each file atomically; stale shards of the previous checkpoint are
+removed, everything else stays). Written files and directories get the usual modes
+(``0666``/``0777`` minus the umask), not the private mode of a temporary directory.
+
 Example:
     >>> import os, tempfile
     >>> root = tempfile.mkdtemp()
@@ -31,11 +38,36 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import shutil
 import tempfile
 from typing import Iterator, Union
 
-__all__ = ["atomic_directory", "check_target"]
+__all__ = ["atomic_directory", "replace_files", "check_target", "checkpoint_file", "foreign_files"]
+
+_CKPT_FILE = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors|"
+                        r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json)$")
+
+
+def checkpoint_file(name: str) -> bool:
+    """Whether ``name`` is a file a Hugging Face checkpoint written by fmoe consists of."""
+    return bool(_CKPT_FILE.match(name))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _publish_modes(directory: str) -> None:
+    """Give ``directory`` and its files the modes a plain ``open``/``mkdir`` would (umask)."""
+    mask = _umask()
+    os.chmod(directory, 0o777 & ~mask)
+    for name in os.listdir(directory):
+        file = os.path.join(directory, name)
+        if os.path.isfile(file) and not os.path.islink(file):
+            os.chmod(file, 0o666 & ~mask)
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
@@ -96,14 +128,66 @@ def _remove_stale(parent: str, prefix: str) -> None:
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
-def check_target(path: Union[str, os.PathLike]) -> str:
-    """The absolute ``path``, after checking it is free or a directory (``ValueError`` otherwise)."""
+def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: str = "save") -> str:
+    """The absolute ``path`` after checking a checkpoint may be written there.
+
+    Args:
+        path: the checkpoint directory to write.
+        overwrite: allow a directory that also holds other files (only checkpoint files are
+            then replaced, see :func:`replace_files`).
+        what: how to name the caller in errors.
+    Returns:
+        the absolute path.
+    Raises:
+        ValueError: ``path`` is a file, or a directory holding files that are not checkpoint
+        files (named in the message) while ``overwrite`` is False.
+    """
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"save: path must be a str or os.PathLike, got {type(path).__name__}")
+        raise TypeError(f"{what}: path must be a str or os.PathLike, got {type(path).__name__}")
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"save: path {path!r} exists and is not a directory; pass a directory path")
+        raise ValueError(f"{what}: path {path!r} exists and is not a directory; pass a directory path")
+    others = foreign_files(path)
+    if others and not overwrite:
+        raise ValueError(
+            f"{what}: {path!r} is not empty and is not a checkpoint directory: it holds "
+            f"{others[:8]}{' ...' if len(others) > 8 else ''}, which writing a checkpoint there would "
+            "delete. Choose a new or empty directory, or pass overwrite=True (--overwrite) to replace "
+            "only the checkpoint files (config.json, *.safetensors, the index) and keep the rest")
     return path
+
+
+def foreign_files(path: str) -> list[str]:
+    """Entries of directory ``path`` that are not checkpoint files (sorted; [] if none/absent)."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(n for n in os.listdir(path) if not checkpoint_file(n))
+
+
+@contextlib.contextmanager
+def replace_files(path: Union[str, os.PathLike]) -> Iterator[str]:
+    """Write a checkpoint into an existing directory that also holds other files.
+
+    Yields a temporary directory inside ``path``; on success each new file is renamed into
+    ``path`` (atomically per file), then checkpoint files of the previous checkpoint that the new
+    one does not have (stale shards) are removed. Files that are not checkpoint files are never
+    touched. On an exception the temporary directory is removed and ``path`` is unchanged.
+    """
+    path = os.path.abspath(os.fspath(path))
+    tmp = tempfile.mkdtemp(prefix=f".fmoe-write-{os.getpid()}-", dir=path)
+    try:
+        yield tmp
+        _publish_modes(tmp)
+        _fsync_tree(tmp)
+        new = set(os.listdir(tmp))
+        for name in sorted(new):
+            os.replace(os.path.join(tmp, name), os.path.join(path, name))
+        for name in os.listdir(path):
+            if checkpoint_file(name) and name not in new and os.path.isfile(os.path.join(path, name)):
+                os.remove(os.path.join(path, name))
+        _fsync_dir(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -125,8 +209,8 @@ def atomic_directory(path: Union[str, os.PathLike]) -> Iterator[str]:
     _remove_stale(parent, prefix)
     tmp = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
     try:
-        os.chmod(tmp, 0o755)
         yield tmp
+        _publish_modes(tmp)
         _fsync_tree(tmp)
         if not os.path.exists(path):
             os.rename(tmp, path)

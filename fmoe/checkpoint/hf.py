@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -43,7 +44,8 @@ from .. import tree as _tree
 from ..mesh import Mesh
 from ..plan import Plan
 from ..sharding import from_local_slice, gather, rank_blocks
-from .atomic import atomic_directory, check_target
+from .atomic import atomic_directory, check_target, foreign_files, replace_files
+from .integrity import verify_tensors
 from .safetensors_io import CONFIG, Checkpoint, write_checkpoint
 from .spec import Spec
 
@@ -136,11 +138,13 @@ def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optiona
     ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
     try:
         cfg = _config(model, ck)
+        _check_counts(cfg, ck)                             # before building per-layer specs
         tree, flat = hf_specs_of(model, cfg, ck.keys())
         _check_keys(model, flat, ck)
         bound = {p: s.bind(ck) for p, s in flat.items()}
-        for s in bound.values():
-            _ = s.dtype                                    # parts of one parameter agree
+        _check_dtypes(bound, ck, dtype)
+        for file in sorted({ck.file_of(k.name) for s in flat.values() for k in s.leaves()}):
+            verify_tensors(file)                           # when written by fmoe: before reading
         if mesh is not None:                               # validate the plan before reading
             if hasattr(model, "check_plan"):               # user rules merge over the default plan
                 plan = model.check_plan(cfg, plan, mesh.tp)
@@ -164,6 +168,48 @@ def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optiona
             ck.close()
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _count(pattern: re.Pattern, keys: list[str]) -> Optional[int]:
+    ids = {int(m.group(1)) for k in keys if (m := pattern.search(k))}
+    return max(ids) + 1 if ids else None
+
+
+def _check_counts(cfg: Any, ck: Checkpoint) -> None:
+    """The config's layer and expert counts against the checkpoint's keys (cheap, no specs)."""
+    keys = ck.keys()
+    file = os.path.join(ck.path, CONFIG)
+    layers = _count(_LAYER, keys)
+    want = getattr(cfg, "num_hidden_layers", None)
+    if layers is not None and isinstance(want, int) and want != layers:
+        raise ValueError(f"{file}: num_hidden_layers is {want} but the checkpoint's tensors hold {layers} "
+                         f"layers (model.layers.0 .. {layers - 1})")
+    experts = _count(_EXPERT, keys)
+    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
+        want = getattr(cfg, field, None)
+        if experts is not None and isinstance(want, int) and want != experts:
+            raise ValueError(f"{file}: {field} is {want} but the checkpoint's tensors hold {experts} "
+                             f"experts per layer (experts.0 .. {experts - 1})")
+
+
+def _check_dtypes(bound: Mapping[str, Spec], ck: Checkpoint, dtype: Optional[torch.dtype]) -> None:
+    """Floating-point parameters of one dtype (or any floats when ``dtype`` casts them)."""
+    seen: dict[torch.dtype, str] = {}
+    for path, spec in bound.items():
+        dt = spec.dtype                                    # parts of one parameter agree
+        if not dt.is_floating_point:
+            key = spec.leaves()[0].name
+            raise ValueError(f"checkpoint {ck.path!r}: tensor {key!r} (for {path!r}) has dtype {dt}; model "
+                             "parameters must be floating point")
+        seen.setdefault(dt, spec.leaves()[0].name)
+    if len(seen) > 1 and dtype is None:
+        found = ", ".join(f"{k!r} is {d}" for d, k in seen.items())
+        raise ValueError(f"checkpoint {ck.path!r} mixes dtypes ({found}); pass dtype=torch.float32 (or "
+                         "another) to load_hf to cast every parameter to one dtype")
+
+
 def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     t = t.contiguous()
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
@@ -183,7 +229,7 @@ def _config(model: Any, ck: Checkpoint) -> Any:
 
 
 def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
-            max_shard_size: Union[int, str] = "50GB") -> None:
+            max_shard_size: Union[int, str] = "50GB", overwrite: bool = False) -> None:
     """Write ``params`` as a Hugging Face checkpoint directory, atomically (call on every rank).
 
     Args:
@@ -193,6 +239,8 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
         path: the directory to write (replaced only once the new checkpoint is complete).
         max_shard_size: files larger than this split into numbered shards with an index
             (transformers' default, 50GB).
+        overwrite: ``path`` may hold other files; only checkpoint files are replaced (without
+            it such a directory is refused: ``ValueError`` before anything is gathered).
     Returns:
         None.
 
@@ -214,7 +262,7 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
     config = cfg.to_hf()
     if not isinstance(config, dict) or "model_type" not in config:
         raise ValueError(f"save_hf: cfg.to_hf() must return a dict with 'model_type', got {config!r}")
-    check_target(path)
+    check_target(path, overwrite=overwrite, what="save_hf")
     full = _tree.flatten(gather(params))
     distributed = dist.is_available() and dist.is_initialized()
     error: Optional[BaseException] = None
@@ -223,7 +271,8 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
             tensors: dict[str, torch.Tensor] = {}
             for p, spec in flat.items():
                 tensors.update(spec.split(full[p].detach()))
-            with atomic_directory(path) as tmp:
+            place = replace_files if foreign_files(os.path.abspath(path)) else atomic_directory
+            with place(path) as tmp:
                 write_checkpoint(tmp, tensors, config, max_shard_size)
         except BaseException as e:  # noqa: BLE001 - every rank must learn that the save failed
             error = e

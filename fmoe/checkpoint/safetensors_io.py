@@ -12,8 +12,9 @@ Errors name what is wrong: a missing directory, ``config.json`` or shard file ra
 ``FileNotFoundError``; a corrupt or truncated safetensors file, a bad JSON file or an index that
 does not match its files raises ``ValueError`` naming the file. safetensors checks at open time
 that the header is valid and that the file covers every tensor it declares, so a truncated file
-is caught before anything is read (corrupted tensor *bytes* cannot be detected: the format has
-no checksum).
+is caught before anything is read. The format has no checksum of the tensor bytes, so
+:func:`write_checkpoint` records a SHA-256 per tensor in each file's header metadata and
+``load_hf`` checks them when present (see :mod:`fmoe.checkpoint.integrity`).
 
 :func:`write_checkpoint` writes the same layout (single file below ``max_shard_size``, otherwise
 numbered shards and an index), as transformers' ``save_pretrained`` does.
@@ -34,6 +35,8 @@ from typing import Any, Mapping, Union
 import safetensors
 import safetensors.torch
 import torch
+
+from .integrity import HEADER_KEY, inside, tensor_digest
 
 __all__ = ["Checkpoint", "write_checkpoint", "parse_size", "CONFIG", "SINGLE", "INDEX"]
 
@@ -88,7 +91,7 @@ class Checkpoint:
         if os.path.isfile(index):
             self._open_indexed(index)
         elif os.path.isfile(os.path.join(self.path, SINGLE)):
-            file = os.path.join(self.path, SINGLE)
+            file = inside(self.path, SINGLE, f"checkpoint {self.path!r}")
             self._where = {k: file for k in self._open(file).keys()}
         else:
             raise FileNotFoundError(f"checkpoint directory {self.path!r} has neither {SINGLE} nor "
@@ -99,6 +102,8 @@ class Checkpoint:
         weight_map = body.get("weight_map") if isinstance(body, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError(f"{index}: expected an object with a 'weight_map' of key -> file name")
+        for key, name in weight_map.items():                # every entry stays in the directory
+            inside(self.path, name, f"{index}: weight_map entry {key!r}")
         for name in sorted(set(weight_map.values())):
             file = os.path.join(self.path, name)
             if not os.path.isfile(file):
@@ -239,8 +244,10 @@ def write_checkpoint(directory: str, tensors: Mapping[str, torch.Tensor], config
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for i in range(len(shards))]
     for name, keys in zip(names, shards):
-        safetensors.torch.save_file({k: _own_storage(tensors[k]) for k in keys},
-                                    os.path.join(directory, name), metadata={"format": "pt"})
+        own = {k: _own_storage(tensors[k]) for k in keys}
+        sums = json.dumps({k: tensor_digest(t) for k, t in own.items()}, sort_keys=True)
+        safetensors.torch.save_file(own, os.path.join(directory, name),
+                                    metadata={"format": "pt", HEADER_KEY: sums})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         params = sum(t.numel() for t in tensors.values())

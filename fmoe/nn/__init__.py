@@ -35,12 +35,14 @@ Example:
     torch.Size([2, 5, 8])
 """
 
-from .attention import attention, visible
+from . import cache
+from .attention import attention, shared_by_heads, visible
 from .linear import embedding, linear
 from .loss import cross_entropy
 from .mlp import swiglu, swiglu_mlp
 from .norm import head_rms_norm, rms_norm
-from .rope import ROPE_TYPES, apply_rope, rope_cos_sin, rope_frequencies
+from .rope import ROPE_TYPES, apply_rope, rope_cos_sin, rope_frequencies, yarn_mscale
 
 __all__ = ["linear", "embedding", "rms_norm", "head_rms_norm", "rope_frequencies", "rope_cos_sin",
-           "apply_rope", "ROPE_TYPES", "attention", "visible", "swiglu", "swiglu_mlp", "cross_entropy"]
+           "apply_rope", "yarn_mscale", "ROPE_TYPES", "attention", "visible", "shared_by_heads", "cache",
+           "swiglu", "swiglu_mlp", "cross_entropy"]

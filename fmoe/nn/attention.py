@@ -8,7 +8,13 @@ then sums the heads' contributions.
 
 A key at position ``j`` is visible from a query at position ``i`` when ``j <= i`` (causal) and,
 with a sliding ``window``, when ``i - j < window`` (transformers' convention: the window counts
-the query itself). With ``Sk > S`` the queries are the last ``S`` positions.
+the query itself). With ``Sk > S`` the queries are the last ``S`` positions (decoding with a
+cache, :mod:`fmoe.nn.cache`). A ``key_mask [B, Sk]`` hides padding slots from every query (a
+query always sees its own slot, so a padding row stays finite; its output is never used).
+Positions here are cache *slots*, as in transformers' masks: with left padding a sliding window
+counts the padding slots too.
+
+Values may have their own head size (DeepSeek's MLA: ``v_head_dim != qk_head_dim``).
 
 Attention *sinks* (gpt-oss) are one learned logit per query head that joins the softmax
 denominator but has no value: ``p = softmax([scores, sink])[:-1]``. The sink parameter is placed
@@ -26,10 +32,11 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from ..sharding import materialize
-from ._tp import check_tensor
+from ..collectives import copy_to
+from ..sharding import materialize, placement_of
+from ._tp import check_tensor, tp_size_rank
 
-__all__ = ["attention", "visible"]
+__all__ = ["attention", "visible", "shared_by_heads"]
 
 
 def visible(q_len: int, k_len: int, causal: bool = True, window: Optional[int] = None,
@@ -59,12 +66,45 @@ def visible(q_len: int, k_len: int, causal: bool = True, window: Optional[int] =
     return ok
 
 
-def _check(q, k, v, window, sinks, num_kv_groups) -> None:
+def _mask(S: int, Sk: int, causal: bool, window: Optional[int], key_mask: Optional[torch.Tensor],
+          device) -> torch.Tensor:
+    """``[S, Sk]`` (or ``[B, 1, S, Sk]`` with a key mask) table of visible keys."""
+    ok = visible(S, Sk, causal, window, device=device)
+    if key_mask is None:
+        return ok
+    own = visible(S, Sk, causal=True, window=1, device=device)          # each query's own slot
+    return rearrange((ok & key_mask[:, None, :]) | own, "b s k -> b 1 s k")
+
+
+def shared_by_heads(x: torch.Tensor, heads_weight: torch.Tensor) -> torch.Tensor:
+    """Mark ``x``, replicated over tp, as used by this rank's heads only (identity in value).
+
+    A per-token tensor shared by all heads (DeepSeek's rope key ``k_rot [B, S, 1, r]``) meets
+    only the local heads of a layer whose ``heads_weight`` is split over tp, so each rank's
+    gradient of ``x`` is partial; this sums it over tp in backward (``copy_to``), like a
+    colwise linear does for its input.
+
+    Example:
+        >>> shared_by_heads(torch.ones(2), torch.ones(4, 2)).tolist()
+        [1.0, 1.0]
+    """
+    group, n, _ = tp_size_rank(heads_weight)
+    if n == 1 or placement_of(heads_weight).dim_of("tp") is None:
+        return x
+    return copy_to(x, group)
+
+
+def _check(q, k, v, window, sinks, num_kv_groups, key_mask) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor("attention", name, t, 4)
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.shape[1] > k.shape[1]:
-        raise ValueError(f"attention: expected q [B, S, Hq, hd], k = v [B, Sk >= S, Hkv, hd]; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.shape[1] > k.shape[1]:
+        raise ValueError(f"attention: expected q [B, S, Hq, hd], k [B, Sk >= S, Hkv, hd], v [B, Sk, Hkv, hd_v]; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if key_mask is not None and (not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool
+                                 or tuple(key_mask.shape) != (k.shape[0], k.shape[1])):
+        raise ValueError(f"attention: key_mask must be a bool [B={k.shape[0]}, Sk={k.shape[1]}] tensor, got "
+                         f"{getattr(key_mask, 'dtype', type(key_mask).__name__)} "
+                         f"{tuple(getattr(key_mask, 'shape', ()))}")
     hq, hkv = q.shape[2], k.shape[2]
     if hq % hkv:
         raise ValueError(f"attention: q has {hq} heads, not a multiple of the {hkv} k/v heads")
@@ -79,43 +119,46 @@ def _check(q, k, v, window, sinks, num_kv_groups) -> None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
               window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
-              scale: Optional[float] = None, num_kv_groups: Optional[int] = None) -> torch.Tensor:
+              scale: Optional[float] = None, num_kv_groups: Optional[int] = None,
+              key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Multi-head attention with grouped KV heads.
 
     Args:
         q: ``[B, S, Hq, hd]`` (this rank's query heads, rotary already applied).
         k: ``[B, Sk, Hkv, hd]``; ``Hq`` must be a multiple of ``Hkv``.
-        v: ``[B, Sk, Hkv, hd]``.
+        v: ``[B, Sk, Hkv, hd_v]``.
         causal: mask future keys.
         window: sliding window length (``i - j < window``), or None.
         sinks: per-query-head sink logits ``[Hq]`` (plain, or a DTensor placed ``P("tp")``).
         scale: score scale; default ``hd ** -0.5``.
         num_kv_groups: the model's ``Hq_total / Hkv_total``, if given it is checked against the
             shapes, catching a plan that shards q and k/v differently.
+        key_mask: ``[B, Sk]`` bool, False for padding slots (None: every key is real).
     Returns:
-        ``[B, S, Hq, hd]``.
+        ``[B, S, Hq, hd_v]``.
 
     Example:
         >>> attention(torch.ones(1, 4, 2, 8), torch.ones(1, 4, 1, 8), torch.ones(1, 4, 1, 8)).shape
         torch.Size([1, 4, 2, 8])
     """
-    _check(q, k, v, window, sinks, num_kv_groups)
+    _check(q, k, v, window, sinks, num_kv_groups, key_mask)
     hd = q.shape[-1]
     scale = hd ** -0.5 if scale is None else scale
     rep = q.shape[2] // k.shape[2]
     qh = rearrange(q, "b s h d -> b h s d")
+    S, Sk = q.shape[1], k.shape[1]
     if sinks is None:  # fused kernel: no [S, Sk] probabilities kept, no repeated KV heads
         kt, vt = rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d")
-        plain_causal = causal and window is None and q.shape[1] == k.shape[1]
-        mask = None if plain_causal or (not causal and window is None) else \
-            visible(q.shape[1], k.shape[1], causal, window, device=q.device)
+        plain_causal = causal and window is None and S == Sk and key_mask is None
+        plain = plain_causal or (not causal and window is None and key_mask is None)
+        mask = None if plain else _mask(S, Sk, causal, window, key_mask, q.device)
         out = F.scaled_dot_product_attention(qh, kt, vt, attn_mask=mask, is_causal=plain_causal,
                                              scale=scale, enable_gqa=rep > 1)
         return rearrange(out, "b h s d -> b s h d")
     kh = repeat(k, "b s g d -> b (g r) s d", r=rep)  # query head h uses KV head h // rep
     vh = repeat(v, "b s g d -> b (g r) s d", r=rep)
     scores = torch.matmul(qh, kh.transpose(2, 3)) * scale  # [B, Hq, S, Sk]
-    ok = visible(q.shape[1], k.shape[1], causal, window, device=q.device)
+    ok = _mask(S, Sk, causal, window, key_mask, q.device)
     scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
     if sinks is None:
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-__all__ = ["rope_frequencies", "rope_cos_sin", "apply_rope", "ROPE_TYPES"]
+__all__ = ["rope_frequencies", "rope_cos_sin", "apply_rope", "yarn_mscale", "ROPE_TYPES"]
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -42,6 +42,18 @@ def _llama3(inv_freq: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, out)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * m * ln(scale) + 1`` (1 when ``scale <= 1``), as
+    transformers' ``get_mscale``; DeepSeek also scales its softmax by ``yarn_mscale(factor,
+    mscale_all_dim) ** 2``.
+
+    Example:
+        >>> round(yarn_mscale(40.0, 1.0), 4)
+        1.3689
+    """
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn(dim: int, theta: float, s: Mapping[str, Any], max_pos: Optional[int]) -> tuple[torch.Tensor, float]:
     old_len = s["original_max_position_embeddings"]
     factor = s.get("factor")
@@ -50,13 +62,10 @@ def _yarn(dim: int, theta: float, s: Mapping[str, Any], max_pos: Optional[int]) 
             raise ValueError("rope_frequencies: yarn without 'factor' needs max_position_embeddings")
         factor = max_pos / old_len
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attn = s.get("attention_factor")
     if attn is None:
         m, m_all = s.get("mscale"), s.get("mscale_all_dim")
-        attn = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+        attn = float(yarn_mscale(factor, m) / yarn_mscale(factor, m_all)) if m and m_all else yarn_mscale(factor)
     beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:  # dim index that turns `rotations` times

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Union
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from .. import tree as _tree
 from .core import Router, Routing, check_k, check_logits
@@ -87,6 +87,10 @@ def _updated(bias: Any, load: torch.Tensor, rate: float, where: str) -> Any:
     with torch.no_grad():
         load = load.detach().to(device=local.device, dtype=torch.float64)
         step = torch.sign(load.mean() - load) * rate                              # [E]
+        if isinstance(bias, DTensor) and local.shape != step.shape:  # bias split (fsdp): own block of the step
+            replicated = [Replicate()] * bias.device_mesh.ndim
+            step = DTensor.from_local(step, bias.device_mesh, replicated, run_check=False)
+            step = step.redistribute(bias.device_mesh, bias.placements).to_local()
         new = local.detach() + step.to(local.dtype)
     if isinstance(bias, DTensor):
         out = DTensor.from_local(new, bias.device_mesh, bias.placements, run_check=False,

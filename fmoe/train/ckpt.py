@@ -5,6 +5,15 @@ position: batches are a pure function of the step) and the job's config. Every r
 own shards (DCP), so saving never gathers a model, and loading on another mesh reshards: DCP
 reads, for each destination shard, exactly the overlapping pieces of the saved shards.
 
+What a checkpoint may contain, and nothing else is read: ``shard-*.safetensors`` files (torch's
+``HuggingFaceStorageWriter``: tensors plus JSON sharding offsets in the safetensors header) and
+``meta.json`` (plain JSON: step, job config, and a SHA-256 per shard file). Loading uses
+``HuggingFaceStorageReader``, which builds DCP's metadata from those JSON headers: nothing is
+unpickled, so a crafted checkpoint cannot run code. Before reading, every ``.safetensors`` file
+must be listed in ``meta.json`` and match its checksum (safetensors itself has none), and after
+reading every value must be finite. A directory in torch's pickle-based format (``.metadata``,
+``*.distcp``) is refused.
+
 Packed placements (a fused ``[gate | up]`` weight split per block) are not contiguous chunks of
 the full tensor, which DCP cannot describe; such a leaf is stored as one tensor per block
 (``path.__block0``, ``path.__block1``), each a plain chunked shard, so it reshards like any other
@@ -18,11 +27,14 @@ picks (and the next save removes).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import shutil
-from typing import Any, Optional
+import warnings
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,8 +43,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import tree as _tree
+from ..checkpoint.integrity import digests, verify
 
-__all__ = ["save", "load", "latest", "read_meta", "packed_layout"]
+__all__ = ["save", "load", "latest", "read_meta", "packed_layout", "on_rank0", "FORMAT"]
+
+FORMAT = "fmoe-train-safetensors/1"   # meta.json "format" of this layout
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -105,6 +120,78 @@ def _views(params: Any, opt_state: Any, packed: dict) -> dict:
                     "v": _dcp_view(opt_state["v"], packed)}}
 
 
+@contextlib.contextmanager
+def _single_process_ok():
+    """Silence DCP's "assuming the intent is to save/load in a single process" (it is). Only
+    then: ``catch_warnings`` resets the once-per-location registry of every warning."""
+    if _dist():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _agree(error: Optional[str]) -> Optional[str]:
+    """The first rank's error message (or None), the same on every rank (one all-gather)."""
+    if not _dist() or dist.get_world_size() == 1:
+        return error
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, error)
+    return next((e for e in every if e is not None), None)
+
+
+def on_rank0(fn: Callable[[], Any], what: str) -> None:
+    """Run ``fn`` on rank 0; every rank raises if it failed (rank 0 its own exception)."""
+    error: Optional[BaseException] = None
+    if _rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - every rank must learn it
+            error = _io_error(e, what)
+    msg = _agree(None if error is None else str(error))
+    if error is not None:
+        raise error
+    if msg is not None:
+        raise RuntimeError(f"rank 0 failed {what}: {msg}")
+
+
+def _io_error(e: BaseException, target: str) -> BaseException:
+    """An exception that names ``target`` for disk-full / read-only / permission failures and
+    for torch's ``CheckpointException`` (a ``BaseException`` holding per-rank failures)."""
+    causes = [e]
+    if isinstance(e, dcp.api.CheckpointException):
+        causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+    for c in causes:
+        if isinstance(c, OSError) and c.errno == errno.ENOSPC:
+            if str(c.strerror).startswith("no space left on device"):      # already says where
+                return c
+            return OSError(errno.ENOSPC, f"no space left on device {target}")
+        if isinstance(c, OSError) and c.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return OSError(c.errno, f"cannot write {target}: {os.strerror(c.errno)}")
+    if isinstance(e, dcp.api.CheckpointException):
+        ranks = sorted(e.failures)
+        c = causes[0]
+        return RuntimeError(f"{target} failed on rank(s) {ranks}: {type(c).__name__}: {c}")
+    return e
+
+
+def _split_digests(directory: str) -> dict[str, dict]:
+    """Checksums of every file in ``directory``, each rank hashing its share of the files."""
+    names = sorted(os.listdir(directory))
+    world, rank = (dist.get_world_size(), dist.get_rank()) if _dist() else (1, 0)
+    mine = digests(directory, names[rank::world])
+    if world == 1:
+        return mine
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
+
+
 def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
          packed: Optional[dict] = None) -> str:
     """Write ``out_dir/step-{step}`` atomically; call on every rank. Returns the final path.
@@ -115,23 +202,35 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
         params, opt_state: trees to save (any placements).
         meta: JSON-able job description (config, mesh, data settings).
         packed: :func:`packed_layout` of the params (leaves stored as blocks).
+    Raises:
+        OSError: disk full (``"no space left on device writing OUT/step-N"``) or read-only
+            ``out_dir``, on every rank; RuntimeError for other failures of any rank.
     """
     packed = packed or {}
     final = os.path.join(out_dir, f"step-{step}")
     tmp = os.path.join(out_dir, f".step-{step}.tmp")
-    rank0 = not _dist() or dist.get_rank() == 0
-    if rank0:
+    what = f"writing {final}"
+
+    def prepare() -> None:
         os.makedirs(out_dir, exist_ok=True)
         for name in os.listdir(out_dir):                 # leftovers of an interrupted save
             if name.startswith(".step-") and name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
         os.makedirs(tmp)
+
+    on_rank0(prepare, what)
+    try:
+        writer = dcp.HuggingFaceStorageWriter(tmp, save_distributed=True)
+        with _single_process_ok():
+            dcp.save(_views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
+    except (Exception, dcp.api.CheckpointException) as e:
+        raise _io_error(e, what) from e
     _barrier()
-    dcp.save(_views(params, opt_state, packed), checkpoint_id=tmp)
-    _barrier()
-    if rank0:
+    files = _split_digests(tmp)
+
+    def commit() -> None:
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**meta, "step": step}, f, indent=2, sort_keys=True)
+            json.dump({**meta, "step": step, "format": FORMAT, "files": files}, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
         if os.path.exists(final):
@@ -141,7 +240,8 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    _barrier()
+
+    on_rank0(commit, what)
     return final
 
 
@@ -158,24 +258,84 @@ def latest(path: str) -> Optional[str]:
 
 
 def read_meta(ckpt: str) -> dict:
-    """The ``meta.json`` of a complete checkpoint (``ValueError`` naming the path otherwise)."""
-    meta = os.path.join(ckpt, "meta.json")
-    if not os.path.isfile(meta):
+    """The checked ``meta.json`` of a complete checkpoint.
+
+    Raises:
+        ValueError: naming the path, when there is no ``meta.json``, it is not a JSON object,
+        its ``step`` is not a non-negative int, or the directory is in torch's pickle-based
+        format (which fmoe refuses to read).
+    """
+    file = os.path.join(ckpt, "meta.json")
+    if not os.path.isfile(file):
         raise ValueError(f"{ckpt!r} is not a complete fmoe training checkpoint (no meta.json)")
-    with open(meta) as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(meta).__name__}")
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{file}: 'step' must be a non-negative integer, got {step!r}")
+    if meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
+        raise ValueError(f"{file}: format {meta.get('format')!r} is not {FORMAT!r}; this checkpoint was "
+                         "written in torch's pickle-based DCP format (.metadata/.distcp), which fmoe does "
+                         "not load because unpickling a file can run arbitrary code")
+    return meta
+
+
+def _check_files(ckpt: str, meta: dict) -> None:
+    """Every tensor file is listed in meta.json and matches its SHA-256 (ranks share the work)."""
+    record = os.path.join(ckpt, "meta.json")
+    names = sorted(n for n in os.listdir(ckpt) if n != "meta.json")
+    error = None
+    unlisted = [n for n in names if n not in meta["files"]]
+    if unlisted:
+        error = (f"{ckpt}: {unlisted[:5]} not listed in {record}; a checkpoint holds only the files "
+                 "fmoe wrote (refusing to read it)")
+    else:
+        world, rank = (dist.get_world_size(), dist.get_rank()) if _dist() else (1, 0)
+        try:
+            verify(ckpt, meta["files"], record, sorted(meta["files"])[rank::world])
+        except ValueError as e:
+            error = str(e)
+    error = _agree(error)
+    if error is not None:
+        raise ValueError(error)
+
+
+def _check_finite(tree: Any, ckpt: str) -> None:
+    bad = None
+    for path, leaf in _tree.flatten(tree).items():
+        local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            bad = f"{ckpt}: {path!r} holds non-finite values (NaN/Inf); resume from an earlier step"
+            break
+    bad = _agree(bad)
+    if bad is not None:
+        raise ValueError(bad)
 
 
 def load(ckpt: str, params: Any, opt_state: Any, packed: Optional[dict] = None) -> dict:
     """Load a checkpoint into ``params`` and ``opt_state`` in place (any mesh: DCP reshards);
-    call on every rank with the same ``packed`` layout as the save. Returns the meta."""
+    call on every rank with the same ``packed`` layout as the save. Returns the meta.
+
+    Nothing is unpickled; the files are checked against ``meta.json``'s checksums first and the
+    loaded values must be finite (``ValueError`` naming the file or the leaf otherwise).
+    """
     meta = read_meta(ckpt)
+    _check_files(ckpt, meta)
     packed = packed or {}
     state = _views(params, opt_state, packed)
-    with torch.no_grad():
-        dcp.load(state, checkpoint_id=ckpt)
-        opt_state["step"].copy_(state["opt"]["step"])
+    try:
+        with torch.no_grad(), _single_process_ok():
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt), no_dist=not _dist())
+            opt_state["step"].copy_(state["opt"]["step"])
+    except (Exception, dcp.api.CheckpointException) as e:
+        raise _io_error(e, f"reading {ckpt}") from e
     _restore(params, state["params"], packed)
     _restore(opt_state["m"], state["opt"]["m"], packed)
     _restore(opt_state["v"], state["opt"]["v"], packed)
+    _check_finite({"params": params, "m": opt_state["m"], "v": opt_state["v"]}, ckpt)
     return meta

@@ -5,8 +5,19 @@ and ``WORLD_SIZE`` set) it joins the launcher's process group instead. Each step
 built-in corpus (the Python standard library's source, byte tokens), rank 0 shows a progress
 bar and appends one JSON line per step to ``OUT/log.jsonl``; checkpoints go to
 ``OUT/step-N`` every ``--save-every`` steps and at the end. ``--resume`` continues from a
-checkpoint (same mesh: bitwise; another mesh: resharded), ``--init-hf`` starts from a Hugging
-Face checkpoint, ``--export-hf`` writes one at the end.
+checkpoint (same mesh: bitwise; another mesh: resharded; see :mod:`fmoe.train.resume` for what
+may change), ``--init-hf`` starts from a Hugging Face checkpoint, ``--export-hf`` writes one at
+the end.
+
+Failure policy: a bad flag or flag combination (also: OUT holding another run, a resume that
+does not match its checkpoint) is a usage error, exit 2, before anything starts; any failure
+while running prints one ``fmoe.train: error: ...`` line (the traceback with ``--debug``) and
+exits 1; SIGINT / SIGTERM stop every rank and exit 130 / 143. ``OUT`` is guarded by
+:mod:`fmoe.train.outdir`; a non-finite loss or gradient norm stops the job before the update
+(``--skip-nonfinite N`` skips up to N such steps instead).
+
+Adding a flag: put it in the right group of :func:`build_parser` (``groups["data"]`` ...) with a
+help text; if a resumed run must keep it, add it to :data:`fmoe.train.resume.KEPT`.
 """
 
 from __future__ import annotations
@@ -15,38 +26,39 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import os
+import signal
 import sys
+import traceback
+import warnings
 from dataclasses import asdict, is_dataclass
 from typing import Optional, Sequence
 
-MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama")
+MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama", "deepseek_v3")
+DEFAULT_OUT = "runs/fmoe"
 
-__all__ = ["parse_args", "main", "run"]
+__all__ = ["build_parser", "parse_args", "main", "run", "DEFAULT_OUT"]
+
+
+def _int_at_least(name: str, low: int):
+    def conv(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {low}, got {s!r}")
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {low}, got {v}")
+        return v
+    return conv
 
 
 def _positive(name: str):
-    def conv(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1, got {s!r}")
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1, got {v}")
-        return v
-    return conv
+    return _int_at_least(name, 1)
 
 
 def _nonneg(name: str):
-    def conv(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {s!r}")
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {v}")
-        return v
-    return conv
+    return _int_at_least(name, 0)
 
 
 def _positive_float(name: str):
@@ -57,58 +69,141 @@ def _positive_float(name: str):
             raise argparse.ArgumentTypeError(f"{name} must be a number > 0, got {s!r}")
         if not v > 0:
             raise argparse.ArgumentTypeError(f"{name} must be a number > 0, got {v}")
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number, got {v}")
         return v
     return conv
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Appends ``(default: X)`` to every flag whose default is a value (not None / a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" not in text and action.option_strings and not (
+                default is None or default is False or default is argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+EPILOG = f"""\
+exit codes:
+  0  the run finished (a {{"final": ...}} line on stdout)
+  1  runtime error while running (one 'fmoe.train: error: ...' line; --debug adds the traceback)
+  2  usage error: a bad flag value or combination, --out holding another run, or a --resume
+     that does not match its checkpoint (checked before anything starts)
+  130 / 143  stopped by SIGINT / SIGTERM (every rank stopped; complete checkpoints are kept)
+
+resume: --resume keeps the run's model, preset, seed, batch, seq, lr schedule, optimizer
+  settings and aux weight (flags left out take the checkpoint's values; a different value is
+  an error); the mesh may change if the number of data-parallel batches (world / tp) stays.
+  Schedule rule: warmup + cosine over the --steps of the run that was started; extending a run
+  with a larger --steps trains the extra steps at the final lr (0.1 * --lr).
+
+OUT (default {DEFAULT_OUT}): holds log.jsonl and step-N/ checkpoints of one run, locked by
+  OUT/.lock while a job runs. A new run refuses an OUT holding another run unless --resume or
+  --overwrite (which removes only that run's log.jsonl and step-N/) is given.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m fmoe.train", description="Train an fmoe model on local gloo ranks.")
-    ap.add_argument("--model", choices=MODELS, default="qwen3_moe")
-    ap.add_argument("--preset", choices=("tiny", "small"), default="tiny")
-    ap.add_argument("--nproc", type=_positive("--nproc"), default=1, help="local ranks to spawn (ignored under torchrun)")
-    ap.add_argument("--tp", type=_positive("--tp"), default=1)
-    ap.add_argument("--ep", type=_positive("--ep"), default=None, help="default: tp")
-    ap.add_argument("--dp-replicate", type=_positive("--dp-replicate"), default=1)
-    ap.add_argument("--steps", type=_positive("--steps"), default=20)
-    ap.add_argument("--batch", type=_positive("--batch"), default=4, help="sequences per data-parallel batch")
-    ap.add_argument("--seq", type=_positive("--seq"), default=64)
-    ap.add_argument("--lr", type=_positive_float("--lr"), default=3e-3)
-    ap.add_argument("--warmup", type=_nonneg("--warmup"), default=5)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--clip", type=_positive_float("--clip"), default=1.0)
-    ap.add_argument("--aux-weight", type=float, default=0.01,
-                    help="coefficient of the per-layer load-balance loss of MoE models (0: off)")
-    ap.add_argument("--impl", default="auto", help="MoE dispatch implementation")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/fmoe")
-    ap.add_argument("--save-every", type=_nonneg("--save-every"), default=0, help="0: only at the end")
-    ap.add_argument("--resume", default=None, help="a step-N checkpoint or an OUT dir (its latest)")
-    ap.add_argument("--init-hf", default=None, help="start from a Hugging Face checkpoint dir")
-    ap.add_argument("--export-hf", default=None, help="write a Hugging Face checkpoint at the end")
-    ap.add_argument("--timeout", type=_positive_float("--timeout"), default=1800.0, help="collective timeout, s")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    """The flag parser; flags are grouped (model, mesh, data, optimization, checkpoints, runtime)."""
+    ap = argparse.ArgumentParser(prog="python -m fmoe.train", formatter_class=_Help, epilog=EPILOG,
+                                 description="Train an fmoe mixture-of-experts model on local gloo ranks "
+                                             "(or under torchrun).")
+    g = {name: ap.add_argument_group(name) for name in
+         ("model", "mesh", "data", "optimization", "checkpoints and output", "runtime")}
+    m = g["model"]
+    m.add_argument("--model", choices=MODELS, default="qwen3_moe", help="model family")
+    m.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="model size preset")
+    m.add_argument("--init-hf", default=None, metavar="DIR",
+                   help="start from this Hugging Face checkpoint (config and weights; weights cast to "
+                        "fp32 master weights) instead of a random --preset model (default: none)")
+    m.add_argument("--aux-weight", metavar="X", type=float, default=0.01,
+                   help="coefficient of the per-layer load-balance loss of MoE models (0: off)")
+    m.add_argument("--impl", metavar="NAME", default="auto", help="MoE dispatch implementation (a name registered in fmoe.ep)")
+    h = g["mesh"]
+    h.add_argument("--nproc", metavar="N", type=_positive("--nproc"), default=1,
+                   help="local ranks to spawn (ignored under torchrun)")
+    h.add_argument("--tp", metavar="N", type=_positive("--tp"), default=1, help="tensor-parallel size")
+    h.add_argument("--ep", metavar="N", type=_positive("--ep"), default=None,
+                   help="expert-parallel size (default: same as --tp)")
+    h.add_argument("--dp-replicate", metavar="N", type=_positive("--dp-replicate"), default=1,
+                   help="data-parallel replicas (HSDP); fsdp = nproc / (tp * dp_replicate)")
+    d = g["data"]
+    d.add_argument("--batch", metavar="N", type=_positive("--batch"), default=4, help="sequences per data-parallel batch")
+    d.add_argument("--seq", metavar="N", type=_positive("--seq"), default=64, help="tokens per sequence")
+    d.add_argument("--seed", metavar="N", type=int, default=0, help="seed of the initial weights and of the batches")
+    o = g["optimization"]
+    o.add_argument("--steps", metavar="N", type=_positive("--steps"), default=20,
+                   help="train until this step (with --resume: the step to reach, beyond the saved one)")
+    o.add_argument("--lr", metavar="X", type=_positive_float("--lr"), default=3e-3,
+                   help="peak learning rate (linear warmup, then cosine to 0.1 * lr at --steps)")
+    o.add_argument("--warmup", metavar="N", type=_nonneg("--warmup"), default=5, help="warmup steps")
+    o.add_argument("--weight-decay", metavar="X", type=float, default=0.1, help="AdamW decoupled weight decay")
+    o.add_argument("--clip", metavar="X", type=_positive_float("--clip"), default=1.0, help="global gradient-norm clip")
+    o.add_argument("--skip-nonfinite", metavar="N", type=_nonneg("--skip-nonfinite"), default=0,
+                   help="skip up to N steps whose loss or gradient norm is NaN/Inf (no update); one more "
+                        "stops the job. 0: the first one stops the job")
+    c = g["checkpoints and output"]
+    c.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help="run directory: log.jsonl, step-N/ checkpoints, .lock")
+    c.add_argument("--save-every", metavar="N", type=_nonneg("--save-every"), default=0,
+                   help="checkpoint every N steps (0: only at the end)")
+    c.add_argument("--resume", default=None, metavar="PATH",
+                   help="continue from a step-N checkpoint, or from the latest one in a run directory "
+                        "(default: start a new run)")
+    c.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="write a Hugging Face checkpoint here at the end (default: none)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace the previous run in --out (its log.jsonl and step-N/ only) and let "
+                        "--export-hf replace checkpoint files in a directory holding other files "
+                        "(default: refuse)")
+    r = g["runtime"]
+    r.add_argument("--timeout", metavar="X", type=_positive_float("--timeout"), default=1800.0,
+                   help="collective timeout, seconds")
+    r.add_argument("--quiet", action="store_true", help="no progress bar (default: a progress bar on rank 0)")
+    r.add_argument("--debug", action="store_true",
+                   help="print the full traceback of an error (default: one line)")
+    ap.groups = g  # type: ignore[attr-defined]
     return ap
 
 
+def _explicit(argv: Optional[Sequence[str]]) -> set:
+    """The dests given on the command line (a parse with every default suppressed)."""
+    ap = build_parser()
+    for a in ap._actions:
+        a.default = argparse.SUPPRESS
+    ns, _ = ap.parse_known_args(argv)
+    return set(vars(ns))
+
+
+def _launcher_world() -> Optional[int]:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "FMOE_SPAWNED" not in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse and validate flags; a bad value exits with a usage error (exit code 2)."""
+    """Parse and validate flags, OUT and a resume; a problem exits with a usage error (code 2)."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ and "RANK" in os.environ else args.nproc
-    ep = args.tp if args.ep is None else args.ep
-    dense = world // args.tp if world % args.tp == 0 else None
+    args.explicit = _explicit(argv)
+    args.world = _launcher_world() or args.nproc
+    world, ep = args.world, (args.tp if args.ep is None else args.ep)
     if world % (args.tp * args.dp_replicate):
         ap.error(f"--nproc {world} must be divisible by --tp * --dp-replicate = {args.tp * args.dp_replicate}")
     if ep % args.tp:
         ap.error(f"--ep {ep} must be a multiple of --tp {args.tp}")
-    if dense is not None and (world // args.dp_replicate) % ep:
+    if (world // args.dp_replicate) % ep:
         ap.error(f"--ep {ep} must divide fsdp * tp = {world // args.dp_replicate}")
-    if args.resume and not os.path.exists(args.resume):
-        ap.error(f"--resume {args.resume!r} does not exist")
     if args.init_hf and not os.path.isdir(args.init_hf):
         ap.error(f"--init-hf {args.init_hf!r} is not a directory")
-    if args.aux_weight < 0:
-        ap.error(f"--aux-weight must be >= 0, got {args.aux_weight}")
+    if not math.isfinite(args.aux_weight) or args.aux_weight < 0:
+        ap.error(f"--aux-weight must be a finite number >= 0, got {args.aux_weight}")
+    if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
+        ap.error(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     if args.impl != "auto":
         import fmoe.ep
         if args.impl not in fmoe.ep.registered():
@@ -117,7 +212,59 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.resume and args.init_hf:
         ap.error("--resume and --init-hf are exclusive")
     args.ep = ep
+    args.schedule_total = args.steps
+    args.resume_path = None
+    if args.resume:
+        _check_resume(ap, args)
+    _check_out(ap, args)
     return args
+
+
+def _check_resume(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from fmoe.train import ckpt, resume
+
+    if not os.path.exists(args.resume):
+        ap.error(f"--resume {args.resume!r} does not exist")
+    path = ckpt.latest(args.resume)
+    if path is None:
+        ap.error(f"--resume {args.resume!r}: no complete step-N checkpoint there")
+    try:
+        meta = ckpt.read_meta(path)
+    except ValueError as e:
+        ap.error(f"--resume: {e}")
+    if meta.get("model") not in MODELS:
+        ap.error(f"--resume {path}: meta.json names model {meta.get('model')!r}, not one of {MODELS}")
+    resume.apply(args, meta, path, ap.error)
+    args.resume_path, args.resume_meta = path, meta
+
+
+def _inside(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([path, root]) == root
+
+
+def _check_out(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from fmoe.checkpoint.atomic import check_target
+    from fmoe.train.outdir import holds_run
+
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        ap.error(f"--out {args.out!r} exists and is not a directory")
+    previous = holds_run(args.out)
+    if previous and not args.resume and not args.overwrite:
+        ap.error(f"--out {args.out!r} holds another run ({', '.join(previous[:6])}); pass --resume "
+                 f"{args.out} to continue it, --overwrite to replace it, or choose another --out")
+    if args.overwrite and args.resume_path and _inside(args.resume_path, args.out):
+        ap.error(f"--overwrite would delete the checkpoint --resume reads ({args.resume_path}); resume "
+                 "without --overwrite, or into another --out")
+    if args.export_hf:
+        if os.path.realpath(args.export_hf) == os.path.realpath(args.out) and not args.overwrite:
+            ap.error(f"--export-hf {args.export_hf!r} is the run directory --out; the export would sit "
+                     "among the run's files. Choose another directory, or pass --overwrite to write "
+                     "config.json and the safetensors files beside them")
+        try:
+            check_target(args.export_hf, overwrite=args.overwrite, what="--export-hf")
+        except ValueError as e:
+            ap.error(str(e))
 
 
 def _config_dict(cfg) -> dict:
@@ -157,20 +304,59 @@ def _preset(model, name: str, tp: int):
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
+def log_row(row: dict) -> str:
+    """One valid JSON line: non-finite floats become ``null`` and are named under ``"nonfinite"``.
+
+    Example:
+        >>> log_row({"step": 3, "loss": float("nan")})
+        '{"step": 3, "loss": null, "nonfinite": ["loss"]}'
+    """
+    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+    clean = {k: (None if k in bad else v) for k, v in row.items()}
+    if bad:
+        clean["nonfinite"] = bad
+    return json.dumps(clean, allow_nan=False)
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm was NaN/Inf (the update was not applied)."""
+
+
+def _job_meta(args: argparse.Namespace, model, cfg, mesh) -> dict:
+    """What ``meta.json`` records about the job (read back by :mod:`fmoe.train.resume`)."""
+    from fmoe.train import resume
+
+    return {"model": args.model, "preset": None if args.init_hf else args.preset, "init_hf": args.init_hf,
+            "config": _config_dict(cfg), "hf_config": cfg.to_hf(), "seed": args.seed, "batch": args.batch,
+            "seq": args.seq, "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
+            "clip": args.clip, "aux_weight": args.aux_weight, "param_dtype": "float32",
+            "schedule": resume.schedule_record(args),
+            "mesh": {"tp": mesh.tp, "ep": mesh.ep, "fsdp": mesh.fsdp, "dp_replicate": mesh.dp_replicate,
+                     "world": mesh.world, "num_batches": mesh.num_batches}}
+
+
 def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     """Train on this rank (process group already initialised when ``world > 1``)."""
+
+    import torch
 
     import fmoe
     from fmoe.train import ckpt
     from fmoe.train.data import Corpus
     from fmoe.train.fsdp import data_parallel_plan
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
+    from fmoe.train.outdir import check_room
     from fmoe.train.step import StepConfig, train_step
 
+    warnings.filterwarnings("ignore", category=FutureWarning,        # the job's output stays clean;
+                            message=r".*reduce_scatter_tensor. is deprecated")  # library: see notes
     model = importlib.import_module(f"fmoe.models.{args.model}")
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
-    if args.init_hf:
-        full, cfg = model.load_hf(args.init_hf)
+    if args.init_hf:                                   # fp32 master weights whatever the file holds
+        full, cfg = model.load_hf(args.init_hf, dtype=torch.float32)
+    elif args.resume_path:                             # the config the checkpoint was trained with
+        cfg = model.Config.from_hf(args.resume_meta["hf_config"])
+        full = model.init(cfg, seed=args.seed)
     else:
         cfg = _preset(model, args.preset, args.tp)
         full = model.init(cfg, seed=args.seed)
@@ -183,40 +369,46 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     model_plan = model.check_plan(cfg, None, mesh.tp) if hasattr(model, "check_plan") else model.plan(cfg)
     plan = data_parallel_plan(model_plan, full, mesh)
     packed = ckpt.packed_layout(plan, full)
-    params = fmoe.shard(fmoe.tree.map_with_path(lambda _, t: t.detach().requires_grad_(True), full), plan, mesh)
+    need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(full))   # params + 2 moments
+    ckpt.on_rank0(lambda: check_room(args.out, need), f"checking --out {args.out}")
+    params = fmoe.shard(fmoe.tree.map_with_path(
+        lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")), full), plan, mesh)
     del full
     opt_state = adamw_init(params)
     start = 0
-    if args.resume:
-        path = ckpt.latest(args.resume)
-        if path is None:
-            raise ValueError(f"--resume {args.resume!r}: no complete step-N checkpoint there")
-        meta = ckpt.load(path, params, opt_state, packed)
-        start = meta["step"]
+    if args.resume_path:
+        start = ckpt.load(args.resume_path, params, opt_state, packed)["step"]
     step_cfg = StepConfig(opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
                           impl=args.impl)
     corpus = Corpus.stdlib()
     rank0 = rank == 0
-    if rank0:
-        os.makedirs(args.out, exist_ok=True)
-    meta = {"model": args.model, "config": _config_dict(cfg), "seed": args.seed, "batch": args.batch,
-            "seq": args.seq, "mesh": {"tp": mesh.tp, "ep": mesh.ep, "fsdp": mesh.fsdp,
-                                      "dp_replicate": mesh.dp_replicate, "world": mesh.world}}
+    meta = _job_meta(args, model, cfg, mesh)
     bar = _Progress(args.steps, rank0 and not args.quiet)
     last: dict = {}
+    skipped = 0
     for step in range(start + 1, args.steps + 1):
         batch = corpus.batch(step, mesh.batch_index, args.batch, args.seq, args.seed)
-        lr = lr_at(step, args.lr, args.warmup, args.steps)
+        lr = lr_at(step, args.lr, args.warmup, args.schedule_total)
         params, opt_state, m = train_step(model, cfg, params, opt_state, batch, mesh=mesh, step_cfg=step_cfg, lr=lr)
         last = {"step": step, **m}
         if rank0:
             with open(os.path.join(args.out, "log.jsonl"), "a") as f:
-                f.write(json.dumps(last) + "\n")
-        bar.update(step, m)
+                f.write(log_row(last) + "\n")
+        if m.get("skipped"):
+            skipped += 1
+            if skipped > args.skip_nonfinite:
+                good = ckpt.latest(args.out)
+                what = "loss" if not math.isfinite(m["loss"]) else "gradient norm"
+                raise NonFiniteStep(
+                    f"step {step}: non-finite {what} (loss {m['loss']}, gradient norm {m['grad_norm']}); the "
+                    f"update was not applied and nothing was saved (last good checkpoint: {good or 'none'}). "
+                    f"Try a lower --lr, or --skip-nonfinite N to skip up to N such steps")
+        else:
+            bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
     if args.export_hf:
-        model.save_hf(params, cfg, args.export_hf)
+        model.save_hf(params, cfg, args.export_hf, overwrite=args.overwrite)
     return last
 
 
@@ -224,31 +416,92 @@ def _spawned(rank: int, world: int, args: argparse.Namespace) -> dict:
     return run(rank, world, args)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``python -m fmoe.train``; returns the exit code."""
-    args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "FMOE_SPAWNED" not in os.environ:
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM reached the job (raised in the main thread by the signal handler)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+    raise Interrupted(signum)
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an error: OSErrors by their message, others as ``Type: message``."""
+    if isinstance(e, OSError) and e.strerror:
+        text = e.strerror + (f": {e.filename}" if e.filename else "")
+    elif isinstance(e, (NonFiniteStep,)):
+        text = str(e)
+    else:
+        text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _prepare_out(args: argparse.Namespace) -> None:
+    from fmoe.train.outdir import clear_run
+
+    if args.overwrite and not args.resume_path:
+        clear_run(args.out)
+
+
+def _train(args: argparse.Namespace) -> Optional[dict]:
+    """Run the job (launcher side); returns rank 0's last metrics, None on other torchrun ranks."""
+    from fmoe.train.outdir import OutLock
+
+    world = _launcher_world()
+    if world is not None:                              # torchrun: its ranks, rank 0 holds the lock
         import datetime
 
         import torch.distributed as dist
 
-        world = int(os.environ["WORLD_SIZE"])
+        from fmoe.train import ckpt
+
         if world > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-        last = run(int(os.environ["RANK"]), world, args)
-        if int(os.environ["RANK"]) != 0:                 # one summary per job
-            return 0
-    elif args.nproc == 1:
-        last = run(0, 1, args)
-    else:
+        rank = int(os.environ["RANK"])
+        lock = OutLock(args.out)
+        ckpt.on_rank0(lambda: (lock.acquire(), _prepare_out(args)), f"locking --out {args.out}")
+        try:
+            last = run(rank, world, args)
+        finally:
+            lock.release()
+        return last if rank == 0 else None
+    with OutLock(args.out):
+        _prepare_out(args)
+        if args.nproc == 1:
+            return run(0, 1, args)
         from fmoe.testing import spawn
 
         os.environ["FMOE_SPAWNED"] = "1"
-        try:
-            last = spawn(_spawned, args.nproc, args, timeout=args.timeout * max(1, args.steps),
-                         collective_timeout=args.timeout)[0]
-        except Exception as e:  # noqa: BLE001 - report the failing rank's error, exit non-zero
-            print(f"fmoe.train: error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-    print(json.dumps({"final": last}))
+        return spawn(_spawned, args.nproc, args, timeout=args.timeout * max(1, args.steps),
+                     collective_timeout=args.timeout)[0]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m fmoe.train``; returns the exit code (see the module docstring)."""
+    args = parse_args(argv)                            # usage errors exit 2 here
+    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        last = _train(args)
+    except Interrupted as e:
+        from fmoe.train import ckpt
+
+        good = ckpt.latest(args.out) if os.path.isdir(args.out) else None
+        print(f"fmoe.train: error: stopped by {e}; every rank stopped, no partial checkpoint kept "
+              f"(last complete checkpoint: {good or 'none'})", file=sys.stderr)
+        return 128 + e.signum
+    except BaseException as e:  # noqa: BLE001 - every failure is one line (CheckpointException too)
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            raise
+        if args.debug:
+            traceback.print_exc()
+        print(f"fmoe.train: error: {_describe(e)}", file=sys.stderr)
+        return 1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if last is not None:
+        print('{"final": ' + log_row(last) + "}")
     return 0

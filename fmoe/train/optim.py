@@ -126,9 +126,12 @@ def adamw_update(params: Any, grads: Any, state: dict, cfg: AdamWConfig, lr: flo
         cfg: hyper-parameters.
         lr: learning rate for this step.
     Returns:
-        ``(new_params, new_state, {"grad_norm": norm before clipping, "clip_scale": scale})``.
+        ``(new_params, new_state, {"grad_norm": norm before clipping, "clip_scale": scale})``;
+        when the norm is NaN/Inf nothing is updated: ``(params, state, {..., "skipped": True})``.
     """
     norm = global_norm(grads)
+    if not bool(torch.isfinite(norm)):             # never apply a non-finite update
+        return params, state, {"grad_norm": norm, "clip_scale": torch.zeros(()), "skipped": True}
     scale = torch.ones(())
     if cfg.max_grad_norm is not None:
         scale = torch.clamp(cfg.max_grad_norm / (norm + 1e-6), max=1.0)

@@ -31,7 +31,7 @@ from ..mesh import Mesh
 from ..nn import cross_entropy
 from ..regather import regather_in_backward
 from .grads import reduce_grads
-from .optim import AdamWConfig, adamw_update
+from .optim import AdamWConfig, adamw_update, global_norm
 
 __all__ = ["StepConfig", "train_step", "forward_with_aux"]
 
@@ -109,6 +109,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     Returns:
         ``(params, opt_state, metrics)``; metrics are floats/lists equal on every rank:
         ``loss`` (mean over all batches), aux losses, ``grad_norm``, ``lr``, ``tokens``,
+        ``skipped`` (True when the loss or the gradient norm was NaN/Inf: then params and
+        opt_state are returned unchanged, no update of any kind),
         ``step_time``, ``tokens_per_s``, and per MoE layer ``expert_load`` (routed slots per
         expert over all batches), ``load_imbalance`` (max/mean) and ``drop_rate`` if routed so.
 
@@ -127,11 +129,15 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         total = loss if aux_total is None else loss + mesh.num_batches * aux_total
         grads = torch.autograd.grad(total, [flat[p] for p in train_paths])
     grads = reduce_grads(dict(zip(train_paths, grads)), {p: flat[p] for p in train_paths}, mesh, inplace=True)
-    params, opt_state, stats = adamw_update(params, grads, opt_state, step_cfg.opt, lr)
+    mean_loss = _world_mean(loss)
+    if bool(torch.isfinite(mean_loss)):            # a non-finite loss or grad norm: no update at all
+        params, opt_state, stats = adamw_update(params, grads, opt_state, step_cfg.opt, lr)
+    else:
+        stats = {"grad_norm": global_norm(grads), "skipped": True}
     flat = _tree.flatten(params)
     moe_layers = aux.get("moe", [])
     biased = [p for p in _moe_paths(params) if p + ".expert_bias" in flat]
-    if biased and step_cfg.bias_rate:              # aux-loss-free balancing, after the step
+    if biased and step_cfg.bias_rate and not stats.get("skipped"):   # aux-loss-free balancing
         from ..routing import update_bias
         loads = {p: layer["load"] for p, layer in zip(_moe_paths(params), moe_layers) if p in biased}
         for p, load in loads.items():
@@ -139,8 +145,9 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     params = _tree.unflatten(flat, like=params)
     dt = time.perf_counter() - t0
     n_tokens = tokens.numel() * mesh.num_batches
-    metrics = {"loss": float(_world_mean(loss)), "grad_norm": float(stats["grad_norm"]), "lr": lr,
-               "tokens": n_tokens, "step_time": dt, "tokens_per_s": n_tokens / dt}
+    metrics = {"loss": float(mean_loss), "grad_norm": float(stats["grad_norm"]), "lr": lr,
+               "tokens": n_tokens, "step_time": dt, "tokens_per_s": n_tokens / dt,
+               "skipped": bool(stats.get("skipped", False))}
     for k, v in aux_named.items():
         metrics[k] = float(_world_mean(v))
     if moe_layers and all("load" in layer for layer in moe_layers):   # global routed load per layer

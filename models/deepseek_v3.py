@@ -1,0 +1,433 @@
+"""DeepSeek-V3 (also Kimi K2, DeepSeek-R1): latent attention and aux-loss-free MoE, as pure functions.
+
+Numerics follow transformers' ``DeepseekV3ForCausalLM`` op for op:
+
+- **MLA** (multi-head latent attention): queries from a plain projection or a low-rank one
+  (``q_lora_rank``: ``wq_b @ norm(wq_a @ x)``); keys and values from one compressed latent
+  ``c = norm(x @ wkv_a[:C])`` of ``kv_lora_rank`` C features, expanded per head by ``wkv_b``,
+  plus one decoupled rotary key ``k_rot`` shared by every head. Each head's key is
+  ``[k_nope_h | k_rot]``; a decoding cache holds only ``c`` and ``k_rot``.
+- **RoPE** on the ``qk_rope_head_dim`` features only, YaRN with ``mscale`` as transformers
+  computes it (cos/sin scaled by the YaRN attention factor, the softmax scale by
+  ``mscale(factor, mscale_all_dim) ** 2``); ``rope_interleave`` reads the rotary pairs
+  interleaved, as DeepSeek's checkpoints store them.
+- **Routing** as transformers' ``noaux_tc``: sigmoid scores; ``score + e_score_correction_bias``
+  selects the best ``topk_group`` of ``n_group`` groups (a group scores its top-2 sum) and then
+  the top-k experts; the weights are the unbiased scores, renormalised with ``norm_topk_prob``,
+  times ``routed_scaling_factor`` (:func:`fmoe.routing.sigmoid_topk`). The bias is the
+  ``expert_bias`` leaf: no gradient; the trainer's ``update_bias`` moves it.
+- **Shared experts** (``n_shared_experts`` of them, one SwiGLU MLP) added to every MoE layer;
+  the first ``first_k_dense_replace`` layers are dense SwiGLU MLPs.
+
+Parameters (D hidden, H heads, C kv_lora_rank, Q q_lora_rank, n/r/v the nope/rope/value head
+dims, E experts, I expert hidden, Is = I * n_shared_experts)::
+
+    embed                     [V, D]
+    layers.N.attn_norm        [D]
+    layers.N.attn.wq          [H*(n+r), D]         (q_lora_rank None)
+    layers.N.attn.wq_a        [Q, D]   q_a_norm [Q]   wq_b [H*(n+r), Q]   (with q_lora_rank)
+    layers.N.attn.wkv_a       [C+r, D] kv_a_norm [C]  wkv_b [H*(n+v), C]
+    layers.N.attn.wo          [D, H*v]
+    layers.N.mlp_norm         [D]
+    layers.N.moe.router       [E, D]        expert_bias [E]
+    layers.N.moe.w_gate_up    [E, 2I, D]    w_down [E, D, I]
+    layers.N.moe.shared.w_gate_up [2Is, D]  shared.w_down [D, Is]
+    layers.N.mlp.w_gate_up    [2I', D]      mlp.w_down [D, I']   (dense layers; I' = intermediate_size)
+    norm                      [D]
+    lm_head                   [V, D]        (absent with tie_word_embeddings)
+
+Parallelism lives in :func:`plan`: MLA split by heads (``wq``/``wq_b``/``wkv_b`` colwise, ``wo``
+rowwise; the low-rank and latent projections replicated), experts on ``ep``, shared experts
+and dense MLPs packed colwise / rowwise.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+from einops import rearrange
+
+import fmoe
+import fmoe.checkpoint as ckpt
+import fmoe.nn as nn
+
+from . import _common
+from fmoe import P, Plan
+from fmoe.checkpoint import Cat, Key, Spec, Stack
+
+HF_IGNORE = ("**.rotary_emb.inv_freq",)
+LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm keep the default eps
+
+
+@dataclass(frozen=True)
+class Config:
+    """DeepSeek-V3 hyper-parameters, named and defaulted as in transformers' ``DeepseekV3Config``."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432       # dense layers
+    moe_intermediate_size: int = 2048    # I, per expert (shared experts: I * n_shared_experts)
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: Optional[int] = 1536    # None: plain q projection
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: tuple = ()             # sorted (key, value) pairs of a non-default rope_parameters
+    rope_interleave: bool = True
+
+    @property
+    def num_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def __post_init__(self):
+        ints = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "n_shared_experts", "n_routed_experts", "kv_lora_rank", "qk_rope_head_dim",
+                "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+                "max_position_embeddings")
+        for f in ints + (("q_lora_rank",) if self.q_lora_rank is not None else ()):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Config: {f} must be an int >= 1, got {v!r}")
+        if isinstance(self.first_k_dense_replace, bool) or not isinstance(self.first_k_dense_replace, int) \
+                or self.first_k_dense_replace < 0:
+            raise ValueError(f"Config: first_k_dense_replace must be an int >= 0, got {self.first_k_dense_replace!r}")
+        E, G = self.n_routed_experts, self.n_group
+        if E % G or E // G < 2:
+            raise ValueError(f"Config: n_group={G} must divide n_routed_experts={E} into groups of >= 2 experts "
+                             "(a group scores its top-2 sum)")
+        if self.topk_group > G or self.num_experts_per_tok > self.topk_group * (E // G):
+            raise ValueError(f"Config: topk_group={self.topk_group} must be <= n_group={G} and num_experts_per_tok="
+                             f"{self.num_experts_per_tok} <= topk_group * n_routed_experts / n_group = "
+                             f"{self.topk_group * (E // G)}")
+        if not isinstance(self.rope_scaling, tuple):
+            raise TypeError(f"Config: rope_scaling must be a tuple of (key, value) pairs, got {self.rope_scaling!r}")
+        nn.rope_frequencies(self.qk_rope_head_dim, self.rope_theta, dict(self.rope_scaling) or None,
+                            self.max_position_embeddings)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a mixture of experts (the first ``first_k_dense_replace`` are dense)."""
+        return layer >= self.first_k_dense_replace
+
+    @classmethod
+    def tiny(cls, **changes: Any) -> "Config":
+        """3 layers (the first dense), D=64, 8 heads, q LoRA 32, latent 32, 8 experts in 4 groups
+        (2 used) top-2, one shared expert: tp <= 8 and ep <= 8 divide it."""
+        return cls(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                             num_hidden_layers=3, num_attention_heads=8, n_routed_experts=8, n_group=4, topk_group=2,
+                             num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32,
+                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, max_position_embeddings=256),
+                      **changes})
+
+    @classmethod
+    def small(cls) -> "Config":
+        """4 layers (the first dense), D=256, 32 experts in 4 groups top-4: for examples."""
+        return cls(vocab_size=2048, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+                   num_hidden_layers=4, num_attention_heads=8, n_routed_experts=32, n_group=4, topk_group=2,
+                   num_experts_per_tok=4, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=96,
+                   qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=1024)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "Config":
+        """Read a Hugging Face ``config.json`` dict.
+
+        Example:
+            >>> Config.from_hf(Config.tiny().to_hf()) == Config.tiny()
+            True
+        """
+        for key, want in (("model_type", "deepseek_v3"), ("hidden_act", "silu"), ("attention_bias", False)):
+            if hf.get(key, want) != want:
+                raise ValueError(f"Config.from_hf: {key} must be {want!r}, got {hf.get(key)!r}")
+        heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+        if kv is not None and kv != heads:
+            raise ValueError(f"Config.from_hf: num_key_value_heads={kv} must equal num_attention_heads={heads} "
+                             "(MLA expands every head from the latent)")
+        theta, scaling = _common.rope_from_hf(hf, cls.rope_theta)
+        kw = {f.name: hf[f.name] for f in fields(cls) if f.name in hf and f.name not in ("rope_theta", "rope_scaling")}
+        for f in ("n_group", "topk_group"):
+            kw[f] = kw.get(f) or 1
+        return cls(rope_theta=theta, rope_scaling=scaling, **kw)
+
+    def to_hf(self) -> dict:
+        """The ``config.json`` fields transformers' ``DeepseekV3Config`` reads."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("rope_theta", "rope_scaling")}
+        rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
+        return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_act": "silu",
+                "attention_bias": False, "num_key_value_heads": self.num_attention_heads, **out,
+                "rope_parameters": rope}
+
+
+def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
+    """Every parameter path -> how it is made of checkpoint tensors (shapes included); experts
+    from per-expert keys (what ``save_pretrained`` writes) or the fused in-memory keys.
+
+    Example:
+        >>> hf_specs(Config.tiny())["layers.1.attn.wkv_b"].shape
+        (160, 32)
+    """
+    V, D, E, I, Id = cfg.vocab_size, cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, \
+        cfg.intermediate_size
+    H, C, Q, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim
+    Is, qk, nv = I * cfg.n_shared_experts, cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+    keys = set(keys or ())
+    swiglu = lambda m, inner: {"w_gate_up": Cat([Key(m + "gate_proj.weight", (inner, D)),  # noqa: E731
+                                                 Key(m + "up_proj.weight", (inner, D))], 0),
+                               "w_down": Key(m + "down_proj.weight", (D, inner))}
+    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
+    for i in range(cfg.num_hidden_layers):
+        p, k = f"layers.{i}.", f"model.layers.{i}."
+        a, sa = p + "attn.", k + "self_attn."
+        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
+        if Q is None:
+            s[a + "wq"] = Key(sa + "q_proj.weight", (H * qk, D))
+        else:
+            s[a + "wq_a"] = Key(sa + "q_a_proj.weight", (Q, D))
+            s[a + "q_a_norm"] = Key(sa + "q_a_layernorm.weight", (Q,))
+            s[a + "wq_b"] = Key(sa + "q_b_proj.weight", (H * qk, Q))
+        s[a + "wkv_a"] = Key(sa + "kv_a_proj_with_mqa.weight", (C + r, D))
+        s[a + "kv_a_norm"] = Key(sa + "kv_a_layernorm.weight", (C,))
+        s[a + "wkv_b"] = Key(sa + "kv_b_proj.weight", (H * nv, C))
+        s[a + "wo"] = Key(sa + "o_proj.weight", (D, H * cfg.v_head_dim))
+        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
+        m = k + "mlp."
+        if not cfg.is_sparse(i):
+            s.update({p + "mlp." + n: spec for n, spec in swiglu(m, Id).items()})
+            continue
+        s[p + "moe.router"] = Key(m + "gate.weight", (E, D))
+        s[p + "moe.expert_bias"] = Key(m + "gate.e_score_correction_bias", (E,))
+        if m + "experts.gate_up_proj" in keys:  # fused layout
+            s[p + "moe.w_gate_up"] = Key(m + "experts.gate_up_proj", (E, 2 * I, D))
+            s[p + "moe.w_down"] = Key(m + "experts.down_proj", (E, D, I))
+        else:  # one key per expert and projection, stacked on a new expert dim
+            per = lambda n, shape: Stack([Key(f"{m}experts.{e}.{n}.weight", shape) for e in range(E)])  # noqa: E731
+            s[p + "moe.w_gate_up"] = Cat([per("gate_proj", (I, D)), per("up_proj", (I, D))], dim=1)
+            s[p + "moe.w_down"] = per("down_proj", (D, I))
+        s.update({p + "moe.shared." + n: spec for n, spec in swiglu(m + "shared_experts.", Is).items()})
+    s["norm"] = Key("model.norm.weight", (D,))
+    if not cfg.tie_word_embeddings:
+        s["lm_head"] = Key("lm_head.weight", (V, D))
+    return s
+
+
+def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """Random parameters (normal(0, initializer_range) weights, unit norms, zero expert bias);
+    the same seed gives the same tree on every process.
+
+    Example:
+        >>> init(Config.tiny())["layers"][1]["moe"]["shared"]["w_down"].shape
+        torch.Size([64, 32])
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def make(path: str, shape: tuple) -> torch.Tensor:
+        if path.endswith("norm"):
+            return torch.ones(shape)
+        if path.endswith("expert_bias"):
+            return torch.zeros(shape)
+        return torch.randn(shape, generator=g) * cfg.initializer_range
+
+    return fmoe.tree.unflatten({path: make(path, s.shape).to(dtype) for path, s in hf_specs(cfg).items()})
+
+
+def init_cache(cfg: Config, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] = None,
+               dtype: torch.dtype = torch.float32) -> dict:
+    """An empty decoding cache (:mod:`fmoe.nn.cache`): per layer the compressed ``latent
+    [B, L, C]`` and the rotary key ``k_rot [B, L, r]``, shared by all heads (so replicated).
+
+    Example:
+        >>> init_cache(Config.tiny(), 2, 16)["layers"][0]["latent"].shape
+        torch.Size([2, 16, 32])
+    """
+    entry = {"latent": (cfg.kv_lora_rank,), "k_rot": (cfg.qk_rope_head_dim,)}
+    return nn.cache.init_cache(batch, max_len, [entry] * cfg.num_hidden_layers, dtype=dtype, mesh=mesh)
+
+
+def softmax_scale(cfg: Config) -> float:
+    """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` with YaRN (as transformers).
+
+    Example:
+        >>> round(softmax_scale(Config.tiny(rope_scaling=(("factor", 40.0), ("mscale_all_dim", 1.0),
+        ...     ("original_max_position_embeddings", 64), ("rope_type", "yarn")))), 4)
+        0.4685
+    """
+    s, scale = dict(cfg.rope_scaling), cfg.qk_head_dim ** -0.5
+    if s.get("rope_type", s.get("type", "default")) != "default" and s.get("mscale_all_dim"):
+        m = nn.yarn_mscale(s["factor"], s["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) -> torch.Tensor:
+    if cfg.rope_interleave:  # pairs (x0, x1), (x2, x3)...: gather evens then odds, rotate as usual
+        x = rearrange(x, "... (r two) -> ... (two r)", two=2)
+    return nn.apply_rope(x, cos, sin)
+
+
+def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
+               step: nn.cache.Step, entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+    n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    heads = lambda t, d: rearrange(t, "b s (h d) -> b s h d", d=d)  # noqa: E731
+    if "wq" in a:
+        q = nn.linear(x, a["wq"])
+    else:
+        q = nn.linear(nn.rms_norm(nn.linear(x, a["wq_a"]), a["q_a_norm"], LATENT_EPS), a["wq_b"])
+    q_nope, q_rot = heads(q, n + r).split([n, r], dim=-1)                         # [B, S, H_local, n | r]
+    latent, k_rot = nn.linear(x, a["wkv_a"]).split([cfg.kv_lora_rank, r], dim=-1)  # [B, S, C], [B, S, r]
+    latent = nn.rms_norm(latent, a["kv_a_norm"], LATENT_EPS)
+    q_rot = _rope(q_rot, cos, sin, cfg)
+    k_rot = _rope(k_rot[:, :, None], cos, sin, cfg)[:, :, 0]                      # [B, S, r]
+    if entry is not None:  # the cache holds the latent and the rope key, not per-head K/V
+        entry, (latent, k_rot) = nn.cache.write(entry, step, latent=latent, k_rot=k_rot)
+    k_nope, val = heads(nn.linear(latent, a["wkv_b"]), n + v).split([n, v], dim=-1)  # [B, Sk, H_local, n | v]
+    k_rot = nn.shared_by_heads(k_rot, a["wkv_b"])[:, :, None].expand(-1, -1, k_nope.shape[2], -1)
+    k = torch.cat([k_nope, k_rot], dim=-1)                                       # [B, Sk, H_local, n + r]
+    o = nn.attention(torch.cat([q_nope, q_rot], dim=-1), k, val, causal=True, scale=softmax_scale(cfg),
+                     key_mask=step.key_mask)                                     # [B, S, H_local, v]
+    return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry
+
+
+def default_router(cfg: Config):
+    """transformers' ``noaux_tc`` routing: :func:`fmoe.routing.sigmoid_topk` with group limits."""
+    return fmoe.routing.sigmoid_topk(cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob,
+                                     scale=cfg.routed_scaling_factor, num_groups=cfg.n_group,
+                                     topk_groups=cfg.topk_group, group_top=2)
+
+
+def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
+            impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
+            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Any:
+    """Logits of the causal language model.
+
+    Args:
+        params: tree from :func:`init` / :func:`load_hf` (plain, or sharded by a plan).
+        tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
+        cfg: the config.
+        mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep).
+        impl: expert-parallel implementation for ``fmoe.moe``.
+        return_aux: also return ``{"moe": [aux of each MoE layer]}``.
+        router: replaces the model's router in every MoE layer (it receives ``expert_bias``).
+        cache: a cache from :func:`init_cache` to decode with (then ``(logits, cache)`` is returned).
+        positions: ``[S]`` or ``[B, S]`` rotary positions, ``-1`` for left padding (see
+            :mod:`fmoe.nn.cache`); default: after the cached tokens.
+    Returns:
+        logits ``[B, S, V]`` (full on every rank), then the new cache if given, then aux if asked.
+
+    Example:
+        >>> cfg = Config.tiny()
+        >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
+        torch.Size([2, 5, 128])
+    """
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
+        raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
+                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+    if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
+                            for layer in params["layers"] if "moe" in layer):
+        raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
+    step = nn.cache.begin(tokens, cache, positions)
+    inv_freq, scaling = nn.rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, dict(cfg.rope_scaling) or None,
+                                            cfg.max_position_embeddings)
+    h = nn.embedding(tokens, params["embed"])  # [B, S, D]
+    cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
+    route = router or default_router(cfg)
+    auxes, entries = [], []
+    for i, layer in enumerate(fmoe.prefetch_layers(params["layers"])):  # FSDP: one gather per layer
+        x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+        y, entry = _attention(layer["attn"], x, cos, sin, cfg, step, None if cache is None else cache["layers"][i])
+        entries.append(entry)
+        h = h + y
+        x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+        if "moe" in layer:
+            y, aux = fmoe.moe(layer["moe"], rearrange(x, "b s d -> (b s) d"), router=route, mesh=mesh, impl=impl)
+            y = rearrange(y, "(b s) d -> b s d", b=x.shape[0])
+            auxes.append(aux)
+        else:
+            y = nn.swiglu_mlp(x, layer["mlp"]["w_gate_up"], layer["mlp"]["w_down"])
+        h = h + y
+    h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
+    logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
+    out = (logits,) + (() if cache is None else (nn.cache.finish(cache, step, entries),))
+    out += ({"moe": auxes},) if return_aux else ()
+    return out if len(out) > 1 else logits
+
+
+def plan(cfg: Config) -> Plan:
+    """Default plan (non-strict; unnamed leaves replicated): MLA split by heads (``wq``, ``wq_b``,
+    ``wkv_b`` colwise, ``wo`` rowwise; ``wq_a``, ``wkv_a`` and the latent norms replicated),
+    router and expert bias replicated, experts on ``ep``, shared experts and dense MLPs packed
+    colwise / rowwise, embedding vocab-parallel, lm_head colwise with gathered output.
+
+    Example:
+        >>> plan(Config.tiny()).match("layers.1.attn.wkv_b")
+        ('layers.*.attn.wkv_b', 'colwise')
+    """
+    q = "layers.*.attn.wq" if cfg.q_lora_rank is None else "layers.*.attn.wq_b"
+    sparse = [cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)]
+    return Plan({
+        "embed": "vocab", q: "colwise", "layers.*.attn.wkv_b": "colwise", "layers.*.attn.wo": "rowwise",
+        "layers.*.attn.*": "replicate",
+        **({} if not any(sparse) else {
+            "layers.*.moe.router": "replicate", "layers.*.moe.expert_bias": "replicate", "layers.*.moe.w_*": "expert",
+            "layers.*.moe.shared.w_gate_up": "packed_colwise", "layers.*.moe.shared.w_down": "rowwise"}),
+        **({} if all(sparse) else {"layers.*.mlp.w_gate_up": "packed_colwise", "layers.*.mlp.w_down": "rowwise"}),
+        **({} if cfg.tie_word_embeddings else {"lm_head": "colwise_gather"}),
+    }, default=P(), strict=False)
+
+
+def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 1) -> Plan:
+    """The plan (``rules``: a Plan, user rules merged over :func:`plan` by key, or None), after
+    checking that it splits whole heads and the fused gate/up per half over ``tp`` ranks.
+
+    Example:
+        >>> check_plan(Config.tiny(num_attention_heads=6), tp=4)
+        Traceback (most recent call last):
+        ValueError: check_plan: tp=4 does not divide num_attention_heads=6 (layers.0.attn.wkv_b is split over tp by rule 'layers.*.attn.wkv_b')
+    """
+    shapes = {k: s.shape for k, s in hf_specs(cfg).items()}
+    return _common.check_plan(cfg, rules, tp, default=plan(cfg), shapes=shapes)
+
+
+def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping, None] = None) -> dict:
+    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first."""
+    return fmoe.shard(params, check_plan(cfg, plan, mesh.tp), mesh)
+
+
+def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
+            plan: Union[Plan, Mapping, None] = None, *,
+            dtype: Optional[torch.dtype] = None) -> tuple[dict, Config]:
+    """Load a Hugging Face checkpoint directory; with a mesh each rank reads only its slices.
+
+    Example:
+        >>> # params, cfg = load_hf("DeepSeek-V3-tiny", mesh=fmoe.Mesh(tp=2, ep=4))
+    """
+    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan, dtype=dtype)
+
+
+def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
+    """Write ``params`` (or a gradient tree) as ``save_pretrained`` would, atomically; call on every rank.
+
+    Example:
+        >>> # save_hf(params, cfg, "out"); transformers.DeepseekV3ForCausalLM.from_pretrained("out")
+    """
+    ckpt.save_hf(sys.modules[__name__], params, cfg, path, overwrite=overwrite)
