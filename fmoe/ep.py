@@ -50,7 +50,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, group_size, split_to
+from .collectives import all_reduce, all_to_all, all_to_all_rows, copy_to, gather_replicated, group_size, split_to
 from .expert_blocks import weighted_expert_sum
 from .experts import Activation, check_matmul, expert_mlp, swiglu
 from .grouped_mm import expert_mlp_offs, offsets
@@ -238,13 +238,11 @@ def _exchange_splits(sizes: torch.Tensor, stats: Optional[torch.Tensor], group, 
     order), the gradient passed straight to this rank's own stats (``all_reduce``'s backward)."""
     n = sizes.shape[0]
     if stats is None:
-        recv = torch.empty_like(sizes)
-        torch.distributed.all_to_all_single(recv, sizes, group=group)
+        recv = all_to_all_rows(sizes, group)
         total = None
     else:
         send = torch.cat([sizes.to(torch.float64), stats.detach().expand(n, -1)], dim=1)   # [ep, 2+S]
-        recv = torch.empty_like(send)
-        torch.distributed.all_to_all_single(recv, send, group=group)
+        recv = all_to_all_rows(send, group)
         batch_peers = set(mesh.ranks("fsdp"))                      # one rank per batch, my tp index
         rows = [j for j, r in enumerate(mesh.ranks("ep")) if r in batch_peers]
         total = recv[rows, 2:].sum(0) + (stats - stats.detach())   # ep-group order: the same bits everywhere

@@ -30,6 +30,17 @@ def job(*args, check=None, **kw):
     return out
 
 
+def in_process(capsys, code, *args):
+    """Run the job in this process (--nproc 1 or a usage error); check its exit code; stderr."""
+    try:
+        got = cli.main(list(args))
+    except SystemExit as e:
+        got = e.code
+    err = capsys.readouterr().err
+    assert got == code, err[-3000:]
+    return err
+
+
 def strict_log(out):
     """Every line of log.jsonl parses as strict JSON (no bare NaN / Infinity)."""
     def no_constant(c):
@@ -66,20 +77,20 @@ def test_help_gives_every_flag_a_meaning_and_a_default():
     assert "runs/fmoe" in readme
 
 
-def test_out_is_protected_locked_and_resume_is_validated(tmp_path):
+def test_out_is_protected_locked_and_resume_is_validated(tmp_path, capsys):
     out, exp = str(tmp_path / "exp1"), str(tmp_path / "mine")
-    job(*BASE, "--steps", "3", "--warmup", "1", "--out", out, check=0)
+    in_process(capsys, 0, *BASE, "--steps", "3", "--warmup", "1", "--out", out)
     before = sorted(os.listdir(out))
     assert before == ["log.jsonl", "step-3"]
     # a new run into it, or an export into it, is refused before anything starts
-    r = job(*BASE, "--steps", "2", "--out", out, check=2)
-    assert "holds another run" in r.stderr and "--overwrite" in r.stderr
-    r = job(*BASE, "--steps", "2", "--out", str(tmp_path / "new"), "--export-hf", out, check=2)
-    assert "not a checkpoint directory" in r.stderr
+    r = in_process(capsys, 2, *BASE, "--steps", "2", "--out", out)
+    assert "holds another run" in r and "--overwrite" in r
+    r = in_process(capsys, 2, *BASE, "--steps", "2", "--out", str(tmp_path / "new"), "--export-hf", out)
+    assert "not a checkpoint directory" in r
     os.makedirs(exp)
     open(os.path.join(exp, "notes.txt"), "w").write("mine")
-    r = job(*BASE, "--steps", "2", "--out", str(tmp_path / "new2"), "--export-hf", exp, check=2)
-    assert "notes.txt" in r.stderr and not os.path.exists(tmp_path / "new2")
+    r = in_process(capsys, 2, *BASE, "--steps", "2", "--out", str(tmp_path / "new2"), "--export-hf", exp)
+    assert "notes.txt" in r and not os.path.exists(tmp_path / "new2")
     assert sorted(os.listdir(out)) == before and os.listdir(exp) == ["notes.txt"]
     # resume keeps the run's settings: mismatches name both values
     cases = [(["--seed", "1"], "--seed 0", "--seed 1"), (["--model", "mixtral"], "--model 'llama'", "'mixtral'"),
@@ -87,37 +98,47 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path):
              (["--nproc", "2"], "1 data-parallel batches", "has 2"), (["--steps", "3"], "--steps 3", "step 3"),
              (["--aux-weight", "0.5"], "--aux-weight 0.01", "0.5")]
     for flags, a, b in cases:
-        r = job(*BASE, "--out", out, "--resume", out, *[f for f in flags], *([] if "--steps" in flags else ["--steps", "5"]),
-                check=2)
-        assert a in r.stderr and b in r.stderr, (flags, r.stderr[-2000:])
+        steps = [] if "--steps" in flags else ["--steps", "5"]
+        r = in_process(capsys, 2, *BASE, "--out", out, "--resume", out, *flags, *steps)
+        assert a in r and b in r, (flags, r[-2000:])
     meta_file = os.path.join(out, "step-3", "meta.json")
     meta = json.load(open(meta_file))
     assert meta["schedule"] == {"kind": "warmup-cosine", "lr": 3e-3, "warmup": 1, "total": 3, "min_ratio": 0.1}
     json.dump({**meta, "step": -3}, open(meta_file, "w"))
-    r = job(*BASE, "--out", out, "--resume", out, "--steps", "5", check=2)
-    assert "'step' must be a non-negative integer, got -3" in r.stderr
+    r = in_process(capsys, 2, *BASE, "--out", out, "--resume", out, "--steps", "5")
+    assert "'step' must be a non-negative integer, got -3" in r
     json.dump(meta, open(meta_file, "w"))
     # one job per OUT: a live lock refuses, a stale one is taken over
     with OutLock(out):
-        r = job(*BASE, "--out", out, "--resume", out, "--steps", "5", check=1)
-        assert f"in use by another fmoe.train job (pid {os.getpid()}" in one_line(r.stderr)
+        r = in_process(capsys, 1, *BASE, "--out", out, "--resume", out, "--steps", "5")
+        assert f"in use by another fmoe.train job (pid {os.getpid()}" in one_line(r)
     open(os.path.join(out, ".lock"), "w").write("pid 999999 on a-dead-host")
-    job(*BASE, "--out", out, "--resume", out, "--steps", "5", check=0)     # extends the run
+    in_process(capsys, 0, *BASE, "--out", out, "--resume", out, "--steps", "5")     # extends the run
     rows = strict_log(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and not os.path.exists(os.path.join(out, ".lock"))
     # schedule rule: steps beyond the started run's --steps train at its final lr, no restart
     assert rows[3]["lr"] == rows[4]["lr"] == pytest.approx(lr_at(3, 3e-3, 1, 3)) == pytest.approx(3e-4)
+    # resuming an older checkpoint while newer ones exist, or into another run's OUT, is refused
+    r = in_process(capsys, 2, *BASE, "--out", out, "--resume", f"{out}/step-3", "--steps", "4")
+    assert "holds newer checkpoints (step-5)" in r
+    other = str(tmp_path / "other")
+    in_process(capsys, 0, *BASE, "--steps", "1", "--out", other)
+    r = in_process(capsys, 2, *BASE, "--out", other, "--resume", f"{out}/step-3", "--steps", "4")
+    assert f"holds not the run --resume {out}/step-3 continues" in r
+    in_process(capsys, 0, *BASE, "--out", out, "--resume", f"{out}/step-3", "--steps", "4", "--overwrite")
+    assert sorted(os.listdir(out)) == ["log.jsonl", "step-3", "step-4"]
+    assert [r["step"] for r in strict_log(out)] == [1, 2, 3, 4]
     # --overwrite replaces the run's files only
     open(os.path.join(out, "notes.txt"), "w").write("mine")
-    job(*BASE, "--steps", "2", "--out", out, "--overwrite", "--export-hf", out, check=0)
+    in_process(capsys, 0, *BASE, "--steps", "2", "--out", out, "--overwrite", "--export-hf", out)
     assert sorted(os.listdir(out)) == ["config.json", "log.jsonl", "model.safetensors", "notes.txt", "step-2"]
     assert [r["step"] for r in strict_log(out)] == [1, 2]
 
 
-def test_non_finite_steps_stop_before_the_update_and_never_reach_a_checkpoint(tmp_path):
+def test_non_finite_steps_stop_before_the_update_and_never_reach_a_checkpoint(tmp_path, capsys):
     out = str(tmp_path / "nan")
-    r = job(*BASE, "--steps", "6", "--lr", "1e6", "--save-every", "1", "--out", out, check=1)
-    line = one_line(r.stderr)
+    r = in_process(capsys, 1, *BASE, "--steps", "6", "--lr", "1e6", "--save-every", "1", "--out", out)
+    line = one_line(r)
     rows = strict_log(out)
     bad = rows[-1]
     assert f"fmoe.train: error: step {bad['step']}: non-finite" in line and "last good checkpoint" in line
@@ -128,7 +149,7 @@ def test_non_finite_steps_stop_before_the_update_and_never_reach_a_checkpoint(tm
     load_trained(ckpt.latest(out))                                   # finite (load checks it)
     # --skip-nonfinite N skips such steps (no update) and goes on
     out2 = str(tmp_path / "skip")
-    job(*BASE, "--steps", "4", "--lr", "1e6", "--skip-nonfinite", "10", "--out", out2, check=0)
+    r = in_process(capsys, 0, *BASE, "--steps", "4", "--lr", "1e6", "--skip-nonfinite", "10", "--out", out2)
     rows = strict_log(out2)
     assert len(rows) == 4 and any(r["skipped"] for r in rows)
     load_trained(os.path.join(out2, "step-4"))
@@ -248,7 +269,10 @@ def test_checkpoint_failures_are_one_line_errors(tmp_path, monkeypatch, capsys):
 
 # ------------------------------------------------------------------------------ spawn harness
 def _listening(rank, world):
+    import warnings
+
     import torch.distributed as dist
+    warnings.warn("`thing` is deprecated", FutureWarning)
     t = torch.ones(1)
     dist.all_reduce(t)
     dist.all_reduce(t, group=fmoe.Mesh(tp=2).group("tp"))
@@ -271,10 +295,11 @@ def _listening(rank, world):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="reads Linux /proc/net/tcp")
-def test_ranks_listen_on_loopback_only():
+def test_ranks_listen_on_loopback_only_and_warn_once(capfd):
     loopback = ("0100007F:", "00000000000000000000000001000000:")   # 127.0.0.1, ::1
     for found in spawn(_listening, 2):
-        assert all(addr.startswith(loopback) for _, addr in found), found
+        assert found and all(addr.startswith(loopback) for _, addr in found), found
+    assert capfd.readouterr().err.count("FutureWarning: `thing` is deprecated") == 1   # not once per rank
 
 
 def _fail(rank, world):
@@ -296,9 +321,8 @@ def test_a_failed_spawn_releases_fds_and_semaphores():
     gc.disable()                                              # nothing may wait for the collector
     try:
         before = _resources()
-        for _ in range(2):
-            with pytest.raises(ValueError, match="planned failure"):
-                spawn(_fail, 2)
+        with pytest.raises(ValueError, match="planned failure"):
+            spawn(_fail, 2)
         assert _resources() == before
     finally:
         gc.enable()
@@ -347,17 +371,6 @@ def test_notebooks_readme_clears_outputs_with_installed_tools_only(tmp_path):
     assert cell.outputs == [] and cell.execution_count is None
 
 
-def _warn(rank, world):
-    import warnings
-    warnings.warn("`thing` is deprecated", FutureWarning)
-    return rank
-
-
-def test_future_warnings_print_once_not_per_rank(capfd):
-    assert spawn(_warn, 3) == [0, 1, 2]
-    assert capfd.readouterr().err.count("FutureWarning: `thing` is deprecated") == 1
-
-
 def test_init_hf_of_a_bf16_checkpoint_trains_fp32_masters_and_moments(tmp_path, capsys):
     from safetensors import safe_open
 
@@ -375,3 +388,34 @@ def test_init_hf_of_a_bf16_checkpoint_trains_fp32_masters_and_moments(tmp_path, 
         with safe_open(os.path.join(out, "step-1", name), "pt") as f:
             dtypes |= {f.get_slice(k).get_dtype() for k in f.keys() if not k.endswith("opt.step")}
     assert dtypes == {"F32"}                     # params and both AdamW moments
+
+
+def _mount_tmpfs(path, options):
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+def test_a_real_full_disk_and_a_real_read_only_out(tmp_path):
+    """The same one-liners on real filesystems: a tmpfs just too small for the checkpoint (the
+    save fails mid-way; the partial save stays a hidden .step-N.tmp) and a read-only tmpfs."""
+    from fmoe.models import llama
+    params = llama.init(cli._preset(llama, "tiny", 1))
+    need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(params))
+    full = tmp_path / "full"
+    if not _mount_tmpfs(full, f"size={need + 12 * 1024}"):
+        pytest.skip("needs permission to mount a tmpfs (root in a privileged environment)")
+    try:
+        out = str(full / "run")
+        r = job(*BASE, "--steps", "2", "--out", out, check=1)
+        assert one_line(r.stderr) == f"fmoe.train: error: no space left on device writing {out}/step-2"
+        assert sorted(os.listdir(out)) == [".step-2.tmp", "log.jsonl"]      # no step-2, no lock left
+    finally:
+        subprocess.run(["umount", str(full)])
+    ro = tmp_path / "ro"
+    assert _mount_tmpfs(ro, "ro,size=64k")
+    try:
+        r = job(*BASE, "--steps", "2", "--out", str(ro / "run"), check=1)
+        assert one_line(r.stderr) == f"fmoe.train: error: cannot write --out {ro / 'run'}: Read-only file system"
+    finally:
+        subprocess.run(["umount", str(ro)])

@@ -211,7 +211,7 @@ def _honest(g: DTensor, param: DTensor, path: str) -> list:
 
 
 def _grads_on_meshes(rank, world, ckpt):
-    from fmoe.train.fsdp import data_parallel_plan
+    from fmoe.fsdp import data_parallel_plan
     cfg = qwen3_moe.Config.tiny(initializer_range=0.2)
     full = qwen3_moe.init(cfg, seed=0)
     out = []
