@@ -108,6 +108,15 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path, capsys):
     r = in_process(capsys, 2, *BASE, "--out", out, "--resume", out, "--steps", "5")
     assert "'step' must be a non-negative integer, got -3" in r
     json.dump(meta, open(meta_file, "w"))
+    # --resume never unpickles: a planted torch .metadata payload is refused, never run
+    import pickle
+    marker = tmp_path / "pwned"
+    payload = type("P", (), {"__reduce__": lambda self: (os.system, (f"touch {marker}",))})
+    with open(os.path.join(out, "step-3", ".metadata"), "wb") as f:
+        pickle.dump(payload(), f)
+    r = in_process(capsys, 1, *BASE, "--out", out, "--resume", out, "--steps", "5")
+    assert "'.metadata'] not listed in" in one_line(r) and not marker.exists()
+    os.remove(os.path.join(out, "step-3", ".metadata"))
     # one job per OUT: a live lock refuses, a stale one is taken over
     with OutLock(out):
         r = in_process(capsys, 1, *BASE, "--out", out, "--resume", out, "--steps", "5")
