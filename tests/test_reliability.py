@@ -52,7 +52,7 @@ def strict_log(out):
 def load_trained(path):
     """Load a llama-tiny training checkpoint the way --resume does (ckpt.load checks finiteness)."""
     from fmoe.models import llama
-    from fmoe.train.fsdp import data_parallel_plan
+    from fmoe.fsdp import data_parallel_plan
     from fmoe.train.optim import adamw_init
     params = llama.init(cli._preset(llama, "tiny", 1), seed=5)
     plan = data_parallel_plan(llama.plan(cli._preset(llama, "tiny", 1)), params, fmoe.Mesh())
