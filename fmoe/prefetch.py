@@ -103,7 +103,7 @@ def prefetch(params: Any) -> Iterator[None]:
             found = _gather_axis(leaf)
             if found is not None:
                 group = leaf.device_mesh.get_group(found[1])
-                if group_size(group) > 1:
+                if group_size(group) > 1 and leaf.shape[found[0]] % group_size(group) == 0:  # uneven: per leaf
                     todo.setdefault((id(group), leaf.dtype), []).append((leaf, found, group))
     added = []
     try:

@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import tree as _tree
 from .mesh import Mesh
-from .placement import P
+from .placement import P, chunk_range, chunk_sizes
 from .plan import Plan, local_shape
 
 __all__ = ["shard", "gather", "placement_of", "to_local", "materialize", "dtensor_placements",
@@ -80,9 +80,9 @@ def rank_blocks(shape: tuple[int, ...], p: P, mesh: Mesh) -> tuple[list[tuple[sl
         if d == packed:
             continue
         start, n = 0, shape[d]
-        for a in p.dim_axes(d):
-            n //= mesh.size(a)
-            start += mesh.rank_in(a) * n
+        for a in p.dim_axes(d):                       # torch.chunk pieces, nested in mesh order
+            offset, n = chunk_range(n, mesh.size(a), mesh.rank_in(a))
+            start += offset
         idx[d] = slice(start, start + n)
     if packed is None:
         return [tuple(idx)], 0
@@ -298,9 +298,15 @@ def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequen
         if len(gathered) != len(axes) or d == p.packed_dim:
             raise ValueError(f"materialize: placement {p!r} mixes kept axes {list(keep)} and "
                              f"gathered axes {gathered} on dim {d} (or is packed); not supported")
-        for a in reversed(axes):      # innermost split first
+        levels = [t.shape[d]]         # the dim's size before each nested split (torch.chunk pieces)
+        for a in axes[:-1]:
+            levels.append(chunk_range(levels[-1], t.device_mesh.size(t.device_mesh.mesh_dim_names.index(a)),
+                                      t.device_mesh.get_local_rank(a))[1])
+        for a, size in zip(reversed(axes), reversed(levels)):      # innermost split first
             group = t.device_mesh.get_group(a)
             piece = out
-            out = all_gather(piece, group, dim=d, sizes=[piece.shape[d]] * torch.distributed.get_world_size(group))
-            register_gathered(out, piece, group, d)   # lets regather_in_backward drop it
+            sizes = chunk_sizes(size, torch.distributed.get_world_size(group))
+            out = all_gather(piece, group, dim=d, sizes=sizes)
+            if len(set(sizes)) == 1:                  # equal pieces: regather_in_backward may drop it
+                register_gathered(out, piece, group, d)
     return out

@@ -4,7 +4,8 @@ A model's plan says how tensor and expert parallelism split each parameter. For 
 :func:`data_parallel_plan` adds one more split per leaf so no rank stores a full copy:
 
 - a dense leaf (no expert axis) gets ``"fsdp"`` on its first dim that is not split yet and is
-  divisible by the fsdp size; it stays replicated over ``dp_replicate`` (HSDP);
+  divisible by the fsdp size (else on its first free dim with at least fsdp entries, split
+  unevenly with ``torch.chunk`` sizes); it stays replicated over ``dp_replicate`` (HSDP);
 - an expert leaf (split over ``"ep"``) gets ``"efsdp"`` the same way;
 - a leaf with no such dim (a small norm weight or bias) stays replicated; its gradient is
   all-reduced by :func:`fmoe.train.grads.reduce_grads`.
@@ -43,11 +44,12 @@ def add_data_axis(p: P, shape: tuple, mesh: Mesh) -> P:
     if n == 1 or axis in p.mesh_axes():
         return p
     entries = list(p.axes) + [None] * (len(shape) - len(p.axes))
-    for d, size in enumerate(shape):
-        if entries[d] is None and size % n == 0 and size >= n:
-            entries[d] = axis
-            return P(*entries, packed=p.packed, gather=p.gather)
-    return p
+    free = [d for d, size in enumerate(shape) if entries[d] is None and size >= n]
+    even = [d for d in free if shape[d] % n == 0]
+    if not free:
+        return p
+    entries[(even or free)[0]] = axis          # no divisible dim: an uneven split (torch.chunk sizes)
+    return P(*entries, packed=p.packed, gather=p.gather)
 
 
 def data_parallel_plan(model_plan: Plan, params: Any, mesh: Mesh) -> Plan:
