@@ -274,5 +274,6 @@ def local_shape(shape: tuple, p: P, mesh) -> tuple:
                 out[d] //= mesh.size(a)
             continue
         for a in p.dim_axes(d):
-            out[d] = chunk_range(out[d], mesh.size(a), mesh.rank_in(a))[1]
+            n = mesh.size(a)
+            out[d] = out[d] // n if out[d] % n == 0 else chunk_range(out[d], n, mesh.rank_in(a))[1]
     return tuple(out)
