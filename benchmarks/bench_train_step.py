@@ -4,7 +4,7 @@ One tiny random Qwen3-MoE checkpoint is written with transformers' ``save_pretra
 same gloo ranks it is loaded twice: by transformers (``from_pretrained(...,
 distributed_config=DistributedConfig(tp_size, fsdp_size, ep_size))``: FSDP2 for the dense
 weights, token dispatch over ``ep`` for the experts) and by fmoe (``qwen3_moe.load_hf`` with the
-model plan plus :func:`fmoe.train.fsdp.data_parallel_plan`, i.e. the same FSDP split of the
+model plan plus :func:`fmoe.fsdp.data_parallel_plan`, i.e. the same FSDP split of the
 dense weights). A *step* is forward + backward of the same next-token cross-entropy on the same
 tokens, ending with gradients reduced over the data-parallel ranks (FSDP2's reduce-scatter in
 transformers' backward; ``fmoe.train.grads.reduce_grads`` in fmoe). No optimizer update.
@@ -86,7 +86,7 @@ def _hf_model(path: str, layout: dict, attn: str):
 
 def _fmoe_params(path: str, mesh, fsdp: bool = False):
     from fmoe.models import qwen3_moe
-    from fmoe.train.fsdp import data_parallel_plan
+    from fmoe.fsdp import data_parallel_plan
 
     with open(os.path.join(path, "config.json")) as f:
         cfg = qwen3_moe.Config.from_hf(json.load(f))
@@ -117,7 +117,7 @@ def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto", coale
     (``fmoe.train.grads.reduce_grads``, or the ``coalesced`` experiment)."""
     from fmoe.models import qwen3_moe
     from fmoe.nn import cross_entropy
-    from fmoe.regather import regather_in_backward
+    from fmoe.fsdp import regather_in_backward
     from fmoe.train.grads import reduce_grads
 
     leaves = fmoe.tree.leaves(params)

@@ -16,6 +16,15 @@ reduce_scatter     sum, keep own slice        all-gather
 split_to           keep own slice             all-gather of the slices' gradients
 =================  =========================  ==========================================
 
+Not differentiable (bookkeeping and buffers that autograd never sees): ``all_gather_rows``,
+``reduce_scatter_rows``, ``all_to_all_rows`` (one equal row per rank, e.g. split sizes),
+``all_gather_sizes``, ``all_reduce_coalesced``, ``broadcast_from``, and the world-level
+``sum_over_world``, ``barrier``, ``broadcast_object`` and ``all_gather_objects``.
+
+This module is the only one in the package that calls ``torch.distributed`` collectives
+(``tests/test_architecture.py`` checks it); process-group bookkeeping (``get_rank``,
+``get_world_size``, ``new_group``) may live elsewhere.
+
 ``all_gather`` is the exact adjoint for a gathered tensor that each rank uses in a *different*
 loss; ``gather_replicated`` is for the usual tensor-parallel case where every rank of the group
 computes the *same* loss on the replicated result (summing would multiply gradients by the
@@ -33,7 +42,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_to_all", "all_reduce", "copy_to", "all_gather", "gather_replicated",
-           "reduce_scatter", "split_to", "group_size", "all_gather_sizes", "all_reduce_coalesced"]
+           "reduce_scatter", "split_to", "group_size", "all_gather_sizes", "all_reduce_coalesced",
+           "all_gather_rows", "reduce_scatter_rows", "all_to_all_rows", "sum_over_world", "barrier",
+           "broadcast_object", "broadcast_from", "all_gather_objects"]
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -144,6 +155,80 @@ def all_gather_rows(xm: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tor
     out = xm.new_empty((xm.shape[0] * group_size(group),) + tuple(xm.shape[1:]))
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, xm, group=group)
     return out
+
+
+def reduce_scatter_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """``send [n, total]`` (row r for rank r of ``group``) summed over the ranks; this rank keeps
+    its row ``[total]``: one reduce-scatter, not differentiable.
+
+    Example:
+        >>> reduce_scatter_rows(torch.ones(1, 3), None).tolist()
+        [1.0, 1.0, 1.0]
+    """
+    if group_size(group) == 1:
+        return send.reshape(-1).clone()
+    out = send.new_empty(send.shape[1])
+    dist.reduce_scatter_tensor(out, send.reshape(-1), group=group)
+    return out
+
+
+def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Row r of ``send [n, ...]`` goes to rank r of ``group``; row r of the result came from rank
+    r (one equal-split all-to-all, not differentiable: split sizes and statistics).
+
+    Example:
+        >>> all_to_all_rows(torch.tensor([3]), None).tolist()
+        [3]
+    """
+    if group_size(group) == 1:
+        return send.clone()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def sum_over_world(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over every rank of the default group, in place (no-op in one process); returns
+    ``x``. Not differentiable: metrics and norms."""
+    if _world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def barrier() -> None:
+    """Wait for every rank of the default group (no-op in one process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_from(x: torch.Tensor, group: Optional[dist.ProcessGroup], group_src: int = 0) -> torch.Tensor:
+    """``x`` of the rank with index ``group_src`` in ``group``, on every rank of it, in place
+    (contiguous ``x``; no-op for one rank); returns ``x``. Not differentiable."""
+    if group_size(group) > 1:
+        dist.broadcast(x, group=group, group_src=group_src)
+    return x
+
+
+def all_gather_objects(obj: object) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank of the default group."""
+    if _world_size() == 1:
+        return [obj]
+    every: list = [None] * _world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Rank ``src``'s ``obj`` (picklable) on every rank of the default group."""
+    if _world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def _gather(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:

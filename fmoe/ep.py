@@ -50,7 +50,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .collectives import all_reduce, all_to_all, copy_to, gather_replicated, group_size, split_to
+from .collectives import all_reduce, all_to_all, all_to_all_rows, copy_to, gather_replicated, group_size, split_to
 from .expert_blocks import weighted_expert_sum
 from .experts import Activation, check_matmul, expert_mlp, swiglu
 
@@ -202,13 +202,10 @@ def _exchange_splits(in_splits: torch.Tensor, stats: Optional[torch.Tensor], gro
     group computes identically (same rows, same order), the gradient passed straight to this
     rank's own stats (``all_reduce``'s backward)."""
     if stats is None:
-        out_splits = torch.empty_like(in_splits)
-        torch.distributed.all_to_all_single(out_splits, in_splits, group=group)
-        return out_splits.tolist(), None
+        return all_to_all_rows(in_splits, group).tolist(), None
     n = in_splits.shape[0]
     send = torch.cat([in_splits.to(torch.float64).unsqueeze(1), stats.detach().expand(n, -1)], dim=1)  # [ep, 1+S]
-    recv = torch.empty_like(send)
-    torch.distributed.all_to_all_single(recv, send, group=group)
+    recv = all_to_all_rows(send, group)
     batch_peers = set(mesh.ranks("fsdp"))                          # one rank per batch, my tp index
     rows = [j for j, r in enumerate(mesh.ranks("ep")) if r in batch_peers]
     total = recv[rows, 1:].sum(0)                                  # ep-group order: the same bits everywhere

@@ -45,7 +45,7 @@ from .experts import Activation, check_matmul, swiglu
 from .load_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .shared_experts import check_shared, shared_expert
-from .sharding import materialize
+from .fsdp import unshard
 
 __all__ = ["moe"]
 
@@ -119,7 +119,7 @@ def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> 
     for key in _EXPERT_KEYS:
         if key not in params:
             continue
-        w = materialize(params[key], keep=("ep",)) if isinstance(params[key], DTensor) else params[key]
+        w = unshard(params[key], keep=("ep",)) if isinstance(params[key], DTensor) else params[key]
         if ep > 1 and w.shape[0] == E:            # replicated / plain full experts: own block
             w = w[rng.start:rng.stop]
         if w.shape[0] != len(rng):
@@ -141,7 +141,7 @@ def _router_inputs(params: dict, router_inputs: Optional[Mapping[str, Any]]) -> 
     if "expert_bias" in params:
         if "expert_bias" in inputs:
             raise ValueError("moe: expert_bias is given both in params and in router_inputs; keep one")
-        inputs["expert_bias"] = materialize(params["expert_bias"], keep=()).detach()
+        inputs["expert_bias"] = unshard(params["expert_bias"], keep=()).detach()
     return inputs
 
 
@@ -203,10 +203,10 @@ def moe(
     trained += list(params.get("shared", {}).values())
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(v.requires_grad for v in trained))
     name = _choose(impl, mesh, needs_grad)
-    router_w = materialize(params["router"], keep=())
+    router_w = unshard(params["router"], keep=())
     logits = x @ router_w.t()                                                    # [T, E]
     if "router_bias" in params:
-        logits = logits + materialize(params["router_bias"], keep=())
+        logits = logits + unshard(params["router_bias"], keep=())
     routing = validate(call(router, logits, inputs), x.shape[0], E)
     experts = _local_experts(params, E, mesh, act, matmul)
     stats = {**routing.aux, **routed_load(routing.weights, routing.expert_ids, E)}

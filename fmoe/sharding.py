@@ -7,8 +7,10 @@ over the dense or the expert ``DeviceMesh``. No communication happens.
 
 Why DTensors: gradients come back with the same placements, elementwise optimizer math stays
 local, a global norm is a DTensor reduction, and ``torch.distributed.checkpoint`` reshards them.
-Hot paths never compute on DTensors: layer functions take ``to_local(t)`` and insert their own
-autograd collectives, reading the placement with ``placement_of(t)``.
+Hot paths never compute on DTensors: layer functions take ``to_local(t)`` (or
+``fmoe.fsdp.unshard(t)``, which also gathers data-parallel splits) and insert their own autograd
+collectives, reading the placement with ``placement_of(t)``: the placement is stored once, in
+the DTensor's spec.
 
 ``gather(tree)`` turns every DTensor back into a plain full tensor on every rank (parameters or
 gradients; ``Partial`` gradients are summed): ``gather(shard(p, plan, mesh))`` equals ``p``
@@ -23,20 +25,22 @@ import copy
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import tree as _tree
 from .mesh import Mesh
-from .placement import P, chunk_range, chunk_sizes
+from .placement import P, chunk_range
 from .plan import Plan, local_shape
 
-__all__ = ["shard", "gather", "placement_of", "to_local", "materialize", "dtensor_placements",
+__all__ = ["shard", "gather", "placement_of", "to_local", "placed_like", "local_part", "dtensor_placements",
            "slice_for_rank", "rank_blocks", "from_local_slice"]
 
-_ATTR = "_fmoe_placement"
+#: The one layer option a DTensor spec cannot hold: ``P(..., gather=True)`` (a colwise layer
+#: gathers its output). Set by :func:`from_local_slice` / :func:`placed_like`, read by
+#: :func:`placement_of`; everything else about a placement is read from the DTensor's spec.
+_GATHER_OUTPUT = "_fmoe_gather_output"
 
 
 def dtensor_placements(p: P, mesh: Mesh):
@@ -124,7 +128,57 @@ def from_local_slice(local: torch.Tensor, full_shape: Sequence[int], p: P, mesh:
     dm, pls = dtensor_placements(p, mesh)
     out = DTensor.from_local(local, dm, pls, run_check=False, shape=torch.Size(full_shape),
                              stride=torch.empty(full_shape, device="meta").stride())
-    setattr(out, _ATTR, p)
+    if p.gather:
+        setattr(out, _GATHER_OUTPUT, True)
+    return out
+
+
+def local_part(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """This rank's part of ``full`` (the same whole tensor on every rank), cut as ``like`` (a
+    DTensor of ``full``'s shape) is placed; nothing is communicated.
+
+    Example:
+        >>> local_part(torch.ones(3), torch.zeros(3)).shape
+        torch.Size([3])
+    """
+    if not isinstance(like, DTensor):
+        return full
+    replicated = [Replicate()] * like.device_mesh.ndim
+    t = DTensor.from_local(full, like.device_mesh, replicated, run_check=False)
+    return t.redistribute(like.device_mesh, like.placements).to_local()
+
+
+def placed_like(local: torch.Tensor, ref: Any, spec: Optional[DTensorSpec] = None) -> Any:
+    """``local`` (a new local tensor: an optimizer update, a gathered weight) placed like
+    ``ref``: a DTensor with ``ref``'s spec (or ``spec``, e.g. ``ref``'s placements with an axis
+    gathered) and ``ref``'s layer option; ``local`` itself when ``ref`` is a plain tensor.
+    Nothing is communicated; a ``local`` that requires grad keeps its autograd history
+    (``DTensor.from_local``), any other is wrapped directly (25x cheaper).
+
+    Args:
+        local: this rank's tensor.
+        ref: the DTensor (or tensor) whose placement to take.
+        spec: the spec to use instead of ``ref``'s own.
+    Returns:
+        a DTensor (or ``local``).
+
+    Example:
+        >>> placed_like(torch.zeros(2), torch.ones(2)).shape
+        torch.Size([2])
+    """
+    if not isinstance(ref, DTensor):
+        return local
+    mine = ref._local_tensor
+    if spec is not None:
+        out = DTensor(local, spec, requires_grad=False)
+    elif (not local.requires_grad and local.dtype == ref.dtype and local.shape == mine.shape
+          and local.stride() == mine.stride()):
+        out = DTensor(local, ref._spec, requires_grad=False)    # same spec: skips from_local's checks (25x)
+    else:
+        out = DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
+                                 shape=ref.shape, stride=ref.stride())
+    if getattr(ref, _GATHER_OUTPUT, False):
+        setattr(out, _GATHER_OUTPUT, True)
     return out
 
 
@@ -187,14 +241,14 @@ def gather(tree: Any) -> Any:
 
 
 def placement_of(t: Any) -> P:
-    """The :class:`P` of a leaf (``P()`` for a plain tensor).
+    """The :class:`P` of a leaf (``P()`` for a plain tensor), read from the DTensor's spec
+    (``Shard`` / ``_StridedShard`` per mesh dim; nested axes in mesh order, as
+    :meth:`P.validate` requires) plus the ``gather`` layer option (:func:`placed_like`).
 
-    The exact ``P`` given to :func:`shard` (including ``gather``) is kept on the leaf; for a
-    DTensor made elsewhere it is derived from the DTensor's placements.
+    Example:
+        >>> placement_of(torch.ones(2))
+        P()
     """
-    p = getattr(t, _ATTR, None)
-    if p is not None:
-        return p
     if not isinstance(t, DTensor):
         return P()
     entries: list = [None] * t.ndim
@@ -207,7 +261,7 @@ def placement_of(t: Any) -> P:
                 packed = pl.split_factor
     while entries and entries[-1] is None:
         entries.pop()
-    return P(*entries, packed=packed)
+    return P(*entries, packed=packed, gather=getattr(t, _GATHER_OUTPUT, False))
 
 
 def to_local(t: Any, partial_grad: Sequence[str] = ()) -> torch.Tensor:
@@ -257,56 +311,3 @@ class _ToLocal(torch.autograd.Function):
         grad_spec = (copy.copy(spec) if ctx.grad_placements == spec.placements else
                      DTensorSpec(spec.mesh, ctx.grad_placements, tensor_meta=spec.tensor_meta))
         return DTensor(g, grad_spec, requires_grad=False), None
-
-
-def materialize(t: Any, keep: Sequence[str] = ("tp", "ep"), partial_grad: Sequence[str] = ()) -> torch.Tensor:
-    """The tensor a layer computes with: this rank's slice along the ``keep`` axes, every other
-    split axis (``fsdp``, ``efsdp``, ``dp_replicate``) all-gathered for the call.
-
-    The gather's backward is a reduce-scatter (sum over the gathering ranks, keep own slice):
-    the gradient of an FSDP-sharded weight is the sum of its data-parallel copies' gradients.
-    Dividing by the number of batches (the per-batch mean) is the trainer's business.
-
-    Args:
-        t: DTensor or plain tensor.
-        keep: axes whose split stays local (layers handle them with their own collectives).
-        partial_grad: passed to :func:`to_local` (axes where the gradient is a partial sum).
-    Returns:
-        a plain tensor.
-
-    Example:
-        >>> materialize(torch.ones(2)).shape
-        torch.Size([2])
-    """
-    from .collectives import all_gather
-    from .prefetch import prefetched
-    from .regather import register_gathered
-
-    if not isinstance(t, DTensor):
-        return t
-    if not partial_grad:
-        ready = prefetched(t, keep)               # gathered with its layer (fmoe.prefetch)
-        if ready is not None:
-            return ready
-    p = placement_of(t)
-    out = to_local(t, partial_grad)
-    for d in p.sharded_dims():
-        axes = p.dim_axes(d)
-        gathered = [a for a in axes if a not in keep]
-        if not gathered:
-            continue
-        if len(gathered) != len(axes) or d == p.packed_dim:
-            raise ValueError(f"materialize: placement {p!r} mixes kept axes {list(keep)} and "
-                             f"gathered axes {gathered} on dim {d} (or is packed); not supported")
-        levels = [t.shape[d]]         # the dim's size before each nested split (torch.chunk pieces)
-        for a in axes[:-1]:
-            levels.append(chunk_range(levels[-1], t.device_mesh.size(t.device_mesh.mesh_dim_names.index(a)),
-                                      t.device_mesh.get_local_rank(a))[1])
-        for a, size in zip(reversed(axes), reversed(levels)):      # innermost split first
-            group = t.device_mesh.get_group(a)
-            piece = out
-            sizes = chunk_sizes(size, torch.distributed.get_world_size(group))
-            out = all_gather(piece, group, dim=d, sizes=sizes)
-            if len(set(sizes)) == 1:                  # equal pieces: regather_in_backward may drop it
-                register_gathered(out, piece, group, d)
-    return out

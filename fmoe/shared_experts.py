@@ -22,7 +22,8 @@ import torch
 
 from .collectives import all_reduce, copy_to
 from .experts import Activation, swiglu
-from .sharding import materialize, placement_of
+from .fsdp import unshard
+from .sharding import placement_of
 
 __all__ = ["shared_expert", "check_shared"]
 
@@ -87,10 +88,10 @@ def shared_expert(shared: dict, x: torch.Tensor, act: Activation = swiglu) -> to
     """
     check_shared(shared, x.shape[-1], x.dtype)
     group = _tp_group(shared["w_gate_up"])
-    w_gate_up = materialize(shared["w_gate_up"], keep=("tp",))                 # [2I/tp, D] local
-    w_down = materialize(shared["w_down"], keep=("tp",))                       # [D, I/tp]
+    w_gate_up = unshard(shared["w_gate_up"], keep=("tp",))                 # [2I/tp, D] local
+    w_down = unshard(shared["w_down"], keep=("tp",))                       # [D, I/tp]
     gate, up = (copy_to(x, group) @ w_gate_up.t()).chunk(2, dim=-1)            # [T, I/tp] each
     y = all_reduce(act(gate, up) @ w_down.t(), group)                          # [T, D]
     if "gate" in shared:
-        y = torch.sigmoid(x @ materialize(shared["gate"], keep=()).t()) * y    # [T, 1] * [T, D]
+        y = torch.sigmoid(x @ unshard(shared["gate"], keep=()).t()) * y    # [T, 1] * [T, D]
     return y

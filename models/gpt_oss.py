@@ -277,7 +277,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]
     cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
     auxes, entries = [], []
-    for i, (layer, kind) in enumerate(zip(fmoe.prefetch_layers(params["layers"]), cfg.layer_types)):  # FSDP gathers
+    for i, (layer, kind) in enumerate(zip(fmoe.unsharded_layers(params["layers"]), cfg.layer_types)):  # FSDP gathers
         window = cfg.sliding_window if kind == "sliding_attention" else None
         x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
         y, entry = _attention(layer["attn"], x, cos, sin, cfg, window, step, None if cache is None else cache["layers"][i])

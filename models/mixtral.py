@@ -255,7 +255,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]
     cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
     auxes, entries = [], []
-    for i, layer in enumerate(fmoe.prefetch_layers(params["layers"])):  # FSDP: one gather per layer
+    for i, layer in enumerate(fmoe.unsharded_layers(params["layers"])):  # FSDP: one gather per layer
         x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
         y, entry = _attention(layer["attn"], x, cos, sin, cfg, step, None if cache is None else cache["layers"][i])
         entries.append(entry)

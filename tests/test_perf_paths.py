@@ -198,9 +198,9 @@ def test_split_to_validates_sizes():
 
 
 def _prefetch_checks(rank, world):
-    """One layer-like function over FSDP-split weights, with and without fmoe.prefetch (and
+    """One layer-like function over FSDP-split weights, with and without fmoe.fsdp.unshard_layer (and
     regather_in_backward): same outputs and gradients; collectives counted per path."""
-    from fmoe.regather import regather_in_backward
+    from fmoe.fsdp import regather_in_backward
 
     calls = []
     mesh = fmoe.Mesh(tp=1)
@@ -222,11 +222,7 @@ def _prefetch_checks(rank, world):
         leaves = [params[k] for k in ("a", "b", "n", "h")]
         del calls[:]
         with _c10d_log(calls), regather_in_backward():
-            if mode == "prefetch":
-                with fmoe.prefetch(params):
-                    loss = layer(params)
-            else:
-                loss = layer(params)
+            loss = layer(fmoe.fsdp.unshard_layer(params) if mode == "prefetch" else params)
             fwd = list(calls)
             grads = torch.autograd.grad(loss, leaves)
         out[mode] = (float(loss), [gr.to_local() for gr in grads], fwd, calls[len(fwd):])
@@ -253,7 +249,7 @@ def _fold_and_prefetch_on_four(rank, world):
     FSDP plan (dense over fsdp, experts over efsdp with ep=2) gives the single-process logits
     under no_grad, with one all-gather per layer and weight group instead of one per weight."""
     from fmoe.models import qwen3_moe
-    from fmoe.train.fsdp import data_parallel_plan
+    from fmoe.fsdp import data_parallel_plan
 
     calls = []
     mesh = fmoe.Mesh(tp=2, ep=4)

@@ -1,5 +1,6 @@
 """Training: optimizer, global norm on meshes, N-step parity with one process, CLI, resume."""
 
+import functools
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch
 import fmoe
 from fmoe import P
 from fmoe.testing import spawn
+from fmoe.train import step as step_module
 from fmoe.train.optim import AdamWConfig, adamw_init, adamw_update, global_norm, lr_at
 from train_cases import train
 
@@ -77,10 +79,10 @@ def _train_meshes(rank, world, name, meshes, cfg=None):
     out = []
     for kw in meshes:
         mesh = fmoe.Mesh(**kw)
-        before = fmoe.regather.stats()
+        counts = fmoe.fsdp.RegatherCounts()     # counted in the trainer's own regather context
+        step_module.regather_in_backward = functools.partial(fmoe.fsdp.regather_in_backward, counts=counts)
         losses, norms, params = train(name, mesh, cfg=cfg)
-        after = fmoe.regather.stats()
-        regathered = (after["packed"] - before["packed"], after["regathered"] - before["regathered"])
+        regathered = (counts.packed, counts.regathered)
         out.append((kw, mesh.num_batches, losses, norms, params, regathered, mesh.fsdp))
     return out
 

@@ -10,7 +10,7 @@ import torch
 
 import fmoe
 from fmoe.train import ckpt
-from fmoe.train.fsdp import data_parallel_plan
+from fmoe.fsdp import data_parallel_plan
 from fmoe.train.optim import adamw_init
 import fmoe.models.llama
 

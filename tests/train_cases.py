@@ -6,7 +6,7 @@ import torch
 
 import fmoe
 from fmoe.train.data import Corpus
-from fmoe.train.fsdp import data_parallel_plan
+from fmoe.fsdp import data_parallel_plan
 from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
 from fmoe.train.step import StepConfig, train_step
 

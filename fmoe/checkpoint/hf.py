@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .. import tree as _tree
+from ..collectives import broadcast_object
 from ..mesh import Mesh
 from ..plan import Plan
 from ..sharding import from_local_slice, gather, rank_blocks
@@ -277,9 +278,8 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
         except BaseException as e:  # noqa: BLE001 - every rank must learn that the save failed
             error = e
     if distributed and dist.get_world_size() > 1:
-        status = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(status, src=0)
-        if error is None and status[0] is not None:
-            raise RuntimeError(f"save_hf: rank 0 failed to write {os.fspath(path)!r}: {status[0]}")
+        status = broadcast_object(None if error is None else f"{type(error).__name__}: {error}", src=0)
+        if error is None and status is not None:
+            raise RuntimeError(f"save_hf: rank 0 failed to write {os.fspath(path)!r}: {status}")
     if error is not None:
         raise error

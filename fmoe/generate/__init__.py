@@ -33,8 +33,8 @@ import inspect
 from typing import Any, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
+from ..collectives import broadcast_from
 from ..tree import leaves
 
 __all__ = ["generate", "sample", "left_pad"]
@@ -118,9 +118,7 @@ def _same_on_tp(ids: torch.Tensor, mesh: Any) -> torch.Tensor:
     """tp rank 0's ids on every rank of its tp group (ranks of a group share one batch)."""
     if mesh is None or mesh.tp == 1:
         return ids
-    ids = ids.contiguous()
-    dist.broadcast(ids, group=mesh.group("tp"), group_src=0)
-    return ids
+    return broadcast_from(ids.contiguous(), mesh.group("tp"), group_src=0)
 
 
 def generate(model: Any, params: Any, cfg: Any, prompts: Union[torch.Tensor, Sequence[Sequence[int]]],

@@ -83,7 +83,7 @@ def load(ckpt: str, mesh: Any) -> tuple[Any, Any, Any, Optional[str]]:
         params, cfg = model.load_hf(ckpt, mesh=mesh if mesh.world > 1 else None)
         return model, params, cfg, ckpt
     from fmoe.train import ckpt as tckpt
-    from fmoe.train.fsdp import data_parallel_plan
+    from fmoe.fsdp import data_parallel_plan
     from fmoe.train.optim import adamw_init
 
     step = tckpt.latest(ckpt)

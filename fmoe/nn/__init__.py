@@ -18,7 +18,7 @@ embedding         vocab ``P("tp", None)``           own rows, others zero, ``all
 rms_norm          ``P()``                           nothing (input replicated)
 head_rms_norm     ``P()`` on tp-split heads         weight gradient marked partial over tp
 attention         sinks ``P("tp")`` (local)         nothing: heads are independent
-any               ``fsdp`` / ``dp_replicate`` split gathered for the call (``fmoe.materialize``),
+any               ``fsdp`` / ``dp_replicate`` split gathered for the call (``fmoe.fsdp.unshard``),
                                                     gradient reduce-scattered
 ================  ================================  ============================================
 

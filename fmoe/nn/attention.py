@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 
 from ..collectives import copy_to
-from ..sharding import materialize, placement_of
+from ..fsdp import unshard
+from ..sharding import placement_of
 from ._tp import check_tensor, tp_size_rank
 
 __all__ = ["attention", "visible", "shared_by_heads"]
@@ -163,7 +164,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if sinks is None:
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     else:
-        sl = materialize(sinks, keep=("tp",))
+        sl = unshard(sinks, keep=("tp",))
         if sl.shape[0] != q.shape[2]:
             raise ValueError(f"attention: sinks has {sl.shape[0]} local entries but q has {q.shape[2]} "
                              "heads; place sinks like the query heads (style 'local')")

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..placement import P
-from ..sharding import placement_of, shard, to_local
+from ..sharding import placed_like, shard, to_local
 
 __all__ = ["Step", "init_cache", "kv_cache", "begin", "write", "finish", "outputs"]
 
@@ -122,15 +121,6 @@ def begin(tokens: torch.Tensor, cache: Optional[dict], positions: Optional[torch
     return Step(positions, start, torch.cat([cache["mask"][:, :start].to(tokens.device), real], dim=1))
 
 
-def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    if not isinstance(like, DTensor):
-        return local
-    out = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                             shape=like.shape, stride=like.stride())
-    out._fmoe_placement = placement_of(like)
-    return out
-
-
 def write(entry: dict, step: Step, **new: torch.Tensor) -> tuple[dict, tuple[torch.Tensor, ...]]:
     """Write the new tokens' tensors ``[B, S, ...]`` into slots ``[start, start + S)``.
 
@@ -151,7 +141,7 @@ def write(entry: dict, step: Step, **new: torch.Tensor) -> tuple[dict, tuple[tor
                              "max_len, mesh) on the mesh and plan the parameters use")
         S = x.shape[1]
         buf = buf.slice_scatter(x.to(buf.dtype), dim=1, start=step.start, end=step.start + S)
-        out[name] = _rewrap(entry[name], buf)
+        out[name] = placed_like(buf, entry[name])
         views.append(buf[:, :step.start + S])
     return out, tuple(views)
 

@@ -18,7 +18,7 @@ rowwise ``P(None,     this rank's slice of the in     partial products summed wi
 ``packed=2`` (a fused ``[gate | up]`` weight) splits each block separately: a colwise output
 is locally ``[gate_r | up_r]``, so ``chunk(2, -1)`` still separates gate from up, and a
 rowwise layer slices a full-width input block by block. Splits over ``fsdp`` / ``efsdp`` /
-``dp_replicate`` are gathered for the call by :func:`fmoe.materialize` (gradients
+``dp_replicate`` are gathered for the call by :func:`fmoe.fsdp.unshard` (gradients
 reduce-scattered back).
 
 ``embedding`` does the same for a lookup table ``[V, D]``: replicated, vocabulary-parallel
@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from ..collectives import all_reduce, copy_to, gather_replicated
+from ..fsdp import unshard
 from ..placement import chunk_range, chunk_sizes
-from ..sharding import materialize, placement_of
+from ..sharding import placement_of
 from ._tp import check_tensor, own_part, tp_size_rank, unpack_gathered
 
 __all__ = ["linear", "embedding"]
@@ -52,9 +53,9 @@ def _check_weight(fn: str, name: str, w: torch.Tensor, ndim: int) -> None:
 def _colwise_bias(b: torch.Tensor, width: int, n: int, r: int, packed: int) -> torch.Tensor:
     """The bias slice matching a colwise output of local ``width``."""
     if placement_of(b).dim_of("tp") is not None:
-        bl = materialize(b, keep=("tp",))
+        bl = unshard(b, keep=("tp",))
     else:  # replicated bias: slice own part; its gradient is then a partial sum over tp
-        bl = own_part(materialize(b, keep=("tp",), partial_grad=("tp",)), n, r, packed)
+        bl = own_part(unshard(b, keep=("tp",), partial_grad=("tp",)), n, r, packed)
     if bl.shape[-1] != width:
         raise ValueError(f"linear: b has {b.shape[-1]} features but the colwise weight gives "
                          f"{width * n} (local {width}); place b like the weight's rows (style colwise)")
@@ -87,13 +88,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
     p = placement_of(w)
     tp_dim = p.dim_of("tp")
     group, n, r = tp_size_rank(w)
-    wl = materialize(w, keep=("tp",))
+    wl = unshard(w, keep=("tp",))
     if tp_dim is None or n == 1:
         if x.shape[-1] != wl.shape[1]:
             raise ValueError(f"linear: x has {x.shape[-1]} features but w {tuple(w.shape)} expects {wl.shape[1]}")
         if b is not None and placement_of(b).dim_of("tp") is not None and n > 1:
             raise ValueError(f"linear: b is split over tp ({placement_of(b)!r}) but w is not ({p!r})")
-        return F.linear(x, wl, None if b is None else materialize(b, keep=("tp",)))
+        return F.linear(x, wl, None if b is None else unshard(b, keep=("tp",)))
     if tp_dim == 0:  # colwise: [out/tp, in]
         if x.shape[-1] != wl.shape[1]:
             raise ValueError(f"linear: colwise w {tuple(w.shape)} needs the full input width "
@@ -118,7 +119,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
     if b is not None:
         if placement_of(b).dim_of("tp") is not None:
             raise ValueError(f"linear: a rowwise layer's bias must be replicated over tp, got {placement_of(b)!r}")
-        y = y + materialize(b, keep=("tp",))
+        y = y + unshard(b, keep=("tp",))
     return y
 
 
@@ -145,7 +146,7 @@ def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
                          f"max {int(tokens.max())}")
     tp_dim = placement_of(table).dim_of("tp")
     group, n, r = tp_size_rank(table)
-    tl = materialize(table, keep=("tp",))
+    tl = unshard(table, keep=("tp",))
     if tp_dim is None or n == 1:
         return F.embedding(tokens, tl)
     if tp_dim == 1:  # features split: local lookup, gather the features

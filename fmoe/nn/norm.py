@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sharding import materialize, placement_of
+from ..fsdp import unshard
+from ..sharding import placement_of
 from ._tp import check_tensor
 
 __all__ = ["rms_norm", "head_rms_norm"]
@@ -58,7 +59,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
         tensor([[0.8485, 1.1314]])
     """
     _check("rms_norm", x, w, eps)
-    return _norm(x, materialize(w, keep=("tp",)), eps)
+    return _norm(x, unshard(w, keep=("tp",)), eps)
 
 
 def head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, num_heads: int) -> torch.Tensor:
@@ -85,5 +86,5 @@ def head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, num_heads: int) 
         raise ValueError(f"head_rms_norm: num_heads={num_heads!r} must be a positive multiple of "
                          f"the {local} heads x holds")
     sharded = local < num_heads  # heads split over tp: this rank's weight gradient is partial
-    wl = materialize(w, keep=("tp",), partial_grad=("tp",) if sharded else ())
+    wl = unshard(w, keep=("tp",), partial_grad=("tp",) if sharded else ())
     return _norm(x, wl, eps)

@@ -39,14 +39,14 @@ Example:
     ([[3, 2]], [0.7311, 0.2689])
 """
 
+from . import aux_losses
+from .aux_losses import with_losses
 from .bias import sigmoid_topk, update_bias
 from .capacity import capacity, expert_choice, switch
 from .core import Router, Routing, call, validate
 from .fixed import balanced, hash_router, random_topk, token_hash
 from .topk import group_mask, group_topk, topk, topk_softmax
 
-from ..aux_losses import with_losses  # noqa: E402  (aux_losses builds on .core, loaded above)
-
 __all__ = ["Routing", "Router", "validate", "call", "topk", "topk_softmax", "group_topk", "group_mask",
            "sigmoid_topk", "update_bias", "switch", "expert_choice", "capacity", "hash_router",
-           "token_hash", "balanced", "random_topk", "with_losses"]
+           "token_hash", "balanced", "random_topk", "with_losses", "aux_losses"]

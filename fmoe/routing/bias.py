@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Union
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
 from .. import tree as _tree
+from ..sharding import local_part, placed_like, to_local
 from .core import Router, Routing, check_k, check_logits
 from .topk import group_mask
 
@@ -79,7 +79,7 @@ def sigmoid_topk(k: int, normalize: bool = True, scale: float = 1.0, num_groups:
 def _updated(bias: Any, load: torch.Tensor, rate: float, where: str) -> Any:
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"update_bias: {where} must be a tensor, got {type(bias).__name__}")
-    local = bias.to_local() if isinstance(bias, DTensor) else bias
+    local = to_local(bias)
     if not isinstance(load, torch.Tensor) or tuple(load.shape) != tuple(bias.shape) or bias.ndim != 1:
         raise ValueError(f"update_bias: load for {where} must be a tensor of shape {tuple(bias.shape)} "
                          f"(one count per expert), got "
@@ -87,19 +87,10 @@ def _updated(bias: Any, load: torch.Tensor, rate: float, where: str) -> Any:
     with torch.no_grad():
         load = load.detach().to(device=local.device, dtype=torch.float64)
         step = torch.sign(load.mean() - load) * rate                              # [E]
-        if isinstance(bias, DTensor) and local.shape != step.shape:  # bias split (fsdp): own block of the step
-            replicated = [Replicate()] * bias.device_mesh.ndim
-            step = DTensor.from_local(step, bias.device_mesh, replicated, run_check=False)
-            step = step.redistribute(bias.device_mesh, bias.placements).to_local()
+        if local.shape != step.shape:                      # bias split (fsdp): own block of the step
+            step = local_part(step, bias)
         new = local.detach() + step.to(local.dtype)
-    if isinstance(bias, DTensor):
-        out = DTensor.from_local(new, bias.device_mesh, bias.placements, run_check=False,
-                                 shape=bias.shape, stride=bias.stride())
-        for attr in ("_fmoe_placement",):                      # keep fmoe's placement tag
-            if hasattr(bias, attr):
-                setattr(out, attr, getattr(bias, attr))
-        return out
-    return new
+    return placed_like(new, bias)
 
 
 def update_bias(params_or_bias: Any, load: Union[torch.Tensor, Mapping[str, torch.Tensor]],

@@ -42,6 +42,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import tree as _tree
 from ..checkpoint.integrity import digests, verify
+from ..collectives import all_gather_objects, barrier
 
 __all__ = ["save", "load", "latest", "read_meta", "packed_layout", "on_rank0", "FORMAT"]
 
@@ -55,8 +56,7 @@ def _dist() -> bool:
 
 
 def _barrier() -> None:
-    if _dist():
-        dist.barrier()
+    barrier()
 
 
 def packed_layout(plan: Any, params: Any, mesh: Any = None) -> dict[str, tuple[int, int]]:
@@ -126,9 +126,7 @@ def _agree(error: Optional[str]) -> Optional[str]:
     """The first rank's error message (or None), the same on every rank (one all-gather)."""
     if not _dist() or dist.get_world_size() == 1:
         return error
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, error)
-    return next((e for e in every if e is not None), None)
+    return next((e for e in all_gather_objects(error) if e is not None), None)
 
 
 def on_rank0(fn: Callable[[], Any], what: str) -> None:
@@ -171,9 +169,7 @@ def _split_digests(directory: str) -> dict[str, dict]:
     mine = digests(directory, names[rank::world])
     if world == 1:
         return mine
-    every: list = [None] * world
-    dist.all_gather_object(every, mine)
-    return {k: v for part in every for k, v in part.items()}
+    return {k: v for part in all_gather_objects(mine) for k, v in part.items()}
 
 
 def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,

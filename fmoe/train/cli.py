@@ -342,7 +342,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     import fmoe
     from fmoe.train import ckpt
     from fmoe.train.data import Corpus
-    from fmoe.train.fsdp import data_parallel_plan
+    from fmoe.fsdp import data_parallel_plan
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
     from fmoe.train.outdir import check_room
     from fmoe.train.step import StepConfig, train_step

@@ -3,7 +3,7 @@
 After each rank calls ``backward()`` on the mean loss of its own batch:
 
 - a leaf split over ``fsdp`` / ``efsdp`` already holds the SUM over the copies that gathered it
-  (``fmoe.materialize``'s backward is a reduce-scatter);
+  (``fmoe.fsdp.unshard``'s backward is a reduce-scatter);
 - an expert already holds the sum over the ``ep / tp`` distinct batches of its EP group
   (the dispatch's backward);
 - a leaf *replicated* over a data-parallel axis (``fsdp``, ``dp_replicate``, ``efsdp``) holds

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import tree as _tree
-from ..sharding import _ATTR
+from ..collectives import sum_over_world
+from ..sharding import placed_like
 
 __all__ = ["AdamWConfig", "adamw_init", "adamw_update", "global_norm", "lr_at"]
 
@@ -60,19 +60,8 @@ def _local(t: Any) -> torch.Tensor:
 
 
 def _like(local: torch.Tensor, ref: Any) -> Any:
-    """Wrap a new local tensor with ``ref``'s placements (and fmoe placement tag)."""
-    if not isinstance(ref, DTensor):
-        return local
-    mine = ref._local_tensor
-    if local.dtype == ref.dtype and local.shape == mine.shape and local.stride() == mine.stride():
-        out = DTensor(local, ref._spec, requires_grad=False)    # same spec: skips from_local's checks (25x)
-    else:
-        out = DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
-                                 shape=ref.shape, stride=ref.stride())
-    tag = getattr(ref, _ATTR, None)
-    if tag is not None:
-        setattr(out, _ATTR, tag)
-    return out
+    """Wrap a new local tensor with ``ref``'s placement (:func:`fmoe.sharding.placed_like`)."""
+    return placed_like(local, ref)
 
 
 def adamw_init(params: Any) -> dict:
@@ -103,9 +92,7 @@ def global_norm(tree: Any) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64)
     for leaf in _tree.leaves(tree):
         total = total + _local(leaf).double().square().sum() / _replicas(leaf)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return total.sqrt().float()
+    return sum_over_world(total).sqrt().float()
 
 
 def _decays(path: str, p: Any, cfg: AdamWConfig) -> bool:

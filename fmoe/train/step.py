@@ -29,7 +29,8 @@ import torch.distributed as dist
 from .. import tree as _tree
 from ..mesh import Mesh
 from ..nn import cross_entropy
-from ..regather import regather_in_backward
+from ..collectives import sum_over_world
+from ..fsdp import regather_in_backward
 from .grads import reduce_grads
 from .optim import AdamWConfig, adamw_update, global_norm
 
@@ -72,8 +73,7 @@ def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, me
 def _world_mean(x: torch.Tensor) -> torch.Tensor:
     x = x.detach().clone().float()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x)
-        x /= dist.get_world_size()
+        x = sum_over_world(x) / dist.get_world_size()
     return x
 
 

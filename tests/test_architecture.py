@@ -1,0 +1,232 @@
+"""The package's structure, read from its source (AST): the rules of ``ARCHITECTURE.md``.
+
+- no import cycle between modules of ``fmoe`` (and ``models``, installed as ``fmoe.models``),
+  counting imports inside functions, and counting an import of ``a.b.c`` from outside package
+  ``a.b`` as importing ``a.b`` too (its ``__init__`` runs first);
+- ``torch.distributed`` collectives are called only in ``fmoe/collectives.py``;
+- every ``torch.autograd.Function`` is new style (``forward`` without ``ctx``, plus
+  ``setup_context``);
+- ``fmoe/routing`` (pure functions of the logits) and ``models/`` (math only) never import
+  ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+#: torch.distributed functions that move data between ranks (process-group bookkeeping such as
+#: get_rank / get_world_size / new_group / init_process_group is allowed anywhere).
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+    "all_to_all", "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+    "broadcast_object_list", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv",
+    "barrier", "monitored_barrier", "all_reduce_coalesced", "all_gather_coalesced", "batch_isend_irecv",
+    "gather_object", "scatter_object_list", "_reduce_scatter_base", "_all_gather_base",
+}
+
+
+def _module_files() -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for fmoe/ and models/ (as fmoe.models)."""
+    out = {}
+    for top, prefix in (("fmoe", "fmoe"), ("models", "fmoe.models")):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / top).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([prefix, *parts])] = path
+    return out
+
+
+MODULES = _module_files()
+TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name: str) -> set[str]:
+    """Modules of the package that ``name`` imports (anywhere in the file)."""
+    found: set[str] = set()
+    base = name if _is_package(name) else name.rpartition(".")[0]
+    for node in ast.walk(TREES[name]):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                pkg = base.split(".")
+                pkg = pkg[:len(pkg) - node.level + 1]
+                mod = ".".join(pkg + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # "from pkg import sub" needs the module pkg.sub; "from pkg import name" needs pkg itself
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+        for t in targets:
+            while t and t not in MODULES:          # "fmoe.nn.linear.linear" -> "fmoe.nn.linear"
+                t = t.rpartition(".")[0]
+            if not t or t == name:
+                continue
+            found.add(t)
+            parent = t.rpartition(".")[0]          # the parent package runs first
+            while parent and not (name == parent or name.startswith(parent + ".")):
+                found.add(parent)
+                parent = parent.rpartition(".")[0]
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as a list of modules (first == last), or [] when there is none."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str]:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                cycle = visit(m)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[n] = 2
+        return []
+
+    for n in sorted(graph):
+        if n not in state:
+            cycle = visit(n)
+            if cycle:
+                return cycle
+    return []
+
+
+def _dist_aliases(tree: ast.AST) -> tuple[set[str], dict[str, str]]:
+    """Names bound to the ``torch.distributed`` module, and names imported from it."""
+    modules, funcs = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "torch.distributed":
+                    modules.add(a.asname or "torch.distributed")
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed" and not node.level:
+            for a in node.names:
+                funcs[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and not node.level:
+            for a in node.names:
+                if a.name == "distributed":
+                    modules.add(a.asname or "distributed")
+    return modules, funcs
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = _dotted(node.value)
+        return f"{inner}.{node.attr}" if inner else ""
+    return ""
+
+
+def collective_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, name)`` of every torch.distributed collective called (or looked up) in ``tree``."""
+    modules, funcs = _dist_aliases(tree)
+    modules |= {"torch.distributed"}
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and _dotted(node.value) in modules:
+            hits.append((node.lineno, f"{_dotted(node.value)}.{node.attr}"))
+        elif isinstance(node, ast.Name) and funcs.get(node.id) in COLLECTIVES:
+            hits.append((node.lineno, node.id))
+    return hits
+
+
+def _is_autograd_function(cls: ast.ClassDef) -> bool:
+    return any(_dotted(b).endswith("autograd.Function") or _dotted(b) == "Function" for b in cls.bases)
+
+
+def old_style_functions(tree: ast.AST) -> list[str]:
+    """Autograd Functions whose ``forward`` takes ``ctx`` or that lack ``setup_context``."""
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and _is_autograd_function(node):
+            methods = {m.name: m for m in node.body if isinstance(m, ast.FunctionDef)}
+            fwd = methods.get("forward")
+            first = fwd.args.args[0].arg if fwd is not None and fwd.args.args else None
+            if first == "ctx" or "setup_context" not in methods:
+                bad.append(f"{node.name} (line {node.lineno})")
+    return bad
+
+
+def imports_torch_distributed(tree: ast.AST) -> list[int]:
+    """Lines that import ``torch.distributed`` (or anything under it)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("torch.distributed"):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "distributed" for a in node.names):
+            lines.append(node.lineno)
+    return lines
+
+
+# ------------------------------------------------------------------------------- the rules
+def test_no_import_cycles():
+    graph = {name: _imports(name) for name in MODULES}
+    assert find_cycle(graph) == []
+
+
+def test_collectives_only_in_fmoe_collectives():
+    found = {name: collective_calls(tree) for name, tree in TREES.items() if name != "fmoe.collectives"}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert collective_calls(TREES["fmoe.collectives"])       # the rule can see a collective
+
+
+def test_every_autograd_function_is_new_style():
+    found = {name: old_style_functions(tree) for name, tree in TREES.items()}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert any("class _" in MODULES[n].read_text() and "autograd.Function" in MODULES[n].read_text()
+               for n in MODULES)                              # there are Functions to check
+
+
+@pytest.mark.parametrize("prefix", ["fmoe.routing", "fmoe.models"])
+def test_routing_and_models_do_not_import_torch_distributed(prefix):
+    checked = [n for n in MODULES if n == prefix or n.startswith(prefix + ".")]
+    assert checked
+    found = {n: imports_torch_distributed(TREES[n]) for n in checked}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+# ------------------------------------------------------------------------------- the rules can fail
+def test_the_checks_catch_what_they_look_for():
+    """Each rule flags a small bad example (so a passing rule means something)."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) == []
+    calls = ast.parse("import torch.distributed as dist\nfrom torch.distributed import all_reduce as ar\n"
+                      "def f(x):\n    dist.all_to_all_single(x, x)\n    ar(x)\n    torch.distributed.barrier()\n"
+                      "    dist.get_rank()\n")
+    assert [n for _, n in collective_calls(calls)] == ["dist.all_to_all_single", "ar", "torch.distributed.barrier"] \
+        or sorted(n for _, n in collective_calls(calls)) == sorted(["dist.all_to_all_single", "ar",
+                                                                   "torch.distributed.barrier"])
+    old = ast.parse("import torch\nclass F(torch.autograd.Function):\n    @staticmethod\n"
+                    "    def forward(ctx, x):\n        return x\n    @staticmethod\n"
+                    "    def backward(ctx, g):\n        return g\n")
+    new = ast.parse("import torch\nclass F(torch.autograd.Function):\n    @staticmethod\n"
+                    "    def forward(x):\n        return x\n    @staticmethod\n"
+                    "    def setup_context(ctx, inputs, output):\n        pass\n")
+    assert old_style_functions(old) == ["F (line 2)"] and old_style_functions(new) == []
+    assert imports_torch_distributed(ast.parse("from torch.distributed.tensor import DTensor")) == [1]
+    assert imports_torch_distributed(ast.parse("import torch.nn")) == []
+
+
+def test_a_submodule_import_counts_its_package():
+    """``fmoe.x`` importing ``fmoe.routing.core`` runs ``fmoe/routing/__init__`` first: an edge."""
+    assert "fmoe.routing" in _imports("fmoe.moe")
+    assert "fmoe.routing" not in _imports("fmoe.routing.topk")     # inside the package: no edge
