@@ -10,6 +10,7 @@ the loopback interface. Ranks never outlive the caller: each asks the kernel to 
 parent dies (``PR_SET_PDEATHSIG`` on Linux) and a watchdog thread exits it when it is
 re-parented (elsewhere). Ctrl-C goes to the caller, which then stops the ranks. Queues, pipes
 and process handles are closed when ``spawn`` returns or raises, not at garbage collection.
+Deprecation and future warnings print once (rank 0), not once per rank.
 
 It never hangs and never hides a failure:
 
@@ -50,6 +51,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 from typing import Any, Callable, Optional
 
 import cloudpickle
@@ -100,6 +102,9 @@ def _worker(payload: bytes, rank: int, world: int, store_dir: str, threads: int,
             parent: int) -> None:
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is the caller's to handle
+    if rank:                                              # same code on every rank: warn once
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       OMP_NUM_THREADS=str(threads))
     lo = _loopback_interface()
@@ -165,6 +170,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     procs = [ctx.Process(target=_worker, args=(payload, r, world_size, store_dir, threads, coll, q,
                                                os.getpid()), daemon=True) for r in range(world_size)]
     results: dict[int, Any] = {}
+    error: Optional[BaseException] = None
     deadline = time.monotonic() + timeout
     try:
         _start_without_main(procs)
@@ -173,18 +179,22 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
                 kind, rank, body = q.get(timeout=0.2)
             except _queue.Empty:
                 if _dead(procs, results):
-                    _fail(q, procs, results, first=None)
+                    error = _fail(q, procs, results, first=None)
+                    break
                 if time.monotonic() > deadline:
                     busy = [r for r in range(world_size) if r not in results]
                     raise TimeoutError(f"spawn: ranks {busy} still running after {timeout} s; "
                                        "all ranks killed")
                 continue
             if kind == "err":
-                _fail(q, procs, results, first=(rank, body))
+                error = _fail(q, procs, results, first=(rank, body))
+                break
             results[rank] = cloudpickle.loads(body)
     finally:
         _cleanup(procs, q, store_dir)
         procs = q = None        # type: ignore[assignment] # a raised traceback keeps this frame alive
+    if error is not None:
+        raise error             # raised here, not deeper: no frame holding the queue stays alive
     return [results[r] for r in range(world_size)]
 
 
@@ -229,7 +239,7 @@ def _dead(procs, results) -> list[int]:
     return [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
 
 
-def _fail(q, procs, results, first) -> None:
+def _fail(q, procs, results, first) -> BaseException:
     """Pick the root cause among the failures seen within a short grace period.
 
     When one rank fails, its peers soon fail too, inside collectives ("connection reset").
@@ -247,20 +257,20 @@ def _fail(q, procs, results, first) -> None:
             errors.append((rank, body))
     primary = [e for e in errors if not any(m in e[1][1] for m in _SECONDARY)]
     if primary:
-        _raise_remote(*primary[0])
+        return _remote_error(*primary[0])
     reported = {r for r, _ in errors}
     dead = [r for r in _dead(procs, results) if r not in reported and procs[r].exitcode != 0]
     if dead:
         r = dead[0]
-        raise RuntimeError(f"spawn: rank {r} died with exit code {procs[r].exitcode} "
-                           "before reporting a result")
+        return RuntimeError(f"spawn: rank {r} died with exit code {procs[r].exitcode} "
+                            "before reporting a result")
     if errors:
-        _raise_remote(*errors[0])
+        return _remote_error(*errors[0])
     r = _dead(procs, results)[0]
-    raise RuntimeError(f"spawn: rank {r} exited (code {procs[r].exitcode}) before reporting a result")
+    return RuntimeError(f"spawn: rank {r} exited (code {procs[r].exitcode}) before reporting a result")
 
 
-def _raise_remote(rank: int, body) -> None:
+def _remote_error(rank: int, body) -> BaseException:
     blob, summary, tb = body
     exc = None
     if blob is not None:
@@ -276,4 +286,5 @@ def _raise_remote(rank: int, body) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     exc.rank = rank  # type: ignore[attr-defined]
-    raise exc from RemoteTraceback(f"{note}:\n{tb}")
+    exc.__cause__ = RemoteTraceback(f"{note}:\n{tb}")
+    return exc

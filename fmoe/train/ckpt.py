@@ -27,11 +27,13 @@ picks (and the next save removes).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import shutil
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -118,6 +120,18 @@ def _views(params: Any, opt_state: Any, packed: dict) -> dict:
                     "v": _dcp_view(opt_state["v"], packed)}}
 
 
+@contextlib.contextmanager
+def _single_process_ok():
+    """Silence DCP's "assuming the intent is to save/load in a single process" (it is). Only
+    then: ``catch_warnings`` resets the once-per-location registry of every warning."""
+    if _dist():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _rank() -> int:
     return dist.get_rank() if _dist() else 0
 
@@ -152,6 +166,8 @@ def _io_error(e: BaseException, target: str) -> BaseException:
         causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
     for c in causes:
         if isinstance(c, OSError) and c.errno == errno.ENOSPC:
+            if str(c.strerror).startswith("no space left on device"):      # already says where
+                return c
             return OSError(errno.ENOSPC, f"no space left on device {target}")
         if isinstance(c, OSError) and c.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             return OSError(c.errno, f"cannot write {target}: {os.strerror(c.errno)}")
@@ -201,7 +217,8 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
     on_rank0(prepare, what)
     try:
         writer = dcp.HuggingFaceStorageWriter(tmp, save_distributed=True)
-        dcp.save(_views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
+        with _single_process_ok():
+            dcp.save(_views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
     except (Exception, dcp.api.CheckpointException) as e:
         raise _io_error(e, what) from e
     _barrier()
@@ -308,7 +325,7 @@ def load(ckpt: str, params: Any, opt_state: Any, packed: Optional[dict] = None) 
     packed = packed or {}
     state = _views(params, opt_state, packed)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _single_process_ok():
             dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt), no_dist=not _dist())
             opt_state["step"].copy_(state["opt"]["step"])
     except (Exception, dcp.api.CheckpointException) as e:

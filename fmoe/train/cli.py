@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from dataclasses import asdict, is_dataclass
 from typing import Optional, Sequence
 
@@ -101,8 +102,10 @@ resume: --resume keeps the run's model, preset, seed, batch, seq, lr schedule, o
   with a larger --steps trains the extra steps at the final lr (0.1 * --lr).
 
 OUT (default {DEFAULT_OUT}): holds log.jsonl and step-N/ checkpoints of one run, locked by
-  OUT/.lock while a job runs. A new run refuses an OUT holding another run unless --resume or
-  --overwrite (which removes only that run's log.jsonl and step-N/) is given.
+  OUT/.lock while a job runs. A new run refuses an OUT holding another run unless it resumes
+  that run (--resume of a checkpoint in OUT) or --overwrite (which removes only that run's
+  log.jsonl and step-N/) is given; resuming an older checkpoint of OUT with newer ones there
+  needs --overwrite too (it removes the newer checkpoints and their log rows).
 """
 
 
@@ -156,9 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--export-hf", default=None, metavar="DIR",
                    help="write a Hugging Face checkpoint here at the end (default: none)")
     c.add_argument("--overwrite", action="store_true",
-                   help="replace the previous run in --out (its log.jsonl and step-N/ only) and let "
-                        "--export-hf replace checkpoint files in a directory holding other files "
-                        "(default: refuse)")
+                   help="replace the previous run in --out (its log.jsonl and step-N/ only; resuming an "
+                        "older checkpoint of --out: its newer checkpoints and log rows) and let --export-hf "
+                        "replace checkpoint files in a directory holding other files (default: refuse)")
     r = g["runtime"]
     r.add_argument("--timeout", metavar="X", type=_positive_float("--timeout"), default=1800.0,
                    help="collective timeout, seconds")
@@ -244,17 +247,21 @@ def _inside(path: str, root: str) -> bool:
 
 def _check_out(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from fmoe.checkpoint.atomic import check_target
-    from fmoe.train.outdir import holds_run
+    from fmoe.train.outdir import holds_run, newer_steps
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         ap.error(f"--out {args.out!r} exists and is not a directory")
     previous = holds_run(args.out)
-    if previous and not args.resume and not args.overwrite:
-        ap.error(f"--out {args.out!r} holds another run ({', '.join(previous[:6])}); pass --resume "
+    own = bool(args.resume_path) and _inside(args.resume_path, args.out)    # continues OUT's run
+    if previous and not own and not args.overwrite:
+        what = f"not the run --resume {args.resume_path} continues" if args.resume_path else "another run"
+        ap.error(f"--out {args.out!r} holds {what} ({', '.join(previous[:6])}); pass --resume "
                  f"{args.out} to continue it, --overwrite to replace it, or choose another --out")
-    if args.overwrite and args.resume_path and _inside(args.resume_path, args.out):
-        ap.error(f"--overwrite would delete the checkpoint --resume reads ({args.resume_path}); resume "
-                 "without --overwrite, or into another --out")
+    newer = newer_steps(args.out, args.resume_meta["step"]) if own else []
+    if newer and not args.overwrite:
+        ap.error(f"--out {args.out!r} holds newer checkpoints ({', '.join(newer[:6])}) than the one --resume "
+                 f"continues ({args.resume_path}); they would mix with this run. Resume from the latest, "
+                 "pass --overwrite to remove them (and their log.jsonl rows), or choose another --out")
     if args.export_hf:
         if os.path.realpath(args.export_hf) == os.path.realpath(args.out) and not args.overwrite:
             ap.error(f"--export-hf {args.export_hf!r} is the run directory --out; the export would sit "
@@ -321,6 +328,14 @@ class NonFiniteStep(RuntimeError):
     """A step's loss or gradient norm was NaN/Inf (the update was not applied)."""
 
 
+def _append_log(path: str, line: str) -> None:
+    try:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e} writing {path}") from e
+
+
 def _job_meta(args: argparse.Namespace, model, cfg, mesh) -> dict:
     """What ``meta.json`` records about the job (read back by :mod:`fmoe.train.resume`)."""
     from fmoe.train import resume
@@ -347,6 +362,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from fmoe.train.outdir import check_room
     from fmoe.train.step import StepConfig, train_step
 
+    warnings.filterwarnings("ignore", category=FutureWarning,        # the job's output stays clean;
+                            message=r".*reduce_scatter_tensor. is deprecated")  # library: see notes
     model = importlib.import_module(f"fmoe.models.{args.model}")
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
     if args.init_hf:                                   # fp32 master weights whatever the file holds
@@ -389,18 +406,18 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         params, opt_state, m = train_step(model, cfg, params, opt_state, batch, mesh=mesh, step_cfg=step_cfg, lr=lr)
         last = {"step": step, **m}
         if rank0:
-            with open(os.path.join(args.out, "log.jsonl"), "a") as f:
-                f.write(log_row(last) + "\n")
+            _append_log(os.path.join(args.out, "log.jsonl"), log_row(last))
         if m.get("skipped"):
             skipped += 1
             if skipped > args.skip_nonfinite:
                 good = ckpt.latest(args.out)
+                what = "loss" if not math.isfinite(m["loss"]) else "gradient norm"
                 raise NonFiniteStep(
-                    f"step {step}: non-finite loss {m['loss']} or gradient norm {m['grad_norm']}; the update "
-                    f"was not applied and nothing was saved (last good checkpoint: {good or 'none'}). Try a "
-                    f"lower --lr, or --skip-nonfinite N to skip up to N such steps")
-            continue
-        bar.update(step, m)
+                    f"step {step}: non-finite {what} (loss {m['loss']}, gradient norm {m['grad_norm']}); the "
+                    f"update was not applied and nothing was saved (last good checkpoint: {good or 'none'}). "
+                    f"Try a lower --lr, or --skip-nonfinite N to skip up to N such steps")
+        else:
+            bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
     if args.export_hf:
@@ -436,9 +453,13 @@ def _describe(e: BaseException) -> str:
 
 
 def _prepare_out(args: argparse.Namespace) -> None:
-    from fmoe.train.outdir import clear_run
+    from fmoe.train.outdir import clear_run, drop_after
 
-    if args.overwrite and not args.resume_path:
+    if not args.overwrite:
+        return
+    if args.resume_path and _inside(args.resume_path, args.out):
+        drop_after(args.out, args.resume_meta["step"])     # the run continues from there
+    else:
         clear_run(args.out)
 
 

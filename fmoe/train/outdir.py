@@ -7,8 +7,10 @@ A run owns what it writes into ``OUT``: ``log.jsonl``, ``step-N/`` checkpoints (
   owner's pid and host). A second job into the same OUT fails at once naming the owner. A lock
   left by a job that died is stale (the kernel dropped its ``flock``): it is taken over;
 - **no mixing runs**: a new run refuses an OUT that holds another run's files unless it
-  continues that run (``--resume``) or replaces it (``--overwrite``, which removes only those
-  files: other files in OUT are kept);
+  continues that run (``--resume`` of a checkpoint in OUT) or replaces it (``--overwrite``,
+  which removes only those files: other files in OUT are kept). Resuming from an older
+  checkpoint of OUT while newer ones exist is refused too; with ``--overwrite`` the newer
+  checkpoints and their ``log.jsonl`` rows are removed first (:func:`drop_after`);
 - **fail before training**: the lock is taken and OUT is written once (read-only, permissions)
   and checked for room for a checkpoint before the first step.
 
@@ -25,13 +27,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
 import socket
 from typing import Optional
 
-__all__ = ["OutLock", "RunDirBusy", "holds_run", "clear_run", "check_room"]
+__all__ = ["OutLock", "RunDirBusy", "holds_run", "clear_run", "newer_steps", "drop_after", "check_room"]
 
 LOCK = ".lock"
 _RUN_FILE = re.compile(r"^(log\.jsonl|step-\d+|\.step-\d+\.tmp)$")
@@ -58,6 +61,39 @@ def clear_run(out: str) -> list[str]:
         else:
             os.remove(path)
     return gone
+
+
+def newer_steps(out: str, step: int) -> list[str]:
+    """The ``step-M`` checkpoints (and partial ``.step-M.tmp``) in ``out`` with ``M > step``."""
+    found = []
+    for name in holds_run(out):
+        m = re.match(r"^\.?step-(\d+)(\.tmp)?$", name)
+        if m and int(m.group(1)) > step:
+            found.append(name)
+    return sorted(found, key=lambda n: int(re.sub(r"\D", "", n)))
+
+
+def drop_after(out: str, step: int) -> list[str]:
+    """Forget what a run did after ``step``: remove newer checkpoints and ``log.jsonl`` rows
+    (the log is rewritten atomically). Returns the removed checkpoint names."""
+    gone = newer_steps(out, step)
+    for name in gone:
+        shutil.rmtree(os.path.join(out, name))
+    log = os.path.join(out, "log.jsonl")
+    if os.path.isfile(log):
+        with open(log, encoding="utf-8") as f:
+            keep = [line for line in f if _row_step(line) <= step]
+        with open(log + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(log + ".tmp", log)
+    return gone
+
+
+def _row_step(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return float("inf")                  # an unreadable row is dropped with the newer ones
 
 
 def check_room(out: str, need: int) -> None:
