@@ -41,7 +41,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from . import tree as _tree
 from .collectives import all_gather, all_gather_rows, group_size, reduce_scatter_rows
 from .mesh import Mesh
-from .placement import P
+from .placement import P, chunk_range, chunk_sizes
 from .plan import Plan
 from .sharding import placed_like, placement_of, to_local
 from .transforms import active as transforms_active
@@ -56,10 +56,12 @@ _RECIPE = "_fmoe_regather"   # attribute of a gathered tensor: (recipe, index) t
 
 # ---------------------------------------------------------------------------- the plan
 def add_data_axis(p: P, shape: tuple, mesh: Mesh) -> P:
-    """``p`` with ``fsdp`` (dense) or ``efsdp`` (experts) added on the first free divisible dim.
+    """``p`` with ``fsdp`` (dense) or ``efsdp`` (experts) added on the first free divisible dim,
+    else on the first free dim with at least that many entries (an uneven split, ``torch.chunk``
+    sizes, as DTensor's ``Shard``).
 
-    A leaf with no such dim (a small norm weight or bias) stays replicated; its gradient is
-    all-reduced by :func:`fmoe.train.grads.reduce_grads`.
+    A leaf with no such dim (a scalar, or shorter than the axis) stays replicated; its gradient
+    is all-reduced by :func:`fmoe.train.grads.reduce_grads`.
 
     Example:
         >>> import types
@@ -73,11 +75,12 @@ def add_data_axis(p: P, shape: tuple, mesh: Mesh) -> P:
     if n == 1 or axis in p.mesh_axes():
         return p
     entries = list(p.axes) + [None] * (len(shape) - len(p.axes))
-    for d, size in enumerate(shape):
-        if entries[d] is None and size % n == 0 and size >= n:
-            entries[d] = axis
-            return P(*entries, packed=p.packed, gather=p.gather)
-    return p
+    free = [d for d, size in enumerate(shape) if entries[d] is None and size >= n]
+    if not free:
+        return p
+    even = [d for d in free if shape[d] % n == 0]
+    entries[(even or free)[0]] = axis
+    return P(*entries, packed=p.packed, gather=p.gather)
 
 
 def data_parallel_plan(model_plan: Plan, params: Any, mesh: Mesh) -> Plan:
@@ -128,11 +131,17 @@ def unshard(t: Any, keep: Sequence[str] = KEEP, partial_grad: Sequence[str] = ()
         if len(gathered) != len(axes) or d == p.packed_dim:
             raise ValueError(f"unshard: placement {p!r} mixes kept axes {list(keep)} and "
                              f"gathered axes {gathered} on dim {d} (or is packed); not supported")
-        for a in reversed(axes):      # innermost split first
+        levels = [t.shape[d]]         # the dim's size before each nested split (torch.chunk pieces)
+        for a in axes[:-1]:
+            levels.append(chunk_range(levels[-1], group_size(peel(t).device_mesh.get_group(a)),
+                                      peel(t).device_mesh.get_local_rank(a))[1])
+        for a, size in zip(reversed(axes), reversed(levels)):      # innermost split first
             group = peel(t).device_mesh.get_group(a)
             piece = out
-            out = all_gather(piece, group, dim=d, sizes=[piece.shape[d]] * group_size(group))
-            _remember([out], [piece], group, [d])   # lets regather_in_backward drop it
+            sizes = chunk_sizes(size, group_size(group))
+            out = all_gather(piece, group, dim=d, sizes=sizes)
+            if len(set(sizes)) == 1:  # equal pieces: regather_in_backward may drop it and gather again
+                _remember([out], [piece], group, [d])
     return out
 
 
@@ -230,7 +239,7 @@ def unshard_layer(params: Any) -> Any:
             found = _gather_axis(leaf)
             if found is not None:
                 group = leaf.device_mesh.get_group(found[1])
-                if group_size(group) > 1:
+                if group_size(group) > 1 and leaf.shape[found[0]] % group_size(group) == 0:  # uneven: unshard
                     todo.setdefault((id(group), leaf.dtype), []).append((path, leaf, found, group))
     if not todo:
         return params

@@ -31,7 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import tree as _tree
 from .mesh import DATA_AXES, Mesh
-from .placement import P
+from .placement import P, chunk_range
 from .plan import Plan, local_shape
 from .transforms import apply, compiling, peel, without_jvp
 
@@ -85,9 +85,9 @@ def rank_blocks(shape: tuple[int, ...], p: P, mesh: Mesh) -> tuple[list[tuple[sl
         if d == packed:
             continue
         start, n = 0, shape[d]
-        for a in p.dim_axes(d):
-            n //= mesh.size(a)
-            start += mesh.rank_in(a) * n
+        for a in p.dim_axes(d):                       # torch.chunk pieces, nested in mesh order
+            offset, n = chunk_range(n, mesh.size(a), mesh.rank_in(a))
+            start += offset
         idx[d] = slice(start, start + n)
     if packed is None:
         return [tuple(idx)], 0

@@ -48,11 +48,13 @@ def _shard_gather(rank, world):
     grads_ok = {k: torch.equal(grads[k], copies[k] * coef[k]) for k in full if k != "rep"}
     rep_grad = grads["rep"]
     placements = {k: fmoe.placement_of(v.grad) for k, v in sh.items()}
+    odd = torch.arange(10.0).view(5, 2)            # uneven over tp: torch.chunk pieces 3 / 2
+    placed = fmoe.shard({"odd": odd}, {"odd": P("tp", None)}, mesh)["odd"]
+    uneven = [torch.equal(fmoe.to_local(placed), odd[3 * t:3 + 2 * t]), torch.equal(fmoe.gather(placed), odd)]
     try:
-        fmoe.shard({"odd": torch.zeros(5, 2)}, {"odd": P("tp", None)}, mesh)
-        uneven = None
+        fmoe.shard({"experts": torch.zeros(6, 2)}, {"experts": P("ep", None)}, mesh)
     except ValueError as err:
-        uneven = str(err)
+        uneven.append(str(err))
     # materialize: fsdp-split weight gathered for compute, grad = sum over fsdp copies
     w = fmoe.shard({"w": torch.arange(8.0).view(4, 2).requires_grad_(True)}, {"w": P("fsdp", "tp")}, mesh)["w"]
     m = fmoe.materialize(w, keep=("tp",))
@@ -73,7 +75,8 @@ def test_shard_gather_round_trip_four_ranks():
         assert placements["packed"] == P("tp", None, packed=2)
         assert placements["packed_fsdp"] == P("tp", "fsdp", packed=2)
         assert placements["experts"] == P("ep", None, None) and placements["rowwise"] == P(None, "tp")
-        assert "'odd'" in uneven and "dim 0 of size 5 is not divisible by tp=2" in uneven
+        assert uneven[:2] == [True, True], uneven
+        assert "'experts'" in uneven[2] and "dim 0 of size 6 is not divisible by ep=4" in uneven[2]
 
 
 def test_single_process_shard_is_identity_and_validates():

@@ -15,6 +15,7 @@ from einops import rearrange
 from torch.distributed.tensor import DTensor
 
 from ..collectives import group_size
+from ..placement import chunk_range
 from ..transforms import peel
 
 
@@ -40,13 +41,16 @@ def rank_of(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def own_part(x: torch.Tensor, n: int, r: int, packed: int = 1) -> torch.Tensor:
-    """Rank ``r``'s part of the last dim of ``x`` split ``n`` ways, each of the ``packed``
-    blocks split separately: ``[g | u]`` -> ``[g_r | u_r]``.
+    """Rank ``r``'s part of the last dim of ``x`` split ``n`` ways (``torch.chunk`` pieces), each
+    of the ``packed`` blocks split separately (evenly): ``[g | u]`` -> ``[g_r | u_r]``.
 
     Example:
-        >>> own_part(torch.arange(8), n=2, r=1, packed=2)
-        tensor([2, 3, 6, 7])
+        >>> own_part(torch.arange(8), n=2, r=1, packed=2), own_part(torch.arange(5), n=2, r=1)
+        (tensor([2, 3, 6, 7]), tensor([3, 4]))
     """
+    if packed == 1:
+        start, length = chunk_range(x.shape[-1], n, r)
+        return x[..., start:start + length]
     parts = rearrange(x, "... (k n c) -> ... n (k c)", k=packed, n=n)
     return parts[..., r, :]
 
