@@ -41,9 +41,11 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from . import tree as _tree
 from .collectives import all_gather, all_gather_rows, group_size, reduce_scatter_rows
 from .mesh import Mesh
-from .placement import P
+from .placement import P, chunk_range, chunk_sizes
 from .plan import Plan
 from .sharding import placed_like, placement_of, to_local
+from .transforms import active as transforms_active
+from .transforms import peel
 
 __all__ = ["KEEP", "unshard", "unshard_layer", "unsharded_layers", "regather_in_backward", "RegatherCounts",
            "gather_flat", "add_data_axis", "data_parallel_plan"]
@@ -54,10 +56,12 @@ _RECIPE = "_fmoe_regather"   # attribute of a gathered tensor: (recipe, index) t
 
 # ---------------------------------------------------------------------------- the plan
 def add_data_axis(p: P, shape: tuple, mesh: Mesh) -> P:
-    """``p`` with ``fsdp`` (dense) or ``efsdp`` (experts) added on the first free divisible dim.
+    """``p`` with ``fsdp`` (dense) or ``efsdp`` (experts) added on the first free divisible dim,
+    else on the first free dim with at least that many entries (an uneven split, ``torch.chunk``
+    sizes, as DTensor's ``Shard``).
 
-    A leaf with no such dim (a small norm weight or bias) stays replicated; its gradient is
-    all-reduced by :func:`fmoe.train.grads.reduce_grads`.
+    A leaf with no such dim (a scalar, or shorter than the axis) stays replicated; its gradient
+    is all-reduced by :func:`fmoe.train.grads.reduce_grads`.
 
     Example:
         >>> import types
@@ -71,11 +75,12 @@ def add_data_axis(p: P, shape: tuple, mesh: Mesh) -> P:
     if n == 1 or axis in p.mesh_axes():
         return p
     entries = list(p.axes) + [None] * (len(shape) - len(p.axes))
-    for d, size in enumerate(shape):
-        if entries[d] is None and size % n == 0 and size >= n:
-            entries[d] = axis
-            return P(*entries, packed=p.packed, gather=p.gather)
-    return p
+    free = [d for d, size in enumerate(shape) if entries[d] is None and size >= n]
+    if not free:
+        return p
+    even = [d for d in free if shape[d] % n == 0]
+    entries[(even or free)[0]] = axis
+    return P(*entries, packed=p.packed, gather=p.gather)
 
 
 def data_parallel_plan(model_plan: Plan, params: Any, mesh: Mesh) -> Plan:
@@ -114,7 +119,7 @@ def unshard(t: Any, keep: Sequence[str] = KEEP, partial_grad: Sequence[str] = ()
         >>> unshard(torch.ones(2)).shape
         torch.Size([2])
     """
-    if not isinstance(t, DTensor):
+    if not isinstance(peel(t), DTensor):      # (under torch.func the DTensor is wrapped)
         return t
     p = placement_of(t)
     out = to_local(t, partial_grad)
@@ -126,11 +131,17 @@ def unshard(t: Any, keep: Sequence[str] = KEEP, partial_grad: Sequence[str] = ()
         if len(gathered) != len(axes) or d == p.packed_dim:
             raise ValueError(f"unshard: placement {p!r} mixes kept axes {list(keep)} and "
                              f"gathered axes {gathered} on dim {d} (or is packed); not supported")
-        for a in reversed(axes):      # innermost split first
-            group = t.device_mesh.get_group(a)
+        levels = [t.shape[d]]         # the dim's size before each nested split (torch.chunk pieces)
+        for a in axes[:-1]:
+            levels.append(chunk_range(levels[-1], group_size(peel(t).device_mesh.get_group(a)),
+                                      peel(t).device_mesh.get_local_rank(a))[1])
+        for a, size in zip(reversed(axes), reversed(levels)):      # innermost split first
+            group = peel(t).device_mesh.get_group(a)
             piece = out
-            out = all_gather(piece, group, dim=d, sizes=[piece.shape[d]] * group_size(group))
-            _remember([out], [piece], group, [d])   # lets regather_in_backward drop it
+            sizes = chunk_sizes(size, group_size(group))
+            out = all_gather(piece, group, dim=d, sizes=sizes)
+            if len(set(sizes)) == 1:  # equal pieces: regather_in_backward may drop it and gather again
+                _remember([out], [piece], group, [d])
     return out
 
 
@@ -199,7 +210,8 @@ def _grad_like(local: torch.Tensor, g: Any, spec: DTensorSpec) -> DTensor:
     """The leaf's gradient: its own placements, ``Partial`` where the gathered value's gradient
     was marked partial (e.g. a q/k-norm weight used on tp-split heads)."""
     marked = g.placements if isinstance(g, DTensor) else spec.placements
-    grad_pls = tuple(m if isinstance(m, Partial) else pl for pl, m in zip(spec.placements, marked))
+    grad_pls = tuple(m if isinstance(m, Partial) and isinstance(pl, Replicate) else pl   # the gathered axis: summed
+                     for pl, m in zip(spec.placements, marked))
     grad_spec = copy.copy(spec) if grad_pls == spec.placements else \
         DTensorSpec(spec.mesh, grad_pls, tensor_meta=spec.tensor_meta)
     return DTensor(local, grad_spec, requires_grad=False)
@@ -227,7 +239,7 @@ def unshard_layer(params: Any) -> Any:
             found = _gather_axis(leaf)
             if found is not None:
                 group = leaf.device_mesh.get_group(found[1])
-                if group_size(group) > 1:
+                if group_size(group) > 1 and leaf.shape[found[0]] % group_size(group) == 0:  # uneven: unshard
                     todo.setdefault((id(group), leaf.dtype), []).append((path, leaf, found, group))
     if not todo:
         return params
@@ -322,7 +334,10 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 
 def _remember(fulls: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor], group, dims: Sequence[int]) -> None:
     """Attach to each ``fulls[i]`` (``locals_[i]`` all-gathered over ``group`` along ``dims[i]``,
-    all in one collective) the recipe that gathers it again."""
+    all in one collective) the recipe that gathers it again. Not under torch.func transforms or
+    compile (wrapped tensors have no storage): there the gathered copies are kept for backward."""
+    if transforms_active():
+        return
     recipe = _Recipe(locals_, group, dims, fulls)
     for i, full in enumerate(fulls):
         setattr(_root(full), _RECIPE, (recipe, i))

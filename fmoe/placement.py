@@ -27,9 +27,28 @@ from typing import Iterable, Optional, Union
 
 from .mesh import AXES, DENSE_AXES, EXPERT_AXES
 
-__all__ = ["P", "Axis"]
+__all__ = ["P", "Axis", "chunk_range", "chunk_sizes"]
 
 Axis = Union[None, str, tuple]
+
+
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, length)`` of piece ``index`` when ``size`` entries split into ``parts`` pieces
+    the way ``torch.chunk`` (and DTensor's ``Shard``) splits them: pieces of ``ceil(size / parts)``,
+    the last ones shorter or empty. Even splits are the usual equal blocks.
+
+    Example:
+        >>> [chunk_range(97, 2, r) for r in range(2)], [chunk_range(5, 4, r)[1] for r in range(4)]
+        ([(0, 49), (49, 48)], [2, 2, 1, 0])
+    """
+    step = -(-size // parts)
+    start = min(index * step, size)
+    return start, min(start + step, size) - start
+
+
+def chunk_sizes(size: int, parts: int) -> list[int]:
+    """Every piece's length under :func:`chunk_range` (``[49, 48]`` for 97 over 2)."""
+    return [chunk_range(size, parts, i)[1] for i in range(parts)]
 
 
 class P:

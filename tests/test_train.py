@@ -75,25 +75,25 @@ def test_global_norm_counts_every_element_once_on_every_mesh():
             assert abs(g - want) <= 1e-6 * want, (g, want)
 
 
-def _train_meshes(rank, world, name, meshes):
+def _train_meshes(rank, world, name, meshes, cfg=None):
     out = []
     for kw in meshes:
         mesh = fmoe.Mesh(**kw)
         counts = fmoe.fsdp.RegatherCounts()     # counted in the trainer's own regather context
         step_module.regather_in_backward = functools.partial(fmoe.fsdp.regather_in_backward, counts=counts)
-        losses, norms, params = train(name, mesh)
+        losses, norms, params = train(name, mesh, cfg=cfg)
         regathered = (counts.packed, counts.regathered)
         out.append((kw, mesh.num_batches, losses, norms, params, regathered, mesh.fsdp))
     return out
 
 
-def compare(results, name):
+def compare(results, name, cfg=None):
     refs = {}
     for kw, nb, losses, norms, params, (packed, regathered), fsdp in results:
         if fsdp > 1:      # gathered FSDP weights were saved as recipes and gathered again in backward
             assert packed > 0 and regathered == packed, (kw, packed, regathered)
         if nb not in refs:
-            refs[nb] = train(name, None, num_batches=nb)
+            refs[nb] = train(name, None, num_batches=nb, cfg=cfg)
         rl, rn, rp = refs[nb]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(rl), rtol=1e-5, atol=0, msg=f"{kw} losses")
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(rn), rtol=1e-4, atol=0, msg=f"{kw} grad norms")

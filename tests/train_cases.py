@@ -30,10 +30,23 @@ def model_and_cfg(name, tp=8):
     return model, cfg
 
 
-def train(name, mesh, steps=STEPS, num_batches=None):
+def sharded_for_training(model, cfg, mesh, seed=0):
+    """``(params, plan, packed)``: ``model.init(cfg, seed)`` placed by the trainer's plan (model
+    plan + data-parallel splits), expert biases frozen, as the main job does."""
+    from fmoe.train.ckpt import packed_layout
+
+    full = fmoe.tree.map_with_path(lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")),
+                                   model.init(cfg, seed=seed))
+    plan = data_parallel_plan(model.plan(cfg), full, mesh)
+    return fmoe.shard(full, plan, mesh), plan, packed_layout(plan, full)
+
+
+def train(name, mesh, steps=STEPS, num_batches=None, cfg=None):
     """Train ``steps`` steps; with ``mesh=None`` one process trains on the union of
-    ``num_batches`` batches. Returns (losses, grad norms, gathered params)."""
-    model, cfg = model_and_cfg(name)
+    ``num_batches`` batches. Returns (losses, grad norms, gathered params). ``cfg`` replaces
+    the preset config."""
+    model, preset = model_and_cfg(name)
+    cfg = cfg or preset
     full = {k: v for k, v in model.init(cfg, seed=0).items()}
     full = fmoe.tree.map_with_path(lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")), full)
     data = corpus()

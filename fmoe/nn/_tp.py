@@ -15,6 +15,8 @@ from einops import rearrange
 from torch.distributed.tensor import DTensor
 
 from ..collectives import group_size
+from ..placement import chunk_range
+from ..transforms import peel
 
 
 def check_tensor(fn: str, name: str, t: object, ndim: Optional[int] = None) -> None:
@@ -27,6 +29,7 @@ def check_tensor(fn: str, name: str, t: object, ndim: Optional[int] = None) -> N
 
 def axis_group(t: torch.Tensor, axis: str = "tp") -> Optional[dist.ProcessGroup]:
     """The process group of mesh axis ``axis`` that DTensor ``t`` lives on (None otherwise)."""
+    t = peel(t)                      # the DTensor under torch.func's wrappers
     if isinstance(t, DTensor) and axis in (t.device_mesh.mesh_dim_names or ()):
         return t.device_mesh.get_group(axis)
     return None
@@ -38,13 +41,16 @@ def rank_of(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def own_part(x: torch.Tensor, n: int, r: int, packed: int = 1) -> torch.Tensor:
-    """Rank ``r``'s part of the last dim of ``x`` split ``n`` ways, each of the ``packed``
-    blocks split separately: ``[g | u]`` -> ``[g_r | u_r]``.
+    """Rank ``r``'s part of the last dim of ``x`` split ``n`` ways (``torch.chunk`` pieces), each
+    of the ``packed`` blocks split separately (evenly): ``[g | u]`` -> ``[g_r | u_r]``.
 
     Example:
-        >>> own_part(torch.arange(8), n=2, r=1, packed=2)
-        tensor([2, 3, 6, 7])
+        >>> own_part(torch.arange(8), n=2, r=1, packed=2), own_part(torch.arange(5), n=2, r=1)
+        (tensor([2, 3, 6, 7]), tensor([3, 4]))
     """
+    if packed == 1:
+        start, length = chunk_range(x.shape[-1], n, r)
+        return x[..., start:start + length]
     parts = rearrange(x, "... (k n c) -> ... n (k c)", k=packed, n=n)
     return parts[..., r, :]
 

@@ -35,7 +35,9 @@ import torch.nn.functional as F
 
 from ..collectives import all_reduce, copy_to, gather_replicated
 from ..fsdp import unshard
+from ..placement import chunk_range, chunk_sizes
 from ..sharding import placement_of
+from ..transforms import data_checks_enabled
 from ._tp import check_tensor, own_part, tp_size_rank, unpack_gathered
 
 __all__ = ["linear", "embedding"]
@@ -101,18 +103,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
         bl = None if b is None else _colwise_bias(b, wl.shape[0], n, r, p.packed)
         y = F.linear(copy_to(x, group), wl, bl)
         if gather or (gather is None and p.gather):
-            y = gather_replicated(y, group, dim=-1, sizes=[y.shape[-1]] * n)
+            sizes = [y.shape[-1]] * n if p.packed > 1 else chunk_sizes(w.shape[0], n)  # uneven: torch.chunk
+            y = gather_replicated(y, group, dim=-1, sizes=sizes)
             y = unpack_gathered(y, n, p.packed)
         return y
     # rowwise: [out, in/tp]
     in_local = wl.shape[1]
     if x.shape[-1] == in_local:
         xl = x
-    elif x.shape[-1] == in_local * n:  # replicated input: own part; dx summed over tp in backward
+    elif x.shape[-1] == w.shape[1]:  # replicated input: own part; dx summed over tp in backward
         xl = own_part(copy_to(x, group), n, r, p.packed)
     else:
         raise ValueError(f"linear: rowwise w {tuple(w.shape)} takes x with {in_local} (local slice) "
-                         f"or {in_local * n} (full) features, got {x.shape[-1]}")
+                         f"or {w.shape[1]} (full) features, got {x.shape[-1]}")
     y = all_reduce(F.linear(xl, wl), group)
     if b is not None:
         if placement_of(b).dim_of("tp") is not None:
@@ -139,7 +142,7 @@ def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"embedding: tokens must be an integer tensor, got dtype {tokens.dtype}")
     _check_weight("embedding", "table", table, 2)
     vocab = table.shape[0]
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+    if tokens.numel() and data_checks_enabled() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise ValueError(f"embedding: token ids must lie in [0, {vocab}), got min {int(tokens.min())}, "
                          f"max {int(tokens.max())}")
     tp_dim = placement_of(table).dim_of("tp")
@@ -148,9 +151,9 @@ def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     if tp_dim is None or n == 1:
         return F.embedding(tokens, tl)
     if tp_dim == 1:  # features split: local lookup, gather the features
-        return gather_replicated(F.embedding(tokens, tl), group, dim=-1, sizes=[tl.shape[1]] * n)
-    rows = tl.shape[0]  # vocabulary-parallel: this rank holds rows [r*rows, (r+1)*rows)
-    local = tokens - r * rows
+        return gather_replicated(F.embedding(tokens, tl), group, dim=-1, sizes=chunk_sizes(table.shape[1], n))
+    first, rows = chunk_range(vocab, n, r)  # vocabulary-parallel: rows [first, first + rows) (torch.chunk)
+    local = tokens - first
     outside = (local < 0) | (local >= rows)
     out = F.embedding(local.masked_fill(outside, 0), tl).masked_fill(outside.unsqueeze(-1), 0.0)
     return all_reduce(out, group)

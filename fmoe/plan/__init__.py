@@ -33,7 +33,7 @@ import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from .. import tree as _tree
-from ..placement import P
+from ..placement import P, chunk_range
 
 __all__ = ["Plan", "STYLES", "style"]
 
@@ -254,19 +254,26 @@ def _check_leaf(path: str, leaf: Any, p: P, glob: Optional[str], mesh) -> None:
             n *= mesh.size(a)
         packed = p.packed if d == p.packed_dim else 1
         n *= packed
-        if leaf.shape[d] % n:
+        if leaf.shape[d] % n and (packed > 1 or "ep" in axes):  # other splits may be uneven (torch.chunk sizes)
             sizes = ", ".join(f"{a}={mesh.size(a)}" for a in axes)
             extra = f" x packed={packed}" if packed > 1 else ""
+            why = "each packed block must split evenly" if packed > 1 else "experts must split evenly over ep"
             raise ValueError(
                 f"{where}: dim {d} of size {leaf.shape[d]} is not divisible by {sizes}{extra} "
-                f"(= {n}); uneven shards are not supported"
+                f"(= {n}); {why}"
             )
 
 
 def local_shape(shape: tuple, p: P, mesh) -> tuple:
-    """Shape of one rank's slice of a tensor of ``shape`` placed by ``p`` on ``mesh``."""
+    """Shape of one rank's slice of a tensor of ``shape`` placed by ``p`` on ``mesh`` (uneven
+    splits take ``torch.chunk`` sizes, nested axes one after the other, as DTensor does)."""
     out = list(shape)
     for d in p.sharded_dims():
+        if d == p.packed_dim:                 # validated even: each block split alike
+            for a in p.dim_axes(d):
+                out[d] //= mesh.size(a)
+            continue
         for a in p.dim_axes(d):
-            out[d] //= mesh.size(a)
+            n = mesh.size(a)
+            out[d] = out[d] // n if out[d] % n == 0 else chunk_range(out[d], n, mesh.rank_in(a))[1]
     return tuple(out)
