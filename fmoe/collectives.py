@@ -43,8 +43,9 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
-from .transforms import apply, without_jvp
+from .transforms import apply, compiling, without_jvp
 
 __all__ = ["all_to_all", "all_reduce", "copy_to", "all_gather", "gather_replicated",
            "reduce_scatter", "split_to", "group_size", "all_gather_sizes", "all_reduce_coalesced",
@@ -106,10 +107,12 @@ def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[i
         >>> all_to_all(torch.ones(2, 3), [2], [2], None).shape
         torch.Size([2, 3])
     """
-    if x.shape[0] != sum(in_splits):
-        raise ValueError(f"all_to_all: x has {x.shape[0]} rows but in_splits sum to {sum(in_splits)}")
     if group_size(group) == 1:
         return x
+    if compiling():      # torch's traceable all-to-all: split sizes may be symbolic (dynamic shapes)
+        return funcol.all_to_all_single_autograd(x.contiguous(), list(out_splits), list(in_splits), group)
+    if x.shape[0] != sum(in_splits):
+        raise ValueError(f"all_to_all: x has {x.shape[0]} rows but in_splits sum to {sum(in_splits)}")
     return apply(_AllToAll, _AllToAllTraced, x, [int(s) for s in out_splits], [int(s) for s in in_splits], group)
 
 
