@@ -150,7 +150,9 @@ def activation_estimate(cfg: Any, *, tokens: int, tp: int, moe_layers: int, dens
 
 
 def _default_plan(model: Any, cfg: Any, tp: int):
-    return model.check_plan(cfg, None, tp) if hasattr(model, "check_plan") else model.plan(cfg)
+    from .model import model_of
+
+    return model_of(model).build_plan(cfg, tp=tp)
 
 
 def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1,

@@ -43,8 +43,6 @@ and dense MLPs packed colwise / rowwise.
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -52,11 +50,11 @@ import torch
 from einops import rearrange
 
 import fmoe
-import fmoe.checkpoint as ckpt
 import fmoe.nn as nn
 
 from . import _common
 from fmoe import P, Plan
+from fmoe.model import Model
 from fmoe.checkpoint import Cat, Key, Spec, Stack
 
 HF_IGNORE = ("**.rotary_emb.inv_freq",)
@@ -395,39 +393,7 @@ def plan(cfg: Config) -> Plan:
     }, default=P(), strict=False)
 
 
-def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 1) -> Plan:
-    """The plan (``rules``: a Plan, user rules merged over :func:`plan` by key, or None), after
-    checking that it splits whole heads and the fused gate/up per half over ``tp`` ranks.
-
-    Example:
-        >>> check_plan(Config.tiny(num_attention_heads=6), tp=4)
-        Traceback (most recent call last):
-        ValueError: check_plan: tp=4 does not divide num_attention_heads=6 (layers.0.attn.wkv_b is split over tp by rule 'layers.*.attn.wkv_b')
-    """
-    shapes = {k: s.shape for k, s in hf_specs(cfg).items()}
-    return _common.check_plan(cfg, rules, tp, default=plan(cfg), shapes=shapes)
-
-
-def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping, None] = None) -> dict:
-    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first."""
-    return fmoe.shard(params, check_plan(cfg, plan, mesh.tp), mesh)
-
-
-def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
-            plan: Union[Plan, Mapping, None] = None, *,
-            dtype: Optional[torch.dtype] = None) -> tuple[dict, Config]:
-    """Load a Hugging Face checkpoint directory; with a mesh each rank reads only its slices.
-
-    Example:
-        >>> # params, cfg = load_hf("DeepSeek-V3-tiny", mesh=fmoe.Mesh(tp=2, ep=4))
-    """
-    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan, dtype=dtype)
-
-
-def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
-    """Write ``params`` (or a gradient tree) as ``save_pretrained`` would, atomically; call on every rank.
-
-    Example:
-        >>> # save_hf(params, cfg, "out"); transformers.DeepseekV3ForCausalLM.from_pretrained("out")
-    """
-    ckpt.save_hf(sys.modules[__name__], params, cfg, path, overwrite=overwrite)
+# ---------------------------------------------------------------------------- the declared interface
+MODEL = Model("deepseek_v3", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
+              tp_fields=_common.TP_FIELDS, init_cache=init_cache)
+check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

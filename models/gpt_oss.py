@@ -27,8 +27,6 @@ quantized checkpoints (``*_blocks`` / ``*_scales`` keys) must be dequantized fir
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -36,11 +34,11 @@ import torch
 from einops import rearrange
 
 import fmoe
-import fmoe.checkpoint as ckpt
 import fmoe.nn as nn
 
 from . import _common
 from fmoe import P, Plan
+from fmoe.model import Model
 from fmoe.checkpoint import Deinterleave, Key, Spec, Transpose
 
 HF_IGNORE = ("**.rotary_emb.inv_freq",)
@@ -307,58 +305,7 @@ def plan(cfg: Config) -> Plan:
     }, default=P(), strict=False)
 
 
-
-
-def check_plan(cfg: Config, rules: Union[Plan, Mapping, None] = None, tp: int = 1) -> Plan:
-    """The plan (``rules``: a Plan, user rules merged over :func:`plan` by key, or None for the
-    default), after checking that it splits whole heads over ``tp`` ranks;
-    ``ValueError`` naming the config field otherwise (see :func:`models._common.check_plan`).
-
-    Example:
-        >>> check_plan(Config.tiny(), tp=8)
-        Traceback (most recent call last):
-        ValueError: check_plan: tp=8 does not divide num_key_value_heads=4 (layers.0.attn.wk is split over tp by rule 'layers.*.attn.w[qkv]')
-    """
-    shapes = {k: s.shape for k, s in hf_specs(cfg).items()}
-    return _common.check_plan(cfg, rules, tp, default=plan(cfg), shapes=shapes)
-
-
-def shard(params: dict, cfg: Config, mesh: fmoe.Mesh, plan: Union[Plan, Mapping, None] = None) -> dict:
-    """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :func:`check_plan`), checked first.
-
-    Example:
-        >>> # sharded = shard(init(cfg), cfg, fmoe.Mesh(tp=2, ep=4), {"layers.0.attn.wq": "colwise_gather"})
-    """
-    return fmoe.shard(params, check_plan(cfg, plan, mesh.tp), mesh)
-
-
-def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
-            plan: Union[Plan, Mapping, None] = None, *,
-            dtype: Optional[torch.dtype] = None) -> tuple[dict, Config]:
-    """Load a Hugging Face checkpoint directory (``config.json`` + safetensors, one file or an
-    indexed set); with a mesh each rank reads only its own slices, after :func:`check_plan`
-    has checked the plan against the config (before any tensor is read).
-
-    Args:
-        path: the checkpoint directory.
-        mesh: None for full tensors, else the :class:`fmoe.Mesh` to shard on.
-        plan: a Plan, user rules merged over the default plan by key, or None (default plan).
-        dtype: cast every parameter to this dtype (default: the checkpoint's, which must be one
-            floating-point dtype).
-    Returns:
-        ``(params, cfg)``; with a mesh the params equal ``shard(full_params, cfg, mesh, plan)``.
-
-    Example:
-        >>> # params, cfg = load_hf("gpt-oss-20b", mesh=fmoe.Mesh(tp=2, ep=4))
-    """
-    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan, dtype=dtype)
-
-
-def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
-    """Write ``params`` (or a gradient tree) in the layout ``save_pretrained`` writes
-    (interleaved, transposed ``gate_up_proj``); call on every rank.
-
-    Example:
-        >>> # save_hf(params, cfg, "out"); transformers.GptOssForCausalLM.from_pretrained("out")
-    """
-    ckpt.save_hf(sys.modules[__name__], params, cfg, path, overwrite=overwrite)
+# ---------------------------------------------------------------------------- the declared interface
+MODEL = Model("gpt_oss", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
+              tp_fields=_common.TP_FIELDS, init_cache=init_cache)
+check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

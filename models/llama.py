@@ -27,8 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -41,6 +39,7 @@ import fmoe.nn as nn
 
 from . import _common
 from fmoe import P, Plan
+from fmoe.model import Model
 
 
 @dataclass(frozen=True)
@@ -251,49 +250,6 @@ def plan(cfg: Config) -> Plan:
     return Plan(rules, default=P(), strict=False)
 
 
-_default_plan = plan
-# (parameter name, tensor dim) whose split over tp must respect a config field
-
-def check_plan(cfg: Config, plan: Union[Plan, Mapping[str, Union[str, P]], None] = None, tp: int = 1) -> Plan:
-    """The plan to use (``plan``: a Plan, user rules merged over :func:`plan` by key, or None
-    for the default), after checking that it can shard this model over ``tp`` ranks: tp divides
-    the query heads and the KV heads of every head-split projection, and each half of a split
-    fused gate/up (which must be packed) divides by tp; ``ValueError`` naming the config field
-    otherwise. (Divisibility of whole dims by every mesh axis is checked again by
-    :func:`fmoe.shard`.)
-
-    Args:
-        cfg: the config.
-        plan: the plan or user rules (default: :func:`plan`).
-        tp: tensor-parallel size.
-    Returns:
-        the checked Plan.
-
-    Example:
-        >>> check_plan(Config.tiny(), tp=4)
-        Traceback (most recent call last):
-        ValueError: check_plan: tp=4 does not divide num_key_value_heads=2 (layers.0.attn.wk is split over tp by rule 'layers.*.attn.w[qkv]')
-    """
-    shapes = {k: shape for k, (shape, _) in _layout(cfg).items()}
-    return _common.check_plan(cfg, plan, tp, default=_default_plan(cfg), shapes=shapes)
-
-
-def shard(params: dict, cfg: Config, mesh: fmoe.Mesh,
-          plan: Union[Plan, Mapping[str, Union[str, P]], None] = None) -> dict:
-    """Validate a plan against the config, then :func:`fmoe.shard` the parameters.
-
-    Args:
-        params: full parameters (the same on every rank).
-        cfg: the config.
-        mesh: the :class:`fmoe.Mesh`.
-        plan: a :class:`fmoe.Plan`, or user rules merged over the default plan by key
-            (``{"layers.*.attn.w[qkvo]": "replicate"}``), or None for the default plan.
-    Returns:
-        the sharded tree (DTensor leaves on a multi-rank mesh).
-    """
-    return fmoe.shard(params, check_plan(cfg, plan, mesh.tp), mesh)
-
-
 _HF_LAYER = {"attn_norm": ["input_layernorm.weight"], "mlp_norm": ["post_attention_layernorm.weight"],
              **{f"attn.{w}{x}": [f"self_attn.{x}_proj.{kind}"] for w, kind in (("w", "weight"), ("b", "bias"))
                 for x in "qkvo"},
@@ -347,18 +303,7 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, ckp
     return out
 
 
-def load_hf(path: Union[str, os.PathLike], mesh: Optional[fmoe.Mesh] = None,
-            plan: Union[Plan, Mapping, None] = None, *,
-            dtype: Optional[torch.dtype] = None) -> tuple[dict, Config]:
-    """Load a Hugging Face Llama checkpoint directory; with a mesh each rank reads only its
-    slices (``plan``: a Plan, user rules merged over :func:`plan`, or None).
-
-    Example:
-        >>> # params, cfg = load_hf("llama-dir", mesh=fmoe.Mesh(tp=2))
-    """
-    return ckpt.load_hf(sys.modules[__name__], path, mesh=mesh, plan=plan, dtype=dtype)
-
-
-def save_hf(params: dict, cfg: Config, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
-    """Write ``params`` (or a gradient tree) in the layout ``save_pretrained`` writes, atomically."""
-    ckpt.save_hf(sys.modules[__name__], params, cfg, path, overwrite=overwrite)
+# ---------------------------------------------------------------------------- the declared interface
+MODEL = Model("llama", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
+              tp_fields=_common.TP_FIELDS, init_cache=init_cache, routed=False)
+check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

@@ -230,3 +230,114 @@ def test_a_submodule_import_counts_its_package():
     """``fmoe.x`` importing ``fmoe.routing.core`` runs ``fmoe/routing/__init__`` first: an edge."""
     assert "fmoe.routing" in _imports("fmoe.moe")
     assert "fmoe.routing" not in _imports("fmoe.routing.topk")     # inside the package: no edge
+
+
+# ------------------------------------------------------------------------------- the model interface
+MODEL_FILES = sorted(n for n in MODULES if n.startswith("fmoe.models.") and not n.rpartition(".")[2].startswith("_"))
+GENERIC = [n for n in MODULES if n.startswith(("fmoe.models", "fmoe.train", "fmoe.checkpoint")) or n == "fmoe.model"]
+
+
+def probes(tree: ast.AST) -> list[str]:
+    """``sys.modules``, ``inspect.signature`` and ``hasattr`` / ``getattr`` on a ``model``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _dotted(node) in ("sys.modules", "inspect.signature"):
+            found.append(f"{_dotted(node)} (line {node.lineno})")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+              and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "model"):
+            found.append(f"{node.func.id}(model, ...) (line {node.lineno})")
+    return found
+
+
+def test_models_are_used_through_their_declared_interface_not_probed():
+    found = {n: probes(TREES[n]) for n in GENERIC}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert sorted(probes(ast.parse("import sys\nm = sys.modules[__name__]\nhasattr(model, 'check_plan')"))) == [
+        "hasattr(model, ...) (line 3)", "sys.modules (line 2)"]
+
+
+@pytest.mark.parametrize("name", MODEL_FILES)
+def test_every_model_module_declares_one_model(name):
+    import importlib
+
+    from fmoe.model import Model, model_of
+
+    module = importlib.import_module(name)
+    declared = model_of(module)
+    assert isinstance(declared, Model) and declared.name == name.rpartition(".")[2]
+    for attr in ("Config", "init", "forward", "plan", "hf_specs"):
+        assert getattr(declared, attr) is getattr(module, attr), attr
+    for wrapper in ("check_plan", "shard", "load_hf", "save_hf"):   # written once, in fmoe.model
+        assert getattr(module, wrapper) == getattr(declared, wrapper), wrapper
+
+
+# ------------------------------------------------------------------------------- no hidden state
+def module_state(tree: ast.AST) -> list[str]:
+    """``global`` statements anywhere, and module-level names bound to a mutable container
+    (dict / list / set displays or calls, ``weakref`` / ``collections`` objects) that the module
+    itself mutates (subscript assignment, or a call of a mutating method on the name)."""
+    found = [f"global (line {n.lineno})" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    containers = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set)) or (
+            isinstance(value, ast.Call) and _dotted(value.func).split(".")[-1] in
+            ("dict", "list", "set", "defaultdict", "OrderedDict", "WeakValueDictionary", "WeakKeyDictionary"))
+        for t in targets:
+            if mutable and isinstance(t, ast.Name):
+                containers[t.id] = node.lineno
+    mutators = {"append", "extend", "update", "pop", "popitem", "setdefault", "clear", "add", "remove", "discard",
+                "insert", "__setitem__"}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            for t in (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]):
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in containers:
+                    found.append(f"{t.value.id} (line {containers[t.value.id]}) changed at line {node.lineno}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutators
+              and isinstance(node.func.value, ast.Name) and node.func.value.id in containers):
+            found.append(f"{node.func.value.id} (line {containers[node.func.value.id]}) changed at line {node.lineno}")
+    return found
+
+
+def test_no_module_level_mutable_state():
+    """The one registry by design: ``fmoe.ep`` (``ep.register`` fills it)."""
+    found = {n: module_state(t) for n, t in TREES.items() if n != "fmoe.ep"}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert module_state(TREES["fmoe.ep"])                               # the rule sees the registry
+    bad = ast.parse("_ACTIVE: dict = {}\ndef f(k, v):\n    _ACTIVE[k] = v\n_STATS = {'n': 0}\n"
+                    "def g():\n    global X\n    _STATS.update(n=1)\n")
+    assert module_state(bad) == ["global (line 6)", "_ACTIVE (line 1) changed at line 3",
+                                 "_STATS (line 4) changed at line 7"]
+
+
+# ------------------------------------------------------------------------------- layers (ARCHITECTURE.md)
+LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
+    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.testing", "fmoe.transforms")),
+    (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding")),
+    (2, ("fmoe.experts", "fmoe.expert_blocks", "fmoe.grouped_mm", "fmoe.fsdp", "fmoe.load_stats", "fmoe.remat")),
+    (3, ("fmoe.routing", "fmoe.ep", "fmoe.aux_losses")),
+    (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
+    (5, ("fmoe.model", "fmoe.train", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan", "fmoe.plan.__main__",
+         "fmoe.plot")),
+    (6, ("fmoe.models",)),
+]
+
+
+def layer_of(name: str) -> int:
+    if name == "fmoe":                 # the public namespace: re-exports layers 0-5
+        return 5
+    best = None
+    for layer, prefixes in LAYERS:
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (layer, len(p))
+    assert best is not None, f"{name} is in no layer of ARCHITECTURE.md"
+    return best[0]
+
+
+def test_imports_point_down_the_layers():
+    up = sorted(f"{n} (layer {layer_of(n)}) imports {m} (layer {layer_of(m)})"
+                for n in MODULES for m in _imports(n) if n != "fmoe" and layer_of(m) > layer_of(n))
+    assert up == []
+    assert layer_of("fmoe.models.qwen3_moe") == 6 and layer_of("fmoe.expert_blocks") == 2

@@ -8,11 +8,15 @@ A model module plugs in with a few names (``fmoe.models.qwen3_moe`` and friends 
 ``hf_specs(cfg, keys=None)``           ``{fmoe_path: Spec}`` (flat dotted paths or a nested tree);
                                        ``keys`` = the checkpoint's keys when loading (pick per-expert
                                        or fused layout by what is there), None when saving (the
-                                       layout ``save_pretrained`` writes); a one-argument
-                                       ``hf_specs(cfg)`` is fine too
+                                       layout ``save_pretrained`` writes)
 ``plan(cfg) -> Plan``                  default placements (used when ``load_hf`` gets a mesh)
-``HF_IGNORE`` (optional)               dotted globs of checkpoint keys to ignore (``"**.inv_freq"``)
+``HF_IGNORE``                          dotted globs of checkpoint keys to ignore (``"**.inv_freq"``)
+``__name__``                           the model's name, for messages
 =====================================  =========================================================
+
+A model module's declared :class:`fmoe.model.Model` (``qwen3_moe.MODEL``) provides exactly
+these; its ``load_hf`` passes ``plan`` as a function of the config (:meth:`Model.build_plan`:
+user rules and the model's checks) so the plan is checked before any tensor is read.
 
 ``load_hf`` checks everything before it reads a byte: the directory and its files, the config,
 that every key the specs name exists with the shape the config implies, that the checkpoint has
@@ -32,7 +36,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 from typing import Any, Mapping, Optional, Union
@@ -69,10 +72,7 @@ def hf_specs_of(model: Any, cfg: Any, keys: Optional[list[str]] = None) -> tuple
         >>> # tree, flat = hf_specs_of(qwen3_moe, cfg, Checkpoint("ckpt").keys())
         >>> # flat["layers.0.moe.w_down"].shape   # (E, D, I)
     """
-    fn = getattr(model, "hf_specs", None)
-    if not callable(fn):
-        raise TypeError(f"{_name(model)} has no hf_specs(cfg, keys=None) function")
-    specs = fn(cfg, keys) if len(inspect.signature(fn).parameters) >= 2 else fn(cfg)
+    specs = model.hf_specs(cfg, keys)
     if isinstance(specs, Mapping) and specs and all(isinstance(v, Spec) for v in specs.values()):
         specs = _tree.unflatten(dict(specs))
     flat = _tree.flatten(specs)
@@ -89,7 +89,7 @@ def hf_specs_of(model: Any, cfg: Any, keys: Optional[list[str]] = None) -> tuple
 
 
 def _name(model: Any) -> str:
-    return getattr(model, "__name__", type(model).__name__)
+    return model.__name__
 
 
 def _check_keys(model: Any, flat: Mapping[str, Spec], ck: Checkpoint) -> None:
@@ -103,7 +103,7 @@ def _check_keys(model: Any, flat: Mapping[str, Spec], ck: Checkpoint) -> None:
             elif ck.shape(k.name) != k.shape:
                 misshaped.append(f"{k.name!r} in {os.path.basename(ck.file_of(k.name))} has shape "
                                  f"{ck.shape(k.name)}, the config implies {k.shape} (for {path!r})")
-    ignore = tuple(getattr(model, "HF_IGNORE", ()))
+    ignore = tuple(model.HF_IGNORE)
     unexpected = [f"{k!r} in {os.path.basename(ck.file_of(k))}" for k in ck.keys()
                   if k not in used and not any(_tree.glob_match(g, k) for g in ignore)]
     problems = [f"{len(v)} {what}: {'; '.join(v[:_SHOW])}{' ...' if len(v) > _SHOW else ''}"
@@ -124,7 +124,9 @@ def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optiona
         path: the checkpoint directory, or an open :class:`Checkpoint` (to read ``bytes_read``).
         mesh: None for full tensors; a :class:`fmoe.Mesh` for DTensor leaves, each rank reading
             only its own blocks.
-        plan: placements (default ``model.plan(cfg)``); only used with a mesh.
+        plan: placements: a Plan, user rules merged over ``model.plan(cfg)``, a function
+            ``plan(cfg) -> Plan`` (a model's checked plan), or None for ``model.plan(cfg)``;
+            only used with a mesh.
         dtype: cast every parameter to this dtype (default: keep the checkpoint's).
     Returns:
         ``(params, cfg)``; with a mesh ``params`` equals ``fmoe.shard(full, plan, mesh)``.
@@ -147,8 +149,7 @@ def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optiona
         for file in sorted({ck.file_of(k.name) for s in flat.values() for k in s.leaves()}):
             verify_tensors(file)                           # when written by fmoe: before reading
         if mesh is not None:                               # validate the plan before reading
-            if hasattr(model, "check_plan"):               # user rules merge over the default plan
-                plan = model.check_plan(cfg, plan, mesh.tp)
+            plan = plan(cfg) if callable(plan) else plan    # e.g. Model.build_plan, given the config
             plan = model.plan(cfg) if plan is None else plan
             plan = plan if isinstance(plan, Plan) else model.plan(cfg).override(plan)
             shapes = _tree.map_with_path(lambda p, s: torch.empty(s.shape, device="meta"), tree)

@@ -29,12 +29,12 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from ..collectives import broadcast_from
+from ..model import model_of
 from ..tree import leaves
 
 __all__ = ["generate", "sample", "left_pad"]
@@ -145,21 +145,22 @@ def generate(model: Any, params: Any, cfg: Any, prompts: Union[torch.Tensor, Seq
     """
     _check(max_new_tokens, temperature, top_p, seed, eos_id, cfg)
     tokens, positions = left_pad(prompts, pad_id, cfg.vocab_size)
-    if not hasattr(model, "init_cache"):
-        raise TypeError(f"generate: model {getattr(model, '__name__', model)!r} has no init_cache")
+    declared = model_of(model)
+    if declared.init_cache is None:
+        raise TypeError(f"generate: model {declared.name!r} declares no init_cache")
     device = leaves(params)[0].device
     tokens, positions = tokens.to(device), positions.to(device)
     B, S = tokens.shape
     if max_new_tokens == 0:
         return tokens
-    kwargs = {"impl": impl} if "impl" in inspect.signature(model.forward).parameters else {}
+    kwargs = {"impl": impl} if declared.routed else {}
     dtype = next(t for t in leaves(params) if t.dtype.is_floating_point).dtype
-    cache = model.init_cache(cfg, B, S + max_new_tokens, mesh, dtype=dtype)
+    cache = declared.init_cache(cfg, B, S + max_new_tokens, mesh, dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
     out, done = [tokens], torch.zeros(B, dtype=torch.bool, device=device)
     nxt_pos = positions[:, -1:] + 1                                                   # [B, 1]
     with torch.no_grad():
-        logits, cache = model.forward(params, tokens, cfg, mesh, cache=cache, positions=positions, **kwargs)
+        logits, cache = declared.forward(params, tokens, cfg, mesh, cache=cache, positions=positions, **kwargs)
         for t in range(max_new_tokens):
             ids = _same_on_tp(sample(logits[:, -1], temperature, top_p, gen), mesh)  # [B]
             if eos_id is not None:
@@ -168,6 +169,6 @@ def generate(model: Any, params: Any, cfg: Any, prompts: Union[torch.Tensor, Seq
             out.append(ids[:, None])
             if t + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
                 break
-            logits, cache = model.forward(params, ids[:, None], cfg, mesh, cache=cache, positions=nxt_pos + t, **kwargs)
+            logits, cache = declared.forward(params, ids[:, None], cfg, mesh, cache=cache, positions=nxt_pos + t, **kwargs)
     return torch.cat(out, dim=1)
 

@@ -83,7 +83,7 @@ def load(ckpt: str, mesh: Any) -> tuple[Any, Any, Any, Optional[str]]:
         params, cfg = model.load_hf(ckpt, mesh=mesh if mesh.world > 1 else None)
         return model, params, cfg, ckpt
     from fmoe.train import ckpt as tckpt
-    from fmoe.fsdp import data_parallel_plan
+    from fmoe.model import model_of
     from fmoe.train.optim import adamw_init
 
     step = tckpt.latest(ckpt)
@@ -94,7 +94,7 @@ def load(ckpt: str, mesh: Any) -> tuple[Any, Any, Any, Optional[str]]:
     model = importlib.import_module(f"fmoe.models.{meta['model']}")
     cfg = model.Config(**{k: _tuples(v) for k, v in meta["config"].items()})
     full = model.init(cfg)
-    plan = data_parallel_plan(model.check_plan(cfg, None, mesh.tp), full, mesh)
+    plan = model_of(model).build_plan(cfg, mesh=mesh, params=full, data_parallel=True)
     params = fmoe.shard(full, plan, mesh)
     tckpt.load(step, params, adamw_init(params), tckpt.packed_layout(plan, full))
     return model, params, cfg, None

@@ -359,8 +359,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch
 
     import fmoe
+    from fmoe.model import model_of
     from fmoe.train import ckpt
-    from fmoe.fsdp import data_parallel_plan
     from fmoe.train.evaluate import evaluate
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
     from fmoe.train.outdir import check_room
@@ -390,8 +390,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     if hasattr(cfg, "output_router_logits"):
         cfg = dataclasses.replace(cfg, output_router_logits=args.aux_weight > 0,
                                   router_aux_loss_coef=args.aux_weight)
-    model_plan = model.check_plan(cfg, None, mesh.tp) if hasattr(model, "check_plan") else model.plan(cfg)
-    plan = data_parallel_plan(model_plan, full, mesh)
+    model_plan = model_of(model).build_plan(cfg, mesh=mesh)      # default plan, model checks
+    plan = model_of(model).build_plan(cfg, model_plan, mesh, full, data_parallel=True)
     packed = ckpt.packed_layout(plan, full)
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(full))   # params + 2 moments
     ckpt.on_rank0(lambda: check_room(args.out, need), f"checking --out {args.out}")

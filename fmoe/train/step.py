@@ -30,7 +30,6 @@ so for the LM loss; batch-level aux losses and load statistics are computed per 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -42,6 +41,7 @@ from .. import remat as _remat
 from .. import tree as _tree
 from ..load_stats import imbalance
 from ..mesh import Mesh
+from ..model import model_of
 from ..nn import cross_entropy
 from ..collectives import sum_over_world
 from ..fsdp import regather_in_backward
@@ -102,17 +102,13 @@ def autocast(dtype: str, device: torch.device):
 def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh],
                      impl: str = "auto", router: Optional[Any] = None) -> tuple[torch.Tensor, dict]:
     """Logits and the model's aux (``{"moe": [per-layer dicts]}``; empty for dense models)."""
-    sig = inspect.signature(model.forward).parameters
-    kwargs = {}
-    if "impl" in sig:
-        kwargs["impl"] = impl
-    if router is not None:
-        if "router" not in sig:
-            raise ValueError(f"StepConfig.router: model {model.__name__} has no router to replace")
-        kwargs["router"] = router
-    if "return_aux" in sig:
-        return model.forward(params, tokens, cfg, mesh, return_aux=True, **kwargs)
-    return model.forward(params, tokens, cfg, mesh, **kwargs), {}
+    declared = model_of(model)          # a routed model's forward takes impl, router, return_aux
+    if not declared.routed:
+        if router is not None:
+            raise ValueError(f"StepConfig.router: model {declared.name} has no router to replace")
+        return declared.forward(params, tokens, cfg, mesh), {}
+    kwargs = {} if router is None else {"router": router}
+    return declared.forward(params, tokens, cfg, mesh, impl=impl, return_aux=True, **kwargs)
 
 
 def _world_mean(x: torch.Tensor) -> torch.Tensor:

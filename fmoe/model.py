@@ -1,0 +1,208 @@
+"""The model interface: what a generic loader and trainer need from a model, declared once.
+
+Each model module (``fmoe.models.qwen3_moe`` and friends) declares one :class:`Model`::
+
+    MODEL = Model("qwen3_moe", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
+                  tp_fields=_common.TP_FIELDS)
+    check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf
+
+so the wrappers every model needs are written once, here, and code that handles any model
+(the trainer, the CLI, the checkpoint loader) reads the declared object (:func:`model_of`)
+instead of probing a module. ``forward`` of a ``routed`` model (one with MoE layers) takes
+``impl=``, ``router=`` and ``return_aux=``; a dense model's takes neither.
+
+Plans are built in one place, :meth:`Model.build_plan`::
+
+    default plan(cfg) -> user rules (a Plan replaces it; a mapping merges over it by key)
+      -> model checks (tp divides every config field of ``tp_fields`` whose dim the plan splits
+         over tp: whole heads per tp rank; a split fused gate/up is packed, each half split)
+      -> data-parallel additions (``fsdp`` / ``efsdp`` per leaf, :func:`fmoe.fsdp.data_parallel_plan`)
+
+Mesh sizes themselves are checked by :class:`fmoe.Mesh`, dims divisible by their axes by
+:meth:`fmoe.Plan.resolve`.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+
+from . import tree as _tree
+from .checkpoint import hf as _hf
+from .fsdp import data_parallel_plan
+from .mesh import Mesh
+from .plan import Plan
+from .sharding import shard as _shard
+
+__all__ = ["Model", "model_of"]
+
+Rules = Union[Plan, Mapping, None]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model module's declared interface.
+
+    Attributes:
+        name: the module's short name (``"qwen3_moe"``), used in messages.
+        Config: the frozen config dataclass (``Config.tiny()``, ``Config.from_hf``, ``cfg.to_hf()``).
+        init: ``init(cfg, seed=0, dtype=float32) -> params``.
+        forward: ``forward(params, tokens, cfg, mesh=None, ...) -> logits``.
+        plan: ``plan(cfg) -> Plan``, the default placements.
+        hf_specs: ``hf_specs(cfg, keys=None) -> {path: Spec}``: the checkpoint name map.
+        hf_ignore: dotted globs of checkpoint keys the loader skips.
+        tp_fields: ``{(name inside a layer, dim): config field}``: a dim split over tp must
+            keep the field divisible (``("attn.wq", 0): "num_attention_heads"``).
+        fused_gate_up: layer parameter names holding a fused ``[gate | up]`` (split per half).
+        routed: whether ``forward`` takes ``impl=``, ``router=`` and ``return_aux=`` (MoE layers).
+        init_cache: ``init_cache(cfg, batch, max_len, mesh=None, dtype=...) -> cache`` for
+            generation (``forward(..., cache=, positions=)``), or None.
+    """
+
+    name: str
+    Config: type
+    init: Callable
+    forward: Callable
+    plan: Callable[[Any], Plan]
+    hf_specs: Callable
+    hf_ignore: tuple = ()
+    tp_fields: Mapping[tuple, str] = field(default_factory=dict)
+    fused_gate_up: tuple = ("mlp.w_gate_up", "mlp.b_gate_up")
+    routed: bool = True
+    init_cache: Optional[Callable] = None
+
+    @property
+    def __name__(self) -> str:       # the checkpoint loader's messages name the model
+        return self.name
+
+    @property
+    def HF_IGNORE(self) -> tuple:    # noqa: N802  (the checkpoint loader's protocol name)
+        return self.hf_ignore
+
+    # ---------------------------------------------------------------- plans, in one place
+    def build_plan(self, cfg: Any, rules: Rules = None, mesh: Optional[Mesh] = None, params: Any = None, *,
+                   tp: Optional[int] = None, data_parallel: bool = False) -> Plan:
+        """The plan to shard this model with (see the module docstring for the steps).
+
+        Args:
+            cfg: the config.
+            rules: a Plan (replaces the default), user rules merged over the default by key, or None.
+            mesh: the mesh (its ``tp`` for the checks; required with ``data_parallel``).
+            params: the parameter tree (or anything with shapes) for ``data_parallel``;
+                default: the shapes of :attr:`hf_specs`.
+            tp: tensor-parallel size to check against when there is no mesh (default 1).
+            data_parallel: add the ``fsdp`` / ``efsdp`` splits (training).
+        Returns:
+            the checked :class:`fmoe.Plan`.
+
+        Example:
+            >>> # plan = qwen3_moe.MODEL.build_plan(cfg, {"lm_head": "replicate"}, mesh, data_parallel=True)
+        """
+        tp = mesh.tp if mesh is not None else 1 if tp is None else tp
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"check_plan: tp must be an int >= 1, got {tp!r}")
+        default = self.plan(cfg)
+        plan = rules if isinstance(rules, Plan) else default if rules is None else default.override(rules)
+        shapes = self._shapes(cfg)
+        self._check(cfg, plan, tp, shapes)
+        if not data_parallel:
+            return plan
+        if mesh is None:
+            raise ValueError("build_plan: data_parallel=True needs the mesh")
+        return data_parallel_plan(plan, shapes if params is None else params, mesh)
+
+    def check_plan(self, cfg: Any, rules: Rules = None, tp: int = 1) -> Plan:
+        """The plan (``rules``: a Plan, user rules merged over the default plan by key, or None)
+        after checking that it splits whole heads and a dense fused gate/up per half over
+        ``tp`` ranks; ``ValueError`` naming the config field otherwise.
+
+        Example:
+            >>> # qwen3_moe.check_plan(qwen3_moe.Config.tiny(), tp=8)
+            >>> # ValueError: check_plan: tp=8 does not divide num_key_value_heads=4 (layers.0.attn.wk ...)
+        """
+        return self.build_plan(cfg, rules, tp=tp)
+
+    def _shapes(self, cfg: Any) -> Any:
+        """Every parameter as a meta tensor of its shape (from the checkpoint name map)."""
+        flat = _tree.flatten(self.hf_specs(cfg))
+        return _tree.unflatten({k: torch.empty(tuple(s.shape), device="meta") for k, s in flat.items()})
+
+    def _check(self, cfg: Any, plan: Plan, tp: int, shapes: Any) -> None:
+        problems: dict[str, str] = {}
+        for path, p in _tree.flatten(plan.resolve(shapes)).items():
+            d = p.dim_of("tp")
+            if d is None or tp == 1:
+                continue
+            name = path.split(".", 2)[2] if path.startswith("layers.") else path
+            rule = (plan.match(path) or ("<default>",))[0]
+            if name in self.fused_gate_up and d == 0 and p.packed != 2:
+                raise ValueError(f"check_plan: {path} is split over tp as {p!r} by rule {rule!r}; the fused "
+                                 "[gate | up] weight must be split per half (style 'packed_colwise')")
+            fld = self.tp_fields.get((name, d))
+            if fld and getattr(cfg, fld) % tp:
+                problems.setdefault(fld, f"tp={tp} does not divide {fld}={getattr(cfg, fld)} "
+                                         f"({path} is split over tp by rule {rule!r})")
+        if problems:
+            order = list(dict.fromkeys(self.tp_fields.values()))
+            raise ValueError("check_plan: " + "; ".join(problems[f] for f in order if f in problems))
+
+    # ---------------------------------------------------------------- the wrappers every model shares
+    def shard(self, params: dict, cfg: Any, mesh: Mesh, plan: Rules = None) -> dict:
+        """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :meth:`check_plan`), checked first.
+
+        Example:
+            >>> # sharded = qwen3_moe.shard(init(cfg), cfg, fmoe.Mesh(tp=2, ep=4), {"layers.0.attn.wq": "colwise_gather"})
+        """
+        return _shard(params, self.check_plan(cfg, plan, mesh.tp), mesh)
+
+    def load_hf(self, path: Union[str, os.PathLike], mesh: Optional[Mesh] = None, plan: Rules = None, *,
+                dtype: Optional[torch.dtype] = None) -> tuple[dict, Any]:
+        """Load a Hugging Face checkpoint directory (``config.json`` + safetensors, one file or an
+        indexed set); with a mesh each rank reads only its own slices, after the plan has been
+        checked against the config (:meth:`build_plan`, before any tensor is read).
+
+        Args:
+            path: the checkpoint directory.
+            mesh: None for full tensors, else the :class:`fmoe.Mesh` to shard on.
+            plan: a Plan, user rules merged over the default plan by key, or None (default plan).
+            dtype: cast every parameter to this dtype (default: the checkpoint's, which must be one
+                floating-point dtype).
+        Returns:
+            ``(params, cfg)``; with a mesh the params equal ``shard(full_params, cfg, mesh, plan)``.
+
+        Example:
+            >>> # params, cfg = qwen3_moe.load_hf("Qwen3-30B-A3B", mesh=fmoe.Mesh(tp=2, ep=4))
+        """
+        built = None if mesh is None else (lambda cfg: self.build_plan(cfg, plan, tp=mesh.tp))
+        return _hf.load_hf(self, path, mesh=mesh, plan=built, dtype=dtype)
+
+    def save_hf(self, params: dict, cfg: Any, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
+        """Write ``params`` (or a gradient tree) with the keys ``save_pretrained`` writes,
+        atomically; transformers' ``from_pretrained`` loads the result. Call on every rank.
+        ``overwrite``: ``path`` may hold other files (see :func:`fmoe.checkpoint.save_hf`).
+
+        Example:
+            >>> # qwen3_moe.save_hf(params, cfg, "out"); transformers.AutoModelForCausalLM.from_pretrained("out")
+        """
+        _hf.save_hf(self, params, cfg, path, overwrite=overwrite)
+
+
+def model_of(model: Union[Model, types.ModuleType]) -> Model:
+    """The declared :class:`Model` of ``model``: itself, or a model module's ``MODEL``.
+
+    Example:
+        >>> from fmoe.models import llama
+        >>> model_of(llama).routed
+        False
+    """
+    if isinstance(model, Model):
+        return model
+    declared = vars(model).get("MODEL") if isinstance(model, types.ModuleType) else None
+    if not isinstance(declared, Model):
+        raise TypeError(f"expected an fmoe.model.Model or a model module that declares MODEL = Model(...), "
+                        f"got {model!r}")
+    return declared
