@@ -238,12 +238,13 @@ GENERIC = [n for n in MODULES if n.startswith(("fmoe.models", "fmoe.train", "fmo
 
 
 def probes(tree: ast.AST) -> list[str]:
-    """``sys.modules``, ``inspect.signature`` and ``hasattr`` / ``getattr`` on a ``model``."""
+    """``sys.modules``, ``inspect.signature`` and ``hasattr`` on a ``model`` (reading an optional,
+    documented field with ``getattr(model, name, default)`` is not probing)."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _dotted(node) in ("sys.modules", "inspect.signature"):
             found.append(f"{_dotted(node)} (line {node.lineno})")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr"
               and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "model"):
             found.append(f"{node.func.id}(model, ...) (line {node.lineno})")
     return found

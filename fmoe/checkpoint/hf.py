@@ -10,7 +10,7 @@ A model module plugs in with a few names (``fmoe.models.qwen3_moe`` and friends 
                                        or fused layout by what is there), None when saving (the
                                        layout ``save_pretrained`` writes)
 ``plan(cfg) -> Plan``                  default placements (used when ``load_hf`` gets a mesh)
-``HF_IGNORE``                          dotted globs of checkpoint keys to ignore (``"**.inv_freq"``)
+``HF_IGNORE`` (optional)               dotted globs of checkpoint keys to ignore (``"**.inv_freq"``)
 ``__name__``                           the model's name, for messages
 =====================================  =========================================================
 
@@ -103,7 +103,7 @@ def _check_keys(model: Any, flat: Mapping[str, Spec], ck: Checkpoint) -> None:
             elif ck.shape(k.name) != k.shape:
                 misshaped.append(f"{k.name!r} in {os.path.basename(ck.file_of(k.name))} has shape "
                                  f"{ck.shape(k.name)}, the config implies {k.shape} (for {path!r})")
-    ignore = tuple(model.HF_IGNORE)
+    ignore = tuple(getattr(model, "HF_IGNORE", ()))     # optional in the protocol
     unexpected = [f"{k!r} in {os.path.basename(ck.file_of(k))}" for k in ck.keys()
                   if k not in used and not any(_tree.glob_match(g, k) for g in ignore)]
     problems = [f"{len(v)} {what}: {'; '.join(v[:_SHOW])}{' ...' if len(v) > _SHOW else ''}"
