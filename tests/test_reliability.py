@@ -52,7 +52,7 @@ def strict_log(out):
 def load_trained(path):
     """Load a llama-tiny training checkpoint the way --resume does (ckpt.load checks finiteness)."""
     from fmoe.models import llama
-    from fmoe.train.fsdp import data_parallel_plan
+    from fmoe.fsdp import data_parallel_plan
     from fmoe.train.optim import adamw_init
     params = llama.init(cli._preset(llama, "tiny", 1), seed=5)
     plan = data_parallel_plan(llama.plan(cli._preset(llama, "tiny", 1)), params, fmoe.Mesh())
@@ -108,6 +108,15 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path, capsys):
     r = in_process(capsys, 2, *BASE, "--out", out, "--resume", out, "--steps", "5")
     assert "'step' must be a non-negative integer, got -3" in r
     json.dump(meta, open(meta_file, "w"))
+    # --resume never unpickles: a planted torch .metadata payload is refused, never run
+    import pickle
+    marker = tmp_path / "pwned"
+    payload = type("P", (), {"__reduce__": lambda self: (os.system, (f"touch {marker}",))})
+    with open(os.path.join(out, "step-3", ".metadata"), "wb") as f:
+        pickle.dump(payload(), f)
+    r = in_process(capsys, 1, *BASE, "--out", out, "--resume", out, "--steps", "5")
+    assert "'.metadata'] not listed in" in one_line(r) and not marker.exists()
+    os.remove(os.path.join(out, "step-3", ".metadata"))
     # one job per OUT: a live lock refuses, a stale one is taken over
     with OutLock(out):
         r = in_process(capsys, 1, *BASE, "--out", out, "--resume", out, "--steps", "5")
