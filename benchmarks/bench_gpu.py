@@ -16,6 +16,10 @@ one run, with CUDA events after warm-up, median of the repetitions:
     python benchmarks/bench_gpu.py            # needs CUDA; about a minute on an H100/H200
     python benchmarks/bench_gpu.py --dry-run  # tiny fp32 shapes on CPU: checks the script logic
 
+5. **main job** (also): a 20-step ``python -m fmoe.train --device cuda --dtype bf16`` on the
+   small preset (``--dry-run``: 3 CPU steps, fp32), its final metrics next to the memory plan's
+   prediction for it (``--no-main-job`` skips it).
+
 Prints a table and writes benchmarks/out/gpu.json (``gpu_dry_run.json`` for a dry run).
 """
 
@@ -217,6 +221,29 @@ def report(r: dict) -> None:
           + ", ".join(f"{k} {v:.1e}" for k, v in r["layer_max_rel_diff"].items()))
 
 
+def main_job(device: str, dry_run: bool) -> dict:
+    """Run the main job for 20 steps (3 on a dry run) on ``device``; its final metrics and plan."""
+    import subprocess
+    import tempfile
+
+    shape = ["--model", "qwen3_moe", "--preset", "small", "--batch", "8", "--seq", "256", "--dtype", "bf16"]
+    run_flags = ["--steps", "20", "--device", "cuda"]
+    if dry_run:
+        shape = ["--model", "qwen3_moe", "--preset", "tiny", "--batch", "2", "--seq", "32", "--dtype", "fp32"]
+        run_flags = ["--steps", "3", "--device", "cpu"]
+    flags = shape + run_flags
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "fmoe.train", *flags, "--out", os.path.join(out, "run"), "--quiet"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if done.returncode:
+            raise RuntimeError(f"main job failed: {done.stderr[-2000:]}")
+        plan = subprocess.run([sys.executable, "-m", "fmoe.plan", "--json", *shape], capture_output=True, text=True,
+                              timeout=300)
+    final = json.loads(done.stdout.strip().splitlines()[-1])["final"]
+    return {"command": " ".join(["python", "-m", "fmoe.train", *flags]), "final": final,
+            "plan": json.loads(plan.stdout)["ranks"][0] if plan.returncode == 0 else plan.stderr[-500:]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny fp32 shapes on CPU (no GPU needed)")
@@ -224,6 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=None, help="override T (default 16384)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-main-job", action="store_true", help="skip the 20-step main job")
     args = ap.parse_args(argv)
     if args.dry_run:
         shapes, device, dtype = DRY, "cpu", torch.float32
@@ -242,6 +270,9 @@ def main(argv=None) -> int:
                      transformers=__import__("transformers").__version__, machine=platform.platform(),
                      warmup=args.warmup, reps=args.reps, command=" ".join(["python"] + sys.argv))
     report(r)
+    if not args.no_main_job:
+        r["main_job"] = main_job(device, args.dry_run)
+        print(json.dumps(r["main_job"]["final"]))
     path = args.out or f"benchmarks/out/gpu{'_dry_run' if args.dry_run else ''}.json"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -1,7 +1,10 @@
 """Differentiable collectives: ``torch.autograd.Function``s over torch.distributed.
 
 Each function is a new-style autograd Function (``forward`` + ``setup_context``), so it works
-under ``torch.autograd`` and ``torch.func.grad`` alike. Every one takes a process group and is a
+under ``torch.autograd`` and ``torch.func.grad`` alike. Every collective is linear, so its
+``jvp`` is the same exchange applied to the tangent; its vmap rule moves the batch dim out of
+the way of the exchanged dim (next to the rows for ``all_to_all``, first otherwise) and runs
+the collective once for the whole batch. Every one takes a process group and is a
 no-op when the group is None or has one rank (single process).
 
 =================  =========================  ==========================================
@@ -40,6 +43,9 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from .transforms import apply, compiling, without_jvp
 
 __all__ = ["all_to_all", "all_reduce", "copy_to", "all_gather", "gather_replicated",
            "reduce_scatter", "split_to", "group_size", "all_gather_sizes", "all_reduce_coalesced",
@@ -72,6 +78,17 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, g):
         return _AllToAll.apply(g, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
 
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        return _exchange(dx, ctx.out_splits, ctx.in_splits, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, out_splits, in_splits, group):    # batch next to the rows: [N, B, ...]
+        return _AllToAll.apply(x.movedim(in_dims[0], 1), out_splits, in_splits, group), 1
+
+
+_AllToAllTraced = without_jvp(_AllToAll)
+
 
 def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
                group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -90,11 +107,13 @@ def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[i
         >>> all_to_all(torch.ones(2, 3), [2], [2], None).shape
         torch.Size([2, 3])
     """
-    if x.shape[0] != sum(in_splits):
-        raise ValueError(f"all_to_all: x has {x.shape[0]} rows but in_splits sum to {sum(in_splits)}")
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group)
+    if compiling():      # torch's traceable all-to-all: split sizes may be symbolic (dynamic shapes)
+        return funcol.all_to_all_single_autograd(x.contiguous(), list(out_splits), list(in_splits), group)
+    if x.shape[0] != sum(in_splits):
+        raise ValueError(f"all_to_all: x has {x.shape[0]} rows but in_splits sum to {sum(in_splits)}")
+    return apply(_AllToAll, _AllToAllTraced, x, [int(s) for s in out_splits], [int(s) for s in in_splits], group)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -106,11 +125,22 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        ctx.group = inputs[1]
 
     @staticmethod
     def backward(ctx, g):
         return g, None
+
+    @staticmethod
+    def jvp(ctx, dx, _):
+        return _AllReduce.forward(dx, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return _AllReduce.apply(x, group), in_dims[0]
+
+
+_AllReduceTraced = without_jvp(_AllReduce)
 
 
 class _CopyTo(torch.autograd.Function):
@@ -126,16 +156,27 @@ class _CopyTo(torch.autograd.Function):
     def backward(ctx, g):
         return _AllReduce.apply(g, ctx.group), None
 
+    @staticmethod
+    def jvp(ctx, dx, _):
+        return dx.view_as(dx)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return _CopyTo.apply(x, group), in_dims[0]
+
+
+_CopyToTraced = without_jvp(_CopyTo)
+
 
 def all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Sum ``x`` over ``group``; backward passes the gradient through unchanged."""
-    return x if group_size(group) == 1 else _AllReduce.apply(x, group)
+    return x if group_size(group) == 1 else apply(_AllReduce, _AllReduceTraced, x, group)
 
 
 def copy_to(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Identity; backward sums the gradient over ``group`` (a replicated input feeding
     rank-partial computations, e.g. the input of a colwise linear)."""
-    return x if group_size(group) == 1 else _CopyTo.apply(x, group)
+    return x if group_size(group) == 1 else apply(_CopyTo, _CopyToTraced, x, group)
 
 
 def all_gather_sizes(n: int, group: Optional[dist.ProcessGroup]) -> list[int]:
@@ -279,7 +320,18 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.replicated:
             return _own_slice(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
-        return _reduce_own_slice(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+        return _ReduceScatter.apply(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        return _gather(dx, ctx.dim, ctx.sizes, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, dim, sizes, group, replicated):
+        return _AllGather.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group, replicated), 0
+
+
+_AllGatherTraced = without_jvp(_AllGather)
 
 
 def _sizes_for(x: torch.Tensor, dim: int, sizes: Optional[Sequence[int]], group) -> list[int]:
@@ -297,7 +349,7 @@ def all_gather(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0
     skip the size exchange). Backward: sum over ranks, keep own slice (reduce-scatter)."""
     if group_size(group) == 1:
         return x
-    return _AllGather.apply(x, dim, _sizes_for(x, dim, sizes, group), group, False)
+    return apply(_AllGather, _AllGatherTraced, x, dim, _sizes_for(x, dim, sizes, group), group, False)
 
 
 def gather_replicated(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0,
@@ -306,26 +358,36 @@ def gather_replicated(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: 
     rank's slice of its own gradient, no sum."""
     if group_size(group) == 1:
         return x
-    return _AllGather.apply(x, dim, _sizes_for(x, dim, sizes, group), group, True)
+    return apply(_AllGather, _AllGatherTraced, x, dim, _sizes_for(x, dim, sizes, group), group, True)
 
 
 class _ReduceScatter(torch.autograd.Function):
+    """Sum over the group, keep this rank's slice (``sizes`` per rank, uneven allowed); the
+    adjoint of :class:`_AllGather`, and what its backward applies (a Function, so that
+    ``torch.func`` sees a collective on plain tensors at every level)."""
+
     @staticmethod
-    def forward(x, dim, group):
-        n = group_size(group)
-        xm = x.movedim(dim, 0).contiguous()
-        out = xm.new_empty((xm.shape[0] // n,) + tuple(xm.shape[1:]))
-        dist.reduce_scatter_tensor(out, xm, group=group)
-        return out.movedim(0, dim)
+    def forward(x, dim, sizes, group):
+        return _reduce_own_slice(x, dim, sizes, group)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.dim, ctx.group = inputs
+        _, ctx.dim, ctx.sizes, ctx.group = inputs
 
     @staticmethod
     def backward(ctx, g):
-        n = group_size(ctx.group)
-        return _AllGather.apply(g, ctx.dim, [g.shape[ctx.dim]] * n, ctx.group, True), None, None
+        return _AllGather.apply(g, ctx.dim, ctx.sizes, ctx.group, True), None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        return _reduce_own_slice(dx, ctx.dim, ctx.sizes, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, dim, sizes, group):
+        return _ReduceScatter.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group), 0
+
+
+_ReduceScatterTraced = without_jvp(_ReduceScatter)
 
 
 def reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0) -> torch.Tensor:
@@ -335,7 +397,7 @@ def reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int
     n = group_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} is not divisible by group size {n}")
-    return _ReduceScatter.apply(x, dim, group)
+    return apply(_ReduceScatter, _ReduceScatterTraced, x, dim, [x.shape[dim] // n] * n, group)
 
 
 class _SplitTo(torch.autograd.Function):
@@ -350,7 +412,18 @@ class _SplitTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.sizes, ctx.group), None, None, None
+        return _AllGather.apply(g, ctx.dim, ctx.sizes, ctx.group, True), None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, *_):
+        return _SplitTo.forward(dx, ctx.dim, ctx.sizes, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, dim, sizes, group):
+        return _SplitTo.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group), 0
+
+
+_SplitToTraced = without_jvp(_SplitTo)
 
 
 def split_to(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequence[int], dim: int = 0) -> torch.Tensor:
@@ -377,7 +450,7 @@ def split_to(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequenc
         return x
     if len(sizes) != group_size(group):
         raise ValueError(f"split_to: sizes {sizes} must have one entry per rank of the group ({group_size(group)})")
-    return _SplitTo.apply(x, dim, sizes, group)
+    return apply(_SplitTo, _SplitToTraced, x, dim, sizes, group)
 
 
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:

@@ -53,6 +53,9 @@ import torch
 from .collectives import all_reduce, all_to_all, all_to_all_rows, copy_to, gather_replicated, group_size, split_to
 from .expert_blocks import weighted_expert_sum
 from .experts import Activation, check_matmul, expert_mlp, swiglu
+from .grouped_mm import expert_mlp_offs, offsets
+from .transforms import active as transforms_active
+from .transforms import vmapping
 
 __all__ = ["LocalExperts", "BLOCKED_MIN_ROWS", "register", "get", "registered", "local", "all_to_all_impl",
            "folds_stats", "all_reduce_impl", "sorted_by_expert", "pack_ids", "unpack_ids"]
@@ -122,12 +125,16 @@ def sorted_by_expert(local_ids: torch.Tensor, num_local: int) -> tuple[torch.Ten
     return order, counts
 
 
-def _weighted_sum_per_row(rows, slot_w, slot_ids, experts: LocalExperts) -> torch.Tensor:
+def _weighted_sum_per_row(rows, slot_w, slot_ids, experts: LocalExperts,
+                          num_used: Optional[int] = None) -> torch.Tensor:
     """``out[n] = sum_k slot_w[n, k] * expert(slot_ids[n, k])(rows[n])`` over slots with id >= 0.
 
     One stable sort of the ``[N * K]`` slots (unused slots keyed last), then the experts with the
     weights folded in over the gathered rows, added back per row (:meth:`LocalExperts.weighted_sum`).
+    ``num_used``: the number of slots with id >= 0 when the caller knows it on the host.
     """
+    if transforms_active():                # torch.func / torch.compile: the grouped ops (fmoe.transforms)
+        return _weighted_sum_traced(rows, slot_w, slot_ids, experts, num_used)
     k = slot_ids.shape[1]
     e = experts.num_local
     flat = slot_ids.reshape(-1)
@@ -140,9 +147,35 @@ def _weighted_sum_per_row(rows, slot_w, slot_ids, experts: LocalExperts) -> torc
     return experts.weighted_sum(rows, row_of, counts, w)                        # [N, D]
 
 
+def _weighted_sum_traced(rows, slot_w, slot_ids, experts: LocalExperts, num_used: Optional[int]) -> torch.Tensor:
+    """:func:`_weighted_sum_per_row` with the group sizes kept on the device (offsets for
+    :func:`fmoe.grouped_mm.expert_mlp_offs`): no host sync when ``num_used`` is given (the
+    dispatch learns it in its split-size exchange; every slot in one process). Otherwise one
+    ``int()`` (the ``all_reduce`` dispatch under compile), or under ``vmap``, where no host value
+    exists, unused slots ride along on local expert 0 with weight 0 (adding nothing)."""
+    k, e = slot_ids.shape[1], experts.num_local
+    flat = slot_ids.reshape(-1)                                                 # [N*K]
+    used = flat >= 0
+    if num_used is None and vmapping():
+        keyed, num_used = torch.where(used, flat, 0), flat.shape[0]
+    else:
+        keyed = torch.where(used, flat, e)                                      # unused slots sorted last, cut
+        num_used = int(used.sum()) if num_used is None else num_used
+    order = torch.argsort(keyed, stable=True)[:num_used]                       # [A]
+    ones = torch.ones_like(keyed)
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device).scatter_add(0, keyed, ones)[:e]
+    row_of = torch.div(order, k, rounding_mode="floor")
+    w = torch.where(used, slot_w.reshape(-1), 0).index_select(0, order).to(rows.dtype)   # [A]
+    ew = experts.weights
+    out = expert_mlp_offs(rows.index_select(0, row_of), offsets(counts), ew["w_gate_up"], ew["w_down"],
+                          ew.get("b_gate_up"), ew.get("b_down"), act=None if experts.act is swiglu else experts.act,
+                          scale=w, impl="loop" if experts.matmul == "loop" else "auto")
+    return out.new_zeros(rows.shape[0], out.shape[-1]).index_add(0, row_of, out)
+
+
 def local(x, weights, expert_ids, experts: LocalExperts, mesh) -> torch.Tensor:
     """All experts on this rank: no communication (single process, or ep == 1)."""
-    return _weighted_sum_per_row(x, weights, expert_ids - experts.first, experts)
+    return _weighted_sum_per_row(x, weights, expert_ids - experts.first, experts, num_used=expert_ids.numel())
 
 
 def _replicated_inputs(x: torch.Tensor, weights: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,20 +229,25 @@ def folds_stats(mesh) -> bool:
     return mesh is not None and mesh.efsdp == 1 and mesh.ep > 1
 
 
-def _exchange_splits(in_splits: torch.Tensor, stats: Optional[torch.Tensor], group, mesh):
-    """Split sizes to and from every rank; with ``stats`` (fp64 ``[S]``, differentiable) also
-    their sum over this rank's ``fsdp`` group in the same exchange: the value every rank of the
-    group computes identically (same rows, same order), the gradient passed straight to this
-    rank's own stats (``all_reduce``'s backward)."""
+def _exchange_splits(sizes: torch.Tensor, stats: Optional[torch.Tensor], group, mesh):
+    """Exchange ``sizes [ep, 2]`` (rows and routing slots this rank sends to each rank) and
+    bring to the host, in the layer's one sync: rows received from each rank, rows sent to each
+    rank, and the total slots received (the expert assignments this rank computes). With
+    ``stats`` (fp64 ``[S]``, differentiable) also their sum over this rank's ``fsdp`` group in
+    the same exchange: the value every rank of the group computes identically (same rows, same
+    order), the gradient passed straight to this rank's own stats (``all_reduce``'s backward)."""
+    n = sizes.shape[0]
     if stats is None:
-        return all_to_all_rows(in_splits, group).tolist(), None
-    n = in_splits.shape[0]
-    send = torch.cat([in_splits.to(torch.float64).unsqueeze(1), stats.detach().expand(n, -1)], dim=1)  # [ep, 1+S]
-    recv = all_to_all_rows(send, group)
-    batch_peers = set(mesh.ranks("fsdp"))                          # one rank per batch, my tp index
-    rows = [j for j, r in enumerate(mesh.ranks("ep")) if r in batch_peers]
-    total = recv[rows, 1:].sum(0)                                  # ep-group order: the same bits everywhere
-    return recv[:, 0].long().tolist(), total + (stats - stats.detach())
+        recv = all_to_all_rows(sizes, group)
+        total = None
+    else:
+        send = torch.cat([sizes.to(torch.float64), stats.detach().expand(n, -1)], dim=1)   # [ep, 2+S]
+        recv = all_to_all_rows(send, group)
+        batch_peers = set(mesh.ranks("fsdp"))                      # one rank per batch, my tp index
+        rows = [j for j, r in enumerate(mesh.ranks("ep")) if r in batch_peers]
+        total = recv[rows, 2:].sum(0) + (stats - stats.detach())   # ep-group order: the same bits everywhere
+    host = torch.cat([recv[:, :2].long().reshape(-1), sizes[:, 0]]).tolist()       # the host sync
+    return host[0:2 * n:2], host[2 * n:], sum(host[1:2 * n:2]), total
 
 
 def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh, stats: Optional[torch.Tensor] = None):
@@ -236,18 +274,20 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh, stats: 
     # ---- (token, destination rank) pairs, once per rank, grouped by rank (no sort): one gather
     dest = torch.div(ids, e_local, rounding_mode="floor")                       # [Ts, K]
     need = torch.zeros(Ts, ep, dtype=torch.bool, device=x.device).scatter_(1, dest, True)
-    pair_rank, pair_tok = torch.nonzero(need.t(), as_tuple=True)                # Pn pairs
+    flat = dest.reshape(-1)
+    slots = torch.zeros(ep, dtype=torch.int64, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
+    counts = torch.stack([need.sum(0), slots], dim=1)                           # [ep, 2]: rows, slots to each rank
+    # ---- split sizes (the layer's one host sync; routing statistics ride along)
+    out_s, in_s, num_used, stats_sum = _exchange_splits(counts, stats, ep_group, mesh)
+    pair_rank, pair_tok = torch.nonzero_static(need.t(), size=sum(in_s)).unbind(1)   # Pn pairs, grouped by rank
     payload = tok.index_select(0, pair_tok)                                     # [Pn, D+2K]
-    in_splits = torch.bincount(pair_rank, minlength=ep)
-    # ---- split sizes (the host sync; routing statistics ride along), then one exchange of rows + weights + ids
-    out_s, stats_sum = _exchange_splits(in_splits, stats, ep_group, mesh)
-    in_s = in_splits.tolist()
+    # ---- one exchange of rows + weights + ids
     recv = all_to_all(payload, out_s, in_s, ep_group)                           # [Nr, D + 2K]
     rows, recv_w, recv_bits = recv.split([D, K, K], dim=1)                      # backward: one cat
     gids = unpack_ids(recv_bits)                                                # [Nr, K] global ids
     recv_ids = torch.where(torch.div(gids, e_local, rounding_mode="floor") == me, gids - me * e_local, -1)
     # ---- experts: one weighted row per received (token, rank)
-    combined = _weighted_sum_per_row(rows, recv_w, recv_ids, experts)           # [Nr, D]
+    combined = _weighted_sum_per_row(rows, recv_w, recv_ids, experts, num_used)  # [Nr, D]
     back = all_to_all(combined, in_s, out_s, ep_group)                          # [Pn, D]
     ys = back.new_zeros(Ts, D).index_add(0, pair_tok, back)
     # ---- reassemble the TP slices (each rank keeps its own slice's gradient)

@@ -34,7 +34,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .experts import check_groups, swiglu_backward
+from .experts import _gmm, check_groups, swiglu_backward, swiglu_jvp
+from .transforms import vmap_by_loop
 
 __all__ = ["weighted_expert_sum", "BLOCK_ROWS"]
 
@@ -80,6 +81,15 @@ class _BlockedSwiGLU(torch.autograd.Function):
         ctx.mark_non_differentiable(output[1], output[2])
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(rows, row_of, scale, w_gate_up, w_down, output[1], output[2])
+        ctx.save_for_forward(rows, row_of, scale, w_gate_up, w_down)
+
+    @staticmethod
+    def jvp(ctx, drows, _drow_of, dscale, dw_gate_up, dw_down, *_):
+        rows, row_of, scale, w_gate_up, w_down = ctx.saved_tensors
+        pick = lambda t: t.index_select(0, row_of) if t is not None else None  # noqa: E731
+        mm = lambda a, w: _gmm(a, w, None, ctx.counts, False, trans=True)      # noqa: E731
+        dy = swiglu_jvp(mm, pick(rows), scale, w_gate_up, w_down, pick(drows), dscale, dw_gate_up, dw_down)
+        return rows.new_zeros(rows.shape[0], dy.shape[1]).index_add(0, row_of, dy), None, None
 
     @staticmethod
     def backward(ctx, dout, _dh, _dsg):
@@ -123,6 +133,9 @@ class _BlockedSwiGLU(torch.autograd.Function):
             if dwgu is not None:
                 _accumulate_mm(dwgu[e], dh.t(), x, first)                          # [2I, D]
         return drows, None, dscale, dw_gu, dw_dn, None, None
+
+
+_BlockedSwiGLU.vmap = staticmethod(vmap_by_loop(_BlockedSwiGLU.apply))
 
 
 def _weight_grad(w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:

@@ -31,6 +31,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .grouped_mm import grouped_mm
+from .transforms import vmap_by_loop
+
 __all__ = ["swiglu", "clamped_swiglu", "expert_mlp", "grouped_mm_available", "use_grouped"]
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -65,30 +68,6 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-class _GroupedMM(torch.autograd.Function):
-    """``out[rows of e] = x[rows of e] @ w[e].T`` for all experts at once."""
-
-    @staticmethod
-    def forward(x, w, offs):
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, w, offs = inputs
-        ctx.save_for_backward(x, w, offs)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w, offs = ctx.saved_tensors
-        g = g.contiguous()
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gx = torch._grouped_mm(g, w, offs=offs)                              # [N, D]
-        if ctx.needs_input_grad[1]:
-            gw = torch._grouped_mm(g.t(), x, offs=offs)                          # [E, out, in]
-        return gx, gw, None
-
-
 def _gmm(a: torch.Tensor, w: torch.Tensor, offs, counts: Sequence[int], grouped: bool, trans: bool) -> torch.Tensor:
     """Rows of group ``e``: ``a_e @ w[e].T`` (``trans``) or ``a_e @ w[e]``; plain tensors, no autograd."""
     if grouped:
@@ -114,6 +93,8 @@ class _SwiGLUExperts(torch.autograd.Function):
 
     Returns ``(y [N, D], h [N, 2I])``; ``h`` (the gate/up projection) is a non-differentiable
     output only so that it can be saved for backward (new-style Function, ``torch.func`` works).
+    Forward mode: :func:`swiglu_jvp`; vmap: one call per batch element (``fmoe.moe`` takes the
+    grouped-op path under transforms, see :mod:`fmoe.transforms`).
     """
 
     @staticmethod
@@ -132,6 +113,13 @@ class _SwiGLUExperts(torch.autograd.Function):
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)            # no zero-filled gradient for h
         ctx.save_for_backward(x, scale, w_gate_up, w_down, offs, output[1])
+        ctx.save_for_forward(x, scale, w_gate_up, w_down, offs)
+
+    @staticmethod
+    def jvp(ctx, dx, dscale, dw_gate_up, dw_down, *_):
+        x, scale, w_gate_up, w_down, offs = ctx.saved_tensors
+        mm = lambda a, w: _gmm(a, w, offs, ctx.counts, ctx.grouped, trans=True)  # noqa: E731
+        return swiglu_jvp(mm, x, scale, w_gate_up, w_down, dx, dscale, dw_gate_up, dw_down), None
 
     @staticmethod
     def backward(ctx, dy, _dh):
@@ -143,6 +131,35 @@ class _SwiGLUExperts(torch.autograd.Function):
             x, dy, scale, w_gate_up, w_down, h, ctx.counts, (need[0], need[1], need[2], need[3]),
             offs=offs, grouped=ctx.grouped)
         return dx, dscale, dw_gate_up, dw_down, None, None, None
+
+
+_SwiGLUExperts.vmap = staticmethod(vmap_by_loop(_SwiGLUExperts.apply))
+
+
+def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return b if a is None else a if b is None else a + b
+
+
+def swiglu_jvp(mm: Callable, x, scale, w_gate_up, w_down, dx, dscale, dw_gate_up, dw_down) -> torch.Tensor:
+    """Tangent of ``y = (scale * silu(g) * u) W_down^T``, ``[g | u] = x W_gate_up^T`` (per expert
+    group: ``mm(a, w)`` is the grouped ``a @ w[e]^T``) for the input tangents ``d*`` (None: zero).
+    Product rule: ``dy = da W_down^T + a dW_down^T`` with ``da`` from ``dh = dx W^T + x dW^T``."""
+    h = mm(x, w_gate_up)                                                       # [N, 2I]
+    n_i = h.shape[1] // 2
+    gate, up = h[:, :n_i], h[:, n_i:]
+    s = F.silu(gate)
+    a = s * up                                                                 # [N, I]
+    dh = _add(mm(dx, w_gate_up) if dx is not None else None, mm(x, dw_gate_up) if dw_gate_up is not None else None)
+    da = None
+    if dh is not None:
+        sig = torch.sigmoid(gate)
+        da = dh[:, :n_i] * up * sig * (1 + gate * (1 - sig)) + s * dh[:, n_i:]
+    if scale is not None:
+        da = _add(da * scale.unsqueeze(-1) if da is not None else None,
+                  a * dscale.unsqueeze(-1) if dscale is not None else None)
+        a = a * scale.unsqueeze(-1)
+    dy = _add(mm(da, w_down) if da is not None else None, mm(a, dw_down) if dw_down is not None else None)
+    return dy if dy is not None else x.new_zeros(x.shape[0], w_down.shape[1])
 
 
 def swiglu_backward(x, dy, scale, w_gate_up, w_down, h, counts: Sequence[int], need: Sequence[bool],
@@ -202,7 +219,7 @@ def use_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
 
 def _project(x, w, counts, offs, grouped: bool) -> torch.Tensor:
     if grouped:
-        return _GroupedMM.apply(x.contiguous(), w, offs)
+        return grouped_mm(x.contiguous(), w, offs, impl="grouped")
     return _loop_mm(x, w, counts)
 
 

@@ -44,6 +44,8 @@ from .mesh import Mesh
 from .placement import P, chunk_range, chunk_sizes
 from .plan import Plan
 from .sharding import placed_like, placement_of, to_local
+from .transforms import active as transforms_active
+from .transforms import peel
 
 __all__ = ["KEEP", "unshard", "unshard_layer", "unsharded_layers", "regather_in_backward", "RegatherCounts",
            "gather_flat", "add_data_axis", "data_parallel_plan"]
@@ -117,7 +119,7 @@ def unshard(t: Any, keep: Sequence[str] = KEEP, partial_grad: Sequence[str] = ()
         >>> unshard(torch.ones(2)).shape
         torch.Size([2])
     """
-    if not isinstance(t, DTensor):
+    if not isinstance(peel(t), DTensor):      # (under torch.func the DTensor is wrapped)
         return t
     p = placement_of(t)
     out = to_local(t, partial_grad)
@@ -131,10 +133,10 @@ def unshard(t: Any, keep: Sequence[str] = KEEP, partial_grad: Sequence[str] = ()
                              f"gathered axes {gathered} on dim {d} (or is packed); not supported")
         levels = [t.shape[d]]         # the dim's size before each nested split (torch.chunk pieces)
         for a in axes[:-1]:
-            levels.append(chunk_range(levels[-1], group_size(t.device_mesh.get_group(a)),
-                                      t.device_mesh.get_local_rank(a))[1])
+            levels.append(chunk_range(levels[-1], group_size(peel(t).device_mesh.get_group(a)),
+                                      peel(t).device_mesh.get_local_rank(a))[1])
         for a, size in zip(reversed(axes), reversed(levels)):      # innermost split first
-            group = t.device_mesh.get_group(a)
+            group = peel(t).device_mesh.get_group(a)
             piece = out
             sizes = chunk_sizes(size, group_size(group))
             out = all_gather(piece, group, dim=d, sizes=sizes)
@@ -208,7 +210,8 @@ def _grad_like(local: torch.Tensor, g: Any, spec: DTensorSpec) -> DTensor:
     """The leaf's gradient: its own placements, ``Partial`` where the gathered value's gradient
     was marked partial (e.g. a q/k-norm weight used on tp-split heads)."""
     marked = g.placements if isinstance(g, DTensor) else spec.placements
-    grad_pls = tuple(m if isinstance(m, Partial) else pl for pl, m in zip(spec.placements, marked))
+    grad_pls = tuple(m if isinstance(m, Partial) and isinstance(pl, Replicate) else pl   # the gathered axis: summed
+                     for pl, m in zip(spec.placements, marked))
     grad_spec = copy.copy(spec) if grad_pls == spec.placements else \
         DTensorSpec(spec.mesh, grad_pls, tensor_meta=spec.tensor_meta)
     return DTensor(local, grad_spec, requires_grad=False)
@@ -331,7 +334,10 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 
 def _remember(fulls: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor], group, dims: Sequence[int]) -> None:
     """Attach to each ``fulls[i]`` (``locals_[i]`` all-gathered over ``group`` along ``dims[i]``,
-    all in one collective) the recipe that gathers it again."""
+    all in one collective) the recipe that gathers it again. Not under torch.func transforms or
+    compile (wrapped tensors have no storage): there the gathered copies are kept for backward."""
+    if transforms_active():
+        return
     recipe = _Recipe(locals_, group, dims, fulls)
     for i, full in enumerate(fulls):
         setattr(_root(full), _RECIPE, (recipe, i))

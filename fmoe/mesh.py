@@ -29,11 +29,12 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["Mesh", "DENSE_AXES", "EXPERT_AXES", "AXES"]
+__all__ = ["Mesh", "DENSE_AXES", "EXPERT_AXES", "AXES", "DATA_AXES"]
 
 DENSE_AXES = ("dp_replicate", "fsdp", "tp")
 EXPERT_AXES = ("dp_replicate", "efsdp", "ep")
 AXES = ("dp_replicate", "fsdp", "tp", "efsdp", "ep")
+DATA_AXES = ("fsdp", "dp_replicate", "efsdp")   # axes whose ranks hold different batches
 
 
 def _check_size(name: str, value: object) -> int:

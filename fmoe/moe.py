@@ -42,10 +42,11 @@ from torch.distributed.tensor import DTensor
 
 from . import ep as _ep
 from .experts import Activation, check_matmul, swiglu
+from .fsdp import unshard
 from .load_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .shared_experts import check_shared, shared_expert
-from .fsdp import unshard
+from .transforms import peel
 
 __all__ = ["moe"]
 
@@ -119,7 +120,7 @@ def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> 
     for key in _EXPERT_KEYS:
         if key not in params:
             continue
-        w = unshard(params[key], keep=("ep",)) if isinstance(params[key], DTensor) else params[key]
+        w = unshard(params[key], keep=("ep",)) if isinstance(peel(params[key]), DTensor) else params[key]
         if ep > 1 and w.shape[0] == E:            # replicated / plain full experts: own block
             w = w[rng.start:rng.stop]
         if w.shape[0] != len(rng):
@@ -220,7 +221,8 @@ def moe(
     if "shared" in params:
         out = out + shared_expert(params["shared"], x, act=act).to(out.dtype)
     aux = finalize(stats, mesh, summed_over_fsdp=extra.pop("stats_over_ep", None))
-    aux["tokens_per_expert"] = torch.bincount(routing.expert_ids.flatten(), minlength=E)
+    ids = routing.expert_ids.flatten()           # bincount without a data-dependent shape
+    aux["tokens_per_expert"] = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add(0, ids, torch.ones_like(ids))
     if "dispatch_rows" not in extra:  # the built-in all_to_all reports it itself (no second sort)
         rows = _dispatch_rows(routing.expert_ids, experts.num_local, mesh) if name == "all_to_all" else 0
         aux["dispatch_rows"] = torch.tensor(rows)

@@ -30,12 +30,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import tree as _tree
-from .mesh import Mesh
+from .mesh import DATA_AXES, Mesh
 from .placement import P, chunk_range
 from .plan import Plan, local_shape
+from .transforms import apply, compiling, peel, without_jvp
 
-__all__ = ["shard", "gather", "placement_of", "to_local", "placed_like", "local_part", "dtensor_placements",
-           "slice_for_rank", "rank_blocks", "from_local_slice"]
+__all__ = ["shard", "gather", "placement_of", "to_local", "grad_placements", "placed_like", "local_part",
+           "dtensor_placements", "slice_for_rank", "rank_blocks", "from_local_slice"]
 
 #: The one layer option a DTensor spec cannot hold: ``P(..., gather=True)`` (a colwise layer
 #: gathers its output). Set by :func:`from_local_slice` / :func:`placed_like`, read by
@@ -249,6 +250,7 @@ def placement_of(t: Any) -> P:
         >>> placement_of(torch.ones(2))
         P()
     """
+    t = peel(t)                      # the DTensor under torch.func wrappers
     if not isinstance(t, DTensor):
         return P()
     entries: list = [None] * t.ndim
@@ -275,12 +277,28 @@ def to_local(t: Any, partial_grad: Sequence[str] = ()) -> torch.Tensor:
     Returns:
         a plain tensor.
     """
-    if not isinstance(t, DTensor):
+    d = peel(t)
+    if not isinstance(d, DTensor):
         return t
-    names = t.device_mesh.mesh_dim_names
-    grad_pl = tuple(Partial() if name in partial_grad and isinstance(pl, Replicate) else
-                    Replicate() if isinstance(pl, Partial) else pl for name, pl in zip(names, t.placements))
-    return _ToLocal.apply(t, grad_pl)
+    grad_pl = grad_placements(d, partial_grad)
+    if compiling():                  # DTensor's own to_local: Dynamo traces it (and its backward)
+        return t.to_local(grad_placements=grad_pl)
+    return apply(_ToLocal, _ToLocalTraced, t, grad_pl)
+
+
+def grad_placements(t: DTensor, partial_grad: Sequence[str] = ()) -> tuple:
+    """The honest placements of the gradient of ``t``'s local slice: ``Partial`` (a sum still
+    pending) on every data-parallel axis (``fsdp``, ``efsdp``, ``dp_replicate``, size > 1)
+    over which ``t`` is replicated, since each rank's gradient holds its own batch only, and on
+    the ``partial_grad`` axes; ``t``'s own placement elsewhere (a split axis: the slice's
+    gradient; ``tp``/``ep`` replicated: every rank computes the same full-batch value).
+    ``fmoe.gather`` then sums the pending parts: the gradient of the sum over the batches."""
+    mesh = t.device_mesh
+    out = []
+    for i, (name, pl) in enumerate(zip(mesh.mesh_dim_names, t.placements)):
+        pending = name in partial_grad or (name in DATA_AXES and mesh.shape[i] > 1)
+        out.append(Partial() if pending and isinstance(pl, Replicate) else Replicate() if isinstance(pl, Partial) else pl)
+    return tuple(out)
 
 
 class _ToLocal(torch.autograd.Function):
@@ -294,6 +312,7 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         t, grad_placements = inputs
+        t = peel(t)
         ctx.set_materialize_grads(False)
         local = t._local_tensor
         ctx.spec, ctx.grad_placements, ctx.stride = t._spec, grad_placements, local.stride()
@@ -311,3 +330,16 @@ class _ToLocal(torch.autograd.Function):
         grad_spec = (copy.copy(spec) if ctx.grad_placements == spec.placements else
                      DTensorSpec(spec.mesh, ctx.grad_placements, tensor_meta=spec.tensor_meta))
         return DTensor(g, grad_spec, requires_grad=False), None
+
+    @staticmethod
+    def jvp(ctx, dt, _):                           # linear: the tangent's local slice
+        d = peel(dt)
+        return d._local_tensor.view_as(d._local_tensor) if isinstance(d, DTensor) else dt.view_as(dt)
+
+    @staticmethod
+    def vmap(info, in_dims, t, grad_placements):   # a batched DTensor: its local slice, batched alike
+        return _ToLocal.apply(t, grad_placements), in_dims[0]
+
+
+_ToLocalTraced = without_jvp(_ToLocal)
+

@@ -237,6 +237,20 @@ def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl:
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
 
 
+def _layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
+           mesh: Optional[fmoe.Mesh], impl: str, router: Optional[Any], step: Any,
+           layer_cache: Optional[dict]) -> tuple[torch.Tensor, Optional[dict], Any]:
+    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block or None, cache entry)``."""
+    y, entry = _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, step,
+                          layer_cache)
+    h = h + y
+    x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+    if "moe" not in layer:
+        return h + nn.swiglu_mlp(x, layer["mlp"]["w_gate_up"], layer["mlp"]["w_down"]), None, entry
+    y, aux = fmoe.remat.call("moe", _moe, layer["moe"], x, cfg, mesh, impl, router)
+    return h + y, aux, entry
+
+
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False,
             router: Optional[Any] = None, cache: Optional[dict] = None,
@@ -278,17 +292,10 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
     auxes, entries = [], []
     for i, layer in enumerate(fmoe.unsharded_layers(params["layers"])):  # FSDP: one gather per layer
-        x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-        y, entry = _attention(layer["attn"], x, cos, sin, cfg, step, None if cache is None else cache["layers"][i])
+        h, aux, entry = fmoe.remat.call("layer", _layer, layer, h, cos, sin, cfg, mesh, impl, router, step,
+                                        None if cache is None else cache["layers"][i])
         entries.append(entry)
-        h = h + y
-        x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-        if "moe" in layer:
-            y, aux = _moe(layer["moe"], x, cfg, mesh, impl, router)
-            auxes.append(aux)
-        else:
-            y = nn.swiglu_mlp(x, layer["mlp"]["w_gate_up"], layer["mlp"]["w_down"])
-        h = h + y
+        auxes += [aux] if aux is not None else []
     h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
     logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
     return nn.cache.outputs(logits, cache, step, entries, {"moe": auxes} if return_aux else None)

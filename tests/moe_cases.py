@@ -75,8 +75,9 @@ def check_case(mesh, impl, router_name, sizes, seed=0, matmul="auto"):
     x, coef = batch(b, sizes[b])
     y, gx, aux = run(sharded, x, coef, router, mesh, impl, matmul)
     grads = fmoe.gather({k: v.grad for k, v in sharded.items()})
-    # single-process references: this batch, and every batch of this rank's EP group
-    group_batches = sorted({r // mesh.tp for r in mesh.ranks("ep")})
+    # single-process references: every batch (the gathered gradients are honest: every leaf
+    # holds the gradient of the sum over all distinct batches, see fmoe.sharding.to_local)
+    group_batches = list(range(mesh.num_batches))
     ref = {}
     for bb in group_batches:
         p1 = {k: v.clone().requires_grad_(True) for k, v in full.items()}
@@ -91,14 +92,14 @@ def check_case(mesh, impl, router_name, sizes, seed=0, matmul="auto"):
             err = (got - want).abs().max().item() if got.shape == want.shape else f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
             fails.append(f"{name}: {err} (scale {scale})")
 
-    yb, gxb, gpb, auxb = ref[b]
+    yb, gxb, _, auxb = ref[b]
     close("y", y, yb)
     close("grad x", gx, gxb)
     # The router gradient passes through the softmax backward w * (g - sum_k w g): with K = E
     # random (duplicate) slots the difference cancels, so fp32 rounding differences in the
     # expert outputs (grouped GEMMs over different row counts) grow to ~3e-5 of the largest
     # value (seen with a hypothesis-found routing); a wrong scale or a missing term is O(1).
-    close("grad router", grads["router"], gpb["router"], rel=1e-4)
+    close("grad router", grads["router"], sum(ref[bb][2]["router"] for bb in group_batches), rel=1e-4)
     for k in ("w_gate_up", "w_down"):
         want = sum(ref[bb][2][k] for bb in group_batches)
         close(f"grad {k}", grads[k], want)
@@ -197,7 +198,7 @@ def check_router_case(mesh, impl, router, sizes, name, extra=None, inputs=None, 
     x, coef = batch(b, sizes[b])
     y, gx, aux = run_inputs(sharded, x, coef, router, mesh, impl, inputs(b, sizes[b]) if inputs else None)
     grads = fmoe.gather(_tree_map(lambda p, v: v.grad, {k: v for k, v in sharded.items() if k != "expert_bias"}))
-    group_batches = sorted({r // mesh.tp for r in mesh.ranks("ep")})          # batch of rank r
+    group_batches = list(range(mesh.num_batches))          # gathered gradients: sum over every batch
     ref = {}
     for bb in group_batches:
         p1 = _tree_map(lambda p, v: v.clone().requires_grad_(p != "expert_bias"), full)
@@ -214,14 +215,13 @@ def check_router_case(mesh, impl, router, sizes, name, extra=None, inputs=None, 
                 f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
             fails.append(f"{what}: {err} (scale {scale})")
 
-    yb, gxb, gpb, auxb = ref[b]
+    yb, gxb, _, auxb = ref[b]
     close("y", y, yb)
     close("grad x", gx, gxb)
-    close("grad router", grads["router"], gpb["router"])
-    for k in ("w_gate_up", "w_down"):
+    for k in ("router", "w_gate_up", "w_down"):
         close(f"grad {k}", grads[k], sum(ref[bb][2][k] for bb in group_batches))
     for k in (extra or {}).get("shared", {}):
-        close(f"grad shared.{k}", grads["shared"][k], gpb["shared"][k])
+        close(f"grad shared.{k}", grads["shared"][k], sum(ref[bb][2]["shared"][k] for bb in group_batches))
     if "expert_bias" in sharded and sharded["expert_bias"].grad is not None:
         fails.append("expert_bias received a gradient")
     if not torch.equal(aux["tokens_per_expert"], auxb["tokens_per_expert"]):

@@ -54,7 +54,8 @@ def test_matches_definition_forward_and_backward(counts, n_rows, block_rows, wit
         results.append((y, torch.autograd.grad(y, inputs, gout, allow_unused=True) if y.requires_grad
                         else [None] * len(inputs)))      # the definition with no assignment: constant 0
     (y, grads), (y_ref, grads_ref) = results
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    # atol: a row sums up to 7 weighted expert outputs of O(1), in another order than the definition
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=4e-6)
     for got, want in zip(grads, grads_ref):
         assert got is not None                       # idle experts and unused rows: zeros, never None
         # atol: entries near 0 are differences of O(10) terms summed in another order (fp32 eps * 10 * n)

@@ -3,7 +3,6 @@ aux losses over the union of the data-parallel batches (value on every rank; rou
 summed over one rank per batch; x gradient per batch). One spawn runs all the checks."""
 
 import torch
-import torch.distributed as dist
 
 import fmoe
 from fmoe import P, Plan, aux_losses, routing
@@ -59,8 +58,7 @@ def aux_union(mesh, name, router, sizes, extra, inputs):
     _, aux = fmoe.moe(sharded, x, router=router, mesh=mesh, impl="all_to_all",
                       router_inputs=inputs(b, sizes[b]) if inputs else None)
     aux_losses.total([aux]).backward()
-    g = fmoe.gather(sharded["router"].grad) * (mesh.rank_in("tp") == 0)    # one rank per batch
-    dist.all_reduce(g)
+    g = fmoe.gather(sharded["router"].grad)      # honest placements: already the sum over the batches
     xu = torch.cat([batch(bb, n)[0] for bb, n in enumerate(sizes)]).requires_grad_(True)
     iu = {k: torch.cat([inputs(bb, n)[k] for bb, n in enumerate(sizes)]) for k in inputs(0, 1)} if inputs else None
     p1 = {k: v.clone().requires_grad_(k == "router") for k, v in full.items()}

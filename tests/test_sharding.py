@@ -36,14 +36,16 @@ def _shard_gather(rank, world):
     all_dtensor = all(isinstance(v, DTensor) and v.requires_grad and v.is_leaf for v in sh.values())
     gathered = fmoe.gather(sh)
     round_trip = {k: torch.equal(gathered[k], full[k].detach()) for k in full}
-    # gradient trees: loss = sum(local * coef) gives grad == coef on every element
+    # gradient trees: loss = sum(local * coef) gives grad == coef on every element of each rank's
+    # slice; leaves replicated over fsdp (2 ranks, 2 batches) gather the sum of both: 2 * coef
     coef = {k: torch.arange(v.numel(), dtype=torch.float32).view_as(v) for k, v in full.items()}
     loss = sum((local[k] * fmoe.sharding.slice_for_rank(coef[k], PLAN[k], mesh)).sum() for k in full if k != "rep")
     rep = fmoe.to_local(sh["rep"], partial_grad=("tp",))
     loss = loss + (rep * (t + 1)).sum()
     loss.backward()
     grads = fmoe.gather({k: v.grad for k, v in sh.items()})
-    grads_ok = {k: torch.equal(grads[k], coef[k]) for k in full if k != "rep"}
+    copies = {k: 2 if "fsdp" not in PLAN[k].mesh_axes() and "ep" not in PLAN[k].mesh_axes() else 1 for k in full}
+    grads_ok = {k: torch.equal(grads[k], copies[k] * coef[k]) for k in full if k != "rep"}
     rep_grad = grads["rep"]
     placements = {k: fmoe.placement_of(v.grad) for k, v in sh.items()}
     odd = torch.arange(10.0).view(5, 2)            # uneven over tp: torch.chunk pieces 3 / 2
@@ -69,7 +71,7 @@ def test_shard_gather_round_trip_four_ranks():
         assert all_dtensor
         assert all(round_trip.values()), round_trip
         assert all(grads_ok.values()), grads_ok
-        assert torch.equal(rep_grad, torch.full((5,), 3.0))      # (0 + 1) + (1 + 1) summed over tp
+        assert torch.equal(rep_grad, torch.full((5,), 6.0))      # ((0 + 1) + (1 + 1)) over tp, twice over fsdp
         assert placements["packed"] == P("tp", None, packed=2)
         assert placements["packed_fsdp"] == P("tp", "fsdp", packed=2)
         assert placements["experts"] == P("ep", None, None) and placements["rowwise"] == P(None, "tp")

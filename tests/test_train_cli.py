@@ -86,8 +86,8 @@ def test_init_from_hf_and_export_hf(tmp_path):
     on that batch); --export-hf writes a checkpoint transformers loads."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    from fmoe.data import open_data
     from fmoe.models import qwen3_moe
-    from fmoe.train.data import Corpus
     cfg = qwen3_moe.Config.tiny(vocab_size=256)
     torch.manual_seed(0)
     hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg.to_hf())).eval()
@@ -95,8 +95,8 @@ def test_init_from_hf_and_export_hf(tmp_path):
     out, export = str(tmp_path / "run"), str(tmp_path / "export")
     cli("--model", "qwen3_moe", "--nproc", "2", "--ep", "2", "--steps", "2", "--batch", "2", "--seq", "16",
         "--aux-weight", "0", "--init-hf", str(tmp_path / "init"), "--export-hf", export, "--out", out, "--quiet")
-    corpus = Corpus.stdlib()
-    parts = [corpus.batch(1, b, 2, 16, seed=0) for b in range(2)]
+    corpus = open_data(None).split(0.05)[0]                  # the training part (the tail is held out)
+    parts = [corpus.batch(1, b, 2, 16, seed=0, num_batches=2) for b in range(2)]
     x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()

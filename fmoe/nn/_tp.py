@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ..collectives import group_size
 from ..placement import chunk_range
+from ..transforms import peel
 
 
 def check_tensor(fn: str, name: str, t: object, ndim: Optional[int] = None) -> None:
@@ -28,6 +29,7 @@ def check_tensor(fn: str, name: str, t: object, ndim: Optional[int] = None) -> N
 
 def axis_group(t: torch.Tensor, axis: str = "tp") -> Optional[dist.ProcessGroup]:
     """The process group of mesh axis ``axis`` that DTensor ``t`` lives on (None otherwise)."""
+    t = peel(t)                      # the DTensor under torch.func's wrappers
     if isinstance(t, DTensor) and axis in (t.device_mesh.mesh_dim_names or ()):
         return t.device_mesh.get_group(axis)
     return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..transforms import data_checks_enabled
 from ._tp import check_tensor
 
 __all__ = ["cross_entropy"]
@@ -35,7 +36,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} must be targets {tuple(targets.shape)} + [V]")
     flat = targets.reshape(-1)
-    kept = flat[flat != ignore_index]
+    kept = flat[flat != ignore_index] if data_checks_enabled() else flat[:0]   # see fmoe.transforms
     if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= logits.shape[-1]):
         raise ValueError(f"cross_entropy: targets must lie in [0, {logits.shape[-1]}) or equal "
                          f"ignore_index={ignore_index}, got min {int(kept.min())}, max {int(kept.max())}")

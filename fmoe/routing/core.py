@@ -28,6 +28,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
+from ..transforms import compiling, data_checks_enabled
+
 __all__ = ["Routing", "Router", "validate", "call", "check_k", "check_logits"]
 
 
@@ -94,6 +96,8 @@ def call(router: Callable, logits: torch.Tensor, inputs: Mapping[str, Any] | Non
         7
     """
     inputs = dict(inputs or {})
+    if compiling():        # Dynamo cannot trace inspect.signature; a wrong keyword is a TypeError
+        return router(logits, **inputs)
     var_kw, names, required = _accepted(router)
     missing = sorted(required - set(inputs))
     if missing:
@@ -112,7 +116,8 @@ def call(router: Callable, logits: torch.Tensor, inputs: Mapping[str, Any] | Non
 def validate(routing: object, num_tokens: int, num_experts: int) -> Routing:
     """Check what a router returned; raise ``ValueError``/``TypeError`` naming the problem.
 
-    Runs before any communication (one host sync for the id range and NaN check).
+    Runs before any communication (one host sync for the id range and NaN check; that value
+    check is skipped under ``vmap`` and ``torch.compile``, see :mod:`fmoe.transforms`).
 
     Args:
         routing: the router's return value.
@@ -148,7 +153,7 @@ def validate(routing: object, num_tokens: int, num_experts: int) -> Routing:
     k = ids.shape[1]
     if k < 1 or k > num_experts:
         raise ValueError(f"router: K={k} experts per token must be in [1, E={num_experts}]")
-    if ids.numel():
+    if ids.numel() and data_checks_enabled():     # host sync: eager only (fmoe.transforms)
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"router: expert_ids must be in [0, {num_experts}), got values in [{lo}, {hi}]")

@@ -35,6 +35,8 @@ import warnings
 from dataclasses import asdict, is_dataclass
 from typing import Optional, Sequence
 
+from . import options
+
 MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama", "deepseek_v3")
 DEFAULT_OUT = "runs/fmoe"
 
@@ -168,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true", help="no progress bar (default: a progress bar on rank 0)")
     r.add_argument("--debug", action="store_true",
                    help="print the full traceback of an error (default: one line)")
+    options.add_arguments(ap)
     ap.groups = g  # type: ignore[attr-defined]
     return ap
 
@@ -213,6 +216,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      f"{['auto'] + fmoe.ep.registered()}")
     if args.resume and args.init_hf:
         ap.error("--resume and --init-hf are exclusive")
+    options.check(args, ap)
     args.ep = ep
     args.schedule_total = args.steps
     args.resume_path = None
@@ -356,8 +360,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     import fmoe
     from fmoe.train import ckpt
-    from fmoe.train.data import Corpus
     from fmoe.fsdp import data_parallel_plan
+    from fmoe.train.evaluate import evaluate
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
     from fmoe.train.outdir import check_room
     from fmoe.train.step import StepConfig, train_step
@@ -366,17 +370,23 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
                             message=r".*reduce_scatter_tensor. is deprecated")  # library: see notes
     model = importlib.import_module(f"fmoe.models.{args.model}")
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
+    device = options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))
     if args.init_hf:                                   # fp32 master weights whatever the file holds
         full, cfg = model.load_hf(args.init_hf, dtype=torch.float32)
+        tokenizer = options.resolve_tokenizer(args, cfg.vocab_size)
     elif args.resume_path:                             # the config the checkpoint was trained with
         cfg = model.Config.from_hf(args.resume_meta["hf_config"])
+        tokenizer = options.resolve_tokenizer(args, cfg.vocab_size)
         full = model.init(cfg, seed=args.seed)
     else:
-        cfg = _preset(model, args.preset, args.tp)
+        tokenizer = options.resolve_tokenizer(args)
+        cfg = options.fit_vocab(_preset(model, args.preset, args.tp), tokenizer, args.tp)
         full = model.init(cfg, seed=args.seed)
-    if cfg.vocab_size < 256:
-        raise ValueError(f"--init-hf {args.init_hf!r}: vocab_size {cfg.vocab_size} < 256; the built-in "
-                         "corpus is byte-level and needs token ids 0..255")
+    train_data, held_out = options.open_streams(args, tokenizer)
+    if cfg.vocab_size < max(256, train_data.vocab_size or 0):
+        raise ValueError(f"model vocab_size {cfg.vocab_size} cannot hold the data's token ids "
+                         f"(vocabulary {train_data.vocab_size} of {train_data.name})")
+    full = fmoe.tree.map_with_path(lambda _, t: t.to(device), full)
     if hasattr(cfg, "output_router_logits"):
         cfg = dataclasses.replace(cfg, output_router_logits=args.aux_weight > 0,
                                   router_aux_loss_coef=args.aux_weight)
@@ -393,17 +403,24 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     if args.resume_path:
         start = ckpt.load(args.resume_path, params, opt_state, packed)["step"]
     step_cfg = StepConfig(opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
-                          impl=args.impl)
-    corpus = Corpus.stdlib()
+                          impl=args.impl, **options.step_options(args))
     rank0 = rank == 0
-    meta = _job_meta(args, model, cfg, mesh)
+    if rank0 and not args.quiet:
+        options.print_memory_plan(args, model, cfg, model_plan, world)
+    meta = {**_job_meta(args, model, cfg, mesh), **options.run_meta(args, tokenizer, device)}
     bar = _Progress(args.steps, rank0 and not args.quiet)
     last: dict = {}
     skipped = 0
     for step in range(start + 1, args.steps + 1):
-        batch = corpus.batch(step, mesh.batch_index, args.batch, args.seq, args.seed)
+        batch = train_data.batch(step, mesh.batch_index, args.batch * args.grad_accum, args.seq, args.seed,
+                                 num_batches=mesh.num_batches)
         lr = lr_at(step, args.lr, args.warmup, args.schedule_total)
-        params, opt_state, m = train_step(model, cfg, params, opt_state, batch, mesh=mesh, step_cfg=step_cfg, lr=lr)
+        params, opt_state, m = train_step(model, cfg, params, opt_state, tuple(t.to(device) for t in batch),
+                                          mesh=mesh, step_cfg=step_cfg, lr=lr)
+        if options.should_eval(args, step):
+            m.update(evaluate(model, cfg, params, held_out, mesh=mesh, batches=args.eval_batches, batch=args.batch,
+                              seq=args.seq, seed=args.seed, impl=args.impl, router=step_cfg.router,
+                              dtype=args.dtype, device=device))
         last = {"step": step, **m}
         if rank0:
             _append_log(os.path.join(args.out, "log.jsonl"), log_row(last))
@@ -422,6 +439,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
     if args.export_hf:
         model.save_hf(params, cfg, args.export_hf, overwrite=args.overwrite)
+        if rank0:
+            options.export_tokenizer(tokenizer, args.export_hf)
     return last
 
 
@@ -476,7 +495,9 @@ def _train(args: argparse.Namespace) -> Optional[dict]:
         from fmoe.train import ckpt
 
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+            backend = "nccl" if options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0))).type == "cuda" \
+                else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
         rank = int(os.environ["RANK"])
         lock = OutLock(args.out)
         ckpt.on_rank0(lambda: (lock.acquire(), _prepare_out(args)), f"locking --out {args.out}")

@@ -1,21 +1,22 @@
 """Data-parallel gradient reduction: from per-rank gradients to the per-batch mean.
 
-After each rank calls ``backward()`` on the mean loss of its own batch:
+After each rank calls ``backward()`` on the mean loss of its own batch, every gradient leaf is
+a DTensor whose placements say honestly what it holds (:func:`fmoe.sharding.grad_placements`):
 
-- a leaf split over ``fsdp`` / ``efsdp`` already holds the SUM over the copies that gathered it
-  (``fmoe.fsdp.unshard``'s backward is a reduce-scatter);
-- an expert already holds the sum over the ``ep / tp`` distinct batches of its EP group
-  (the dispatch's backward);
-- a leaf *replicated* over a data-parallel axis (``fsdp``, ``dp_replicate``, ``efsdp``) holds
-  only its own batches' gradient: it is all-reduced (summed) over that axis here;
-- a ``Partial`` placement (e.g. a q/k-norm weight used on tp-sharded heads) is summed over its
-  axis here;
-- a leaf replicated over ``tp`` or ``ep`` already holds the full gradient of its batch on every
-  rank of the group (TP ranks compute identical values): nothing to do.
+- ``Partial`` on every axis whose batches are not summed yet: a data-parallel axis (``fsdp``,
+  ``dp_replicate``, ``efsdp``) over which the leaf is replicated (each rank holds its own
+  batch's gradient), and ``tp`` for a q/k-norm weight used on tp-split heads;
+- the leaf's own ``Shard`` where the sum is done: a leaf split over ``fsdp`` / ``efsdp``
+  (``fmoe.fsdp.unshard``'s backward is a reduce-scatter), an expert over ``ep`` (the dispatch's
+  backward sums its EP group's batches);
+- ``Replicate`` over ``tp``/``ep`` where every rank computed the same full-batch value.
 
-Every leaf then holds the sum over all ``dp_replicate * fsdp`` batches, and dividing by that
-number gives the per-batch mean — the gradient of the mean loss over the union of the batches,
-i.e. exactly the single-process gradient of the whole global batch.
+The reduction is the redistribution of those placements to the parameter's own: every
+``Partial`` axis is all-reduced (one flat all-reduce per group of leaves that need the same
+reductions). Every leaf then holds the sum over all ``dp_replicate * fsdp`` batches (what
+``fmoe.gather`` of the raw gradients gives), and dividing by that number gives the per-batch
+mean — the gradient of the mean loss over the union of the batches, i.e. exactly the
+single-process gradient of the whole global batch.
 """
 
 from __future__ import annotations
@@ -23,17 +24,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial
 
 from .. import tree as _tree
 from ..collectives import all_reduce_coalesced
-from ..mesh import Mesh
+from ..mesh import DATA_AXES, Mesh  # noqa: F401  (DATA_AXES re-exported)
 from .optim import _like
 
 __all__ = ["reduce_grads", "DATA_AXES"]
-
-DATA_AXES = ("fsdp", "dp_replicate", "efsdp")
-
 
 def _axes_to_reduce(g: Any) -> tuple:
     """Mesh axes over which this gradient still has to be summed (in mesh-dim order)."""
@@ -43,7 +41,7 @@ def _axes_to_reduce(g: Any) -> tuple:
         return ()
     mesh = g.device_mesh
     return tuple((mesh.mesh_dim_names, name) for i, (name, pl) in enumerate(zip(mesh.mesh_dim_names, g.placements))
-                 if mesh.shape[i] > 1 and (isinstance(pl, Partial) or (isinstance(pl, Replicate) and name in DATA_AXES)))
+                 if mesh.shape[i] > 1 and isinstance(pl, Partial))
 
 
 def reduce_grads(grads: Any, params: Any, mesh: Mesh, inplace: bool = False) -> Any:

@@ -32,6 +32,9 @@ KEPT: dict[str, str] = {
     "model": "model", "preset": "preset", "seed": "seed", "batch": "batch", "seq": "seq",
     "lr": "lr", "warmup": "warmup", "weight_decay": "weight_decay", "clip": "clip",
     "aux_weight": "aux_weight",
+    # the data stream (fmoe.train.options): same files, tokenizer, held-out cut and rows per step
+    "data": "data", "tokenizer": "tokenizer_flag", "eval_fraction": "eval_fraction", "grad_accum": "grad_accum",
+    "router": "router",
 }
 
 MIN_RATIO = 0.1     # the cosine ends at MIN_RATIO * lr

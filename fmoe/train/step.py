@@ -14,10 +14,22 @@ get no gradient and no optimizer update.
 
 Token accounting counts each batch once, whatever ``tp`` is: a step processes
 ``batch * seq * dp_replicate * fsdp`` tokens.
+
+Mixed precision (``StepConfig.dtype="bf16"``, torchtitan's policy): parameters stay fp32
+master weights, the forward runs under ``torch.autocast(bf16)`` (matmuls in bf16; the autocast
+casts are differentiable, so every gradient arrives in fp32), the loss is computed in fp32, and
+gradient reduction, clipping and the AdamW moments are fp32. Checkpoints therefore hold fp32.
+
+Memory (``StepConfig.remat``, ``StepConfig.grad_accum``): ``remat="layer"`` / ``"moe"``
+recomputes each decoder layer / MoE block in backward instead of keeping its activations
+(:mod:`fmoe.remat`); ``grad_accum=N`` splits the batch into N micro-batches whose gradients are
+summed before one reduction and one optimizer step: the same update as the whole batch (exactly
+so for the LM loss; batch-level aux losses and load statistics are computed per micro-batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass
@@ -26,7 +38,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .. import remat as _remat
 from .. import tree as _tree
+from ..load_stats import imbalance
 from ..mesh import Mesh
 from ..nn import cross_entropy
 from ..collectives import sum_over_world
@@ -34,7 +48,10 @@ from ..fsdp import regather_in_backward
 from .grads import reduce_grads
 from .optim import AdamWConfig, adamw_update, global_norm
 
-__all__ = ["StepConfig", "train_step", "forward_with_aux"]
+__all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_dtype", "autocast", "DTYPES"]
+
+#: ``--dtype`` names -> compute dtype (parameters, gradients and optimizer state stay fp32).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -46,12 +63,40 @@ class StepConfig:
         impl: MoE dispatch implementation passed to the model.
         bias_rate: step of the aux-loss-free ``expert_bias`` update after each step (0: off).
         router: replaces the model's router in every MoE layer (None: the model's own).
+        dtype: compute dtype, ``"fp32"`` or ``"bf16"`` (autocast over fp32 master weights).
+        remat: ``"none"``, ``"layer"`` or ``"moe"``: what to recompute in backward.
+        grad_accum: micro-batches per step (the batch's rows are split into this many).
     """
 
     opt: AdamWConfig = AdamWConfig()
     impl: str = "auto"
     bias_rate: float = 1e-3
     router: Optional[Any] = None
+    dtype: str = "fp32"
+    remat: str = "none"
+    grad_accum: int = 1
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"StepConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.remat not in _remat.POLICIES:
+            raise ValueError(f"StepConfig.remat must be one of {_remat.POLICIES}, got {self.remat!r}")
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"StepConfig.grad_accum must be an int >= 1, got {self.grad_accum!r}")
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``--dtype`` name (``ValueError`` listing the valid names)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def autocast(dtype: str, device: torch.device):
+    """``torch.autocast`` to ``dtype`` on ``device``'s type, or a no-op for fp32."""
+    if compute_dtype(dtype) == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype])
 
 
 def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh],
@@ -120,15 +165,34 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     """
     t0 = time.perf_counter()
     tokens, targets = batch
+    n_micro = step_cfg.grad_accum
+    if tokens.shape[0] % n_micro:
+        raise ValueError(f"train_step: grad_accum={n_micro} must divide the batch's {tokens.shape[0]} rows")
     flat = _tree.flatten(params)
     train_paths = [p for p, t in flat.items() if t.requires_grad]
-    with regather_in_backward():
-        logits, aux = forward_with_aux(model, params, tokens, cfg, mesh, step_cfg.impl, step_cfg.router)
-        loss = cross_entropy(logits, targets)
-        aux_total, aux_named = _aux_terms(aux)
-        total = loss if aux_total is None else loss + mesh.num_batches * aux_total
-        grads = torch.autograd.grad(total, [flat[p] for p in train_paths])
-    grads = reduce_grads(dict(zip(train_paths, grads)), {p: flat[p] for p in train_paths}, mesh, inplace=True)
+    acc, losses, aux_sums, loads = None, [], {}, None
+    for mt, my in zip(tokens.chunk(n_micro), targets.chunk(n_micro)):
+        with regather_in_backward(), _remat.policy(step_cfg.remat):
+            with autocast(step_cfg.dtype, mt.device):
+                logits, aux = forward_with_aux(model, params, mt, cfg, mesh, step_cfg.impl, step_cfg.router)
+            loss = cross_entropy(logits.float(), my)
+            aux_total, aux_named = _aux_terms(aux)
+            total = loss if aux_total is None else loss + mesh.num_batches * aux_total
+            grads = torch.autograd.grad(total / n_micro if n_micro > 1 else total, [flat[p] for p in train_paths])
+        if acc is None:
+            acc = list(grads)
+        else:
+            for a, g in zip(acc, grads):
+                (a._local_tensor if hasattr(a, "_local_tensor") else a).add_(
+                    g._local_tensor if hasattr(g, "_local_tensor") else g)
+        losses.append(loss.detach())
+        for k, v in aux_named.items():
+            aux_sums[k] = aux_sums.get(k, 0.0) + v.detach() / n_micro
+        layer_loads = [layer["load"] for layer in aux.get("moe", []) if "load" in layer]
+        loads = layer_loads if loads is None else [a + b for a, b in zip(loads, layer_loads)]
+        del logits, grads
+    loss = torch.stack(losses).mean()
+    grads = reduce_grads(dict(zip(train_paths, acc)), {p: flat[p] for p in train_paths}, mesh, inplace=True)
     mean_loss = _world_mean(loss)
     if bool(torch.isfinite(mean_loss)):            # a non-finite loss or grad norm: no update at all
         params, opt_state, stats = adamw_update(params, grads, opt_state, step_cfg.opt, lr)
@@ -139,8 +203,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     biased = [p for p in _moe_paths(params) if p + ".expert_bias" in flat]
     if biased and step_cfg.bias_rate and not stats.get("skipped"):   # aux-loss-free balancing
         from ..routing import update_bias
-        loads = {p: layer["load"] for p, layer in zip(_moe_paths(params), moe_layers) if p in biased}
-        for p, load in loads.items():
+        by_path = {p: load for p, load in zip(_moe_paths(params), loads) if p in biased}
+        for p, load in by_path.items():
             flat[p + ".expert_bias"] = update_bias(flat[p + ".expert_bias"], load, step_cfg.bias_rate)
     params = _tree.unflatten(flat, like=params)
     dt = time.perf_counter() - t0
@@ -148,11 +212,12 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     metrics = {"loss": float(mean_loss), "grad_norm": float(stats["grad_norm"]), "lr": lr,
                "tokens": n_tokens, "step_time": dt, "tokens_per_s": n_tokens / dt,
                "skipped": bool(stats.get("skipped", False))}
-    for k, v in aux_named.items():
+    for k, v in aux_sums.items():
         metrics[k] = float(_world_mean(v))
     if moe_layers and all("load" in layer for layer in moe_layers):   # global routed load per layer
-        metrics["expert_load"] = [layer["load"].round().long().tolist() for layer in moe_layers]
-        metrics["load_imbalance"] = [float(layer["imbalance"]) for layer in moe_layers]
+        metrics["expert_load"] = [load.round().long().tolist() for load in loads]
+        metrics["load_imbalance"] = ([float(layer["imbalance"]) for layer in moe_layers] if n_micro == 1
+                                     else [float(imbalance(load)) for load in loads])
         for key in ("drop_rate",):
             if all(key in layer for layer in moe_layers):
                 metrics[key] = [float(layer[key]) for layer in moe_layers]

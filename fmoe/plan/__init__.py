@@ -32,8 +32,8 @@ import difflib
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from . import tree as _tree
-from .placement import P, chunk_range
+from .. import tree as _tree
+from ..placement import P, chunk_range
 
 __all__ = ["Plan", "STYLES", "style"]
 

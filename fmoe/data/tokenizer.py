@@ -1,0 +1,114 @@
+"""Tokenizers for the training data: raw bytes, or a Hugging Face ``tokenizer.json``.
+
+A tokenizer here is anything with ``name``, ``vocab_size``, ``eos_id`` (the id that separates
+documents in a token stream; None when it has none) and ``encode(text) -> list[int]``.
+:func:`load_tokenizer` turns the ``--tokenizer`` flag into one:
+
+- ``"bytes"`` (the default when no tokenizer is given): UTF-8 bytes, ids 0..255, documents
+  separated by NUL (id 0);
+- a ``tokenizer.json`` file, or a directory holding one (a Hugging Face model directory): loaded
+  with the ``tokenizers`` package; the separator is the ``eos_token`` of a
+  ``tokenizer_config.json`` beside it, else the first of the usual end-of-text tokens the
+  vocabulary contains.
+
+Example:
+    >>> tok = load_tokenizer("bytes")
+    >>> tok.encode("hé"), tok.vocab_size, tok.eos_id
+    ([104, 195, 169], 256, 0)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Protocol, Union
+
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "find_tokenizer_file",
+           "TOKENIZER_FILES"]
+
+#: Files that make up a Hugging Face tokenizer (copied by ``--export-hf``).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_EOS_GUESSES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_id: Optional[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (0..255); NUL separates documents."""
+
+    name, vocab_size, eos_id = "bytes", 256, 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` read from ``tokenizer.json``.
+
+    Args:
+        path: the ``tokenizer.json`` file.
+    """
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as _Tok
+
+        self.path = os.path.abspath(path)
+        self.name = self.path
+        self._tok = _Tok.from_file(self.path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._find_eos()
+
+    def _find_eos(self) -> Optional[int]:
+        cfg = os.path.join(os.path.dirname(self.path), "tokenizer_config.json")
+        names = list(_EOS_GUESSES)
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                eos = json.load(f).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if isinstance(eos, str):
+                names.insert(0, eos)
+        for n in names:
+            i = self._tok.token_to_id(n)
+            if i is not None:
+                return i
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def find_tokenizer_file(path: Union[str, os.PathLike]) -> Optional[str]:
+    """``path`` if it is a file, ``path/tokenizer.json`` if that exists, else None."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path
+    cand = os.path.join(path, "tokenizer.json")
+    return cand if os.path.isfile(cand) else None
+
+
+def load_tokenizer(spec: Union[str, os.PathLike, None]) -> Union[ByteTokenizer, HFTokenizer]:
+    """The tokenizer named by ``--tokenizer``.
+
+    Args:
+        spec: ``"bytes"`` or None (byte tokens), a ``tokenizer.json`` file, or a directory with one.
+    Returns:
+        a :class:`ByteTokenizer` or :class:`HFTokenizer`.
+    Raises:
+        ValueError: ``spec`` is neither ``"bytes"`` nor a path to a tokenizer.
+    """
+    if spec is None or spec == "bytes":
+        return ByteTokenizer()
+    found = find_tokenizer_file(spec)
+    if found is None:
+        raise ValueError(f"tokenizer {os.fspath(spec)!r}: not 'bytes', a tokenizer.json file, or a "
+                         "directory holding tokenizer.json")
+    try:
+        return HFTokenizer(found)
+    except Exception as e:  # noqa: BLE001 - the tokenizers package raises plain Exceptions
+        raise ValueError(f"tokenizer {found!r}: not a valid Hugging Face tokenizer.json ({e})") from e

@@ -1,0 +1,67 @@
+"""Activation recomputation (remat): keep a block's inputs, recompute its inside in backward.
+
+A trainer picks a policy for a region of code; a model marks its blocks. Under
+``with remat.policy("layer")`` every :func:`call` of kind ``"layer"`` runs through
+``torch.utils.checkpoint`` (non-reentrant): its activations are dropped after forward and
+recomputed when backward reaches the block — collectives included, which line up because every
+rank runs the same backward. Under ``"moe"`` only the MoE blocks are recomputed; under
+``"none"`` (the default) :func:`call` is a plain call. Results and gradients are unchanged.
+
+The policy lives in a ``contextvars.ContextVar`` (per thread / task, restored on exit), so the
+model keeps its signature and a notebook may mark blocks of its own.
+
+Example:
+    >>> import torch
+    >>> w = torch.ones(3, requires_grad=True)
+    >>> with policy("layer"):
+    ...     y = call("layer", lambda x: (x * w).sin(), torch.ones(3))
+    >>> y.sum().backward(); w.grad.shape
+    torch.Size([3])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["POLICIES", "policy", "call", "active"]
+
+POLICIES = ("none", "layer", "moe")
+_POLICY: contextvars.ContextVar[str] = contextvars.ContextVar("fmoe_remat", default="none")
+
+
+@contextlib.contextmanager
+def policy(name: str) -> Iterator[None]:
+    """Recompute blocks of kind ``name`` (``"none"``, ``"layer"`` or ``"moe"``) inside the block."""
+    if name not in POLICIES:
+        raise ValueError(f"remat.policy: name must be one of {POLICIES}, got {name!r}")
+    token = _POLICY.set(name)
+    try:
+        yield
+    finally:
+        _POLICY.reset(token)
+
+
+def active() -> str:
+    """The current policy name."""
+    return _POLICY.get()
+
+
+def call(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, recomputed in backward when the current policy is ``kind``.
+
+    Args:
+        kind: ``"layer"`` (a whole decoder layer) or ``"moe"`` (a mixture-of-experts block).
+        fn: the block; its outputs may be any pytree of tensors.
+    Returns:
+        what ``fn`` returns.
+    """
+    if kind not in POLICIES[1:]:
+        raise ValueError(f"remat.call: kind must be one of {POLICIES[1:]}, got {kind!r}")
+    if _POLICY.get() != kind or not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)

@@ -1,0 +1,54 @@
+"""Held-out evaluation: mean next-token loss and perplexity over fixed batches.
+
+Every evaluation reads the same ``batches`` batches of the held-out stream (batch ``i`` is
+``stream.batch(step=i + 1, ...)``), so ``eval_loss`` is comparable across steps and runs. Each
+data-parallel batch reads its own slice; the result is the mean over all of them, equal on every
+rank, and equal to one process evaluating the union of the batches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from ..mesh import Mesh
+from ..nn import cross_entropy
+from .step import _world_mean, autocast, forward_with_aux
+
+__all__ = ["evaluate"]
+
+
+def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batches: int, batch: int, seq: int,
+             seed: int = 0, impl: str = "auto", router: Optional[Any] = None, dtype: str = "fp32",
+             device: Optional[torch.device] = None) -> dict:
+    """``{"eval_loss": mean cross-entropy, "eval_ppl": exp(eval_loss)}`` on the held-out stream.
+
+    Args:
+        model, cfg, params: as for :func:`fmoe.train.step.train_step`.
+        stream: the held-out :class:`fmoe.data.TokenStream`.
+        mesh: the training mesh (``mesh.batch_index`` picks this rank's slice).
+        batches: evaluation batches per data-parallel rank.
+        batch, seq: rows per batch and tokens per row.
+        seed, impl, router, dtype: as in training.
+        device: where the tokens go (default CPU).
+    Returns:
+        floats, equal on every rank.
+
+    Example:
+        >>> # m = evaluate(qwen3_moe, cfg, params, held_out, mesh=mesh, batches=4, batch=4, seq=64)
+    """
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ValueError(f"evaluate: batches must be an int >= 1, got {batches!r}")
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(batches):
+            x, y = stream.batch(i + 1, mesh.batch_index, batch, seq, seed, num_batches=mesh.num_batches)
+            if device is not None:
+                x, y = x.to(device), y.to(device)
+            with autocast(dtype, x.device):
+                logits, _ = forward_with_aux(model, params, x, cfg, mesh, impl, router)
+            total += cross_entropy(logits.float(), y).double().cpu()
+    loss = float(_world_mean(total / batches))
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0))}

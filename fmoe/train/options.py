@@ -1,0 +1,254 @@
+"""The main job's flags for data, precision, devices, memory and routing, in one place.
+
+``python -m fmoe.train`` adds them with :func:`add_arguments`, checks them with :func:`check`
+(usage errors before any process starts) and builds what they name with :func:`router_from_spec`,
+:func:`resolve_device` and :func:`open_streams`.
+
+``--router NAME[:k=v,...]`` names a built-in :mod:`fmoe.routing` scheme with keyword arguments
+(values read as Python literals: ``sigmoid_topk:k=2,scale=2.5``), or ``module:function`` — your
+own router ``function(logits) -> Routing`` in an importable module — optionally followed by
+``:k=v,...`` to call ``function`` as a factory first.
+
+Example:
+    >>> r = router_from_spec("topk:k=2,normalize=False")
+    >>> r(torch.tensor([[0.0, 1.0, 3.0]])).expert_ids.tolist()
+    [[2, 1]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+#: Models whose forward marks its layers and MoE blocks for :mod:`fmoe.remat`.
+REMAT_MODELS = ("qwen3_moe", "mixtral")
+
+__all__ = ["REMAT_MODELS", "add_arguments", "check", "parse_router", "router_from_spec", "resolve_device", "open_streams"]
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Add the data / eval / precision / device / memory / routing flags to ``ap``."""
+    g = ap.add_argument_group("data, evaluation, precision, devices, memory, routing")
+    g.add_argument("--data", default=None, help="a .txt/.jsonl file, a directory of them, or a shard directory "
+                   "from `python -m fmoe.data prepare` (default: the Python standard library's source, byte tokens)")
+    g.add_argument("--tokenizer", default=None, help="'bytes' or a Hugging Face tokenizer.json (file or "
+                   "directory) (default: bytes, or the tokenizer.json in --init-hf DIR)")
+    g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N steps (0: never)")
+    g.add_argument("--eval-batches", type=int, default=4, help="held-out batches per data-parallel rank")
+    g.add_argument("--eval-fraction", type=float, default=0.05, help="tail of the data held out for evaluation")
+    g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="compute dtype; bf16 keeps fp32 master weights, optimizer state and gradient reduction")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: one GPU per local rank over NCCL; auto: cuda when available")
+    g.add_argument("--remat", choices=("none", "layer", "moe"), default="none",
+                   help="recompute each layer / MoE block in backward instead of keeping activations")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (each --batch rows)")
+    g.add_argument("--router", default=None, help="NAME[:k=v,...] of fmoe.routing, or module:function[:k=v,...] "
+                   "(default: the model's own router)")
+    g.add_argument("--memory-gb", type=float, default=None, help="warn when the memory plan exceeds this per rank (default: no limit)")
+
+
+def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """Usage errors (``ap.error``, exit code 2) for bad values of these flags."""
+    for name in ("eval_every",):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("eval_batches", "grad_accum"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 < args.eval_fraction < 1.0:
+        ap.error(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        ap.error(f"--memory-gb must be > 0, got {args.memory_gb}")
+    if args.data is not None and not os.path.exists(args.data):
+        ap.error(f"--data {args.data!r} does not exist")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available (use --device cpu or auto)")
+    if args.device == "cuda" and args.nproc > 1 and "RANK" not in os.environ:
+        ap.error(f"--device cuda --nproc {args.nproc}: launch several GPUs with torchrun --nproc-per-node "
+                 f"{args.nproc} (one GPU per rank over NCCL); --nproc spawns local gloo ranks")
+    if args.tokenizer not in (None, "bytes"):
+        from ..data import find_tokenizer_file
+        if find_tokenizer_file(args.tokenizer) is None:
+            ap.error(f"--tokenizer {args.tokenizer!r}: not 'bytes', a tokenizer.json, or a directory holding one")
+    if args.remat != "none" and args.model not in REMAT_MODELS:
+        ap.error(f"--remat {args.remat}: model {args.model} does not mark its blocks for recomputation; "
+                 f"--remat works with {list(REMAT_MODELS)}")
+    if args.router is not None:
+        try:
+            router_from_spec(args.router)
+        except (ValueError, TypeError) as e:
+            ap.error(str(e))
+
+
+def parse_router(spec: str) -> tuple[str, Optional[str], dict]:
+    """``(module or "fmoe.routing", function, kwargs)`` of a ``--router`` value.
+
+    Example:
+        >>> parse_router("sigmoid_topk:k=2")
+        ('fmoe.routing', 'sigmoid_topk', {'k': 2})
+        >>> parse_router("my.routers:noisy")
+        ('my.routers', 'noisy', {})
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--router: expected NAME[:k=v,...] or module:function, got {spec!r}")
+    parts = spec.split(":")
+    if len(parts) >= 2 and "=" not in parts[1] and parts[1]:
+        module, name, rest = parts[0], parts[1], ":".join(parts[2:])
+    else:
+        module, name, rest = "fmoe.routing", parts[0], ":".join(parts[1:])
+    kwargs = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.isidentifier():
+            raise ValueError(f"--router {spec!r}: {item!r} is not key=value")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value                      # a bare word: a string
+    return module, name, kwargs
+
+
+def router_from_spec(spec: str) -> Callable:
+    """The router a ``--router`` value names (see the module docstring).
+
+    Raises:
+        ValueError: unknown scheme or module, or arguments the scheme does not take.
+    """
+    import fmoe.routing as routing
+
+    module, name, kwargs = parse_router(spec)
+    if module == "fmoe.routing":
+        builtin = [n for n in routing.__all__ if n not in ("Routing", "Router", "validate", "call", "with_losses",
+                                                           "update_bias", "group_mask", "token_hash", "capacity")]
+        if name not in builtin:
+            raise ValueError(f"--router {spec!r}: {name!r} is not a built-in scheme; choose from {builtin} "
+                             "or give module:function")
+        factory = getattr(routing, name)
+    else:
+        try:
+            factory = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--router {spec!r}: cannot import {name!r} from {module!r} ({e})") from None
+        if not callable(factory):
+            raise ValueError(f"--router {spec!r}: {module}.{name} is not callable")
+        if not kwargs:
+            return factory                           # the user's router itself
+    try:
+        return factory(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"--router {spec!r}: {e}") from None
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``cpu``, or this local rank's GPU for ``cuda`` (``auto``: cuda when available, except in
+    ranks the job spawned itself, which talk gloo: use ``torchrun`` for several GPUs)."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    spawned = "FMOE_SPAWNED" in os.environ
+    if name == "cpu" or (name == "auto" and (spawned or not torch.cuda.is_available())):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device cuda: no CUDA device is available")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def open_streams(args: argparse.Namespace, tokenizer: Any):
+    """``(train, held_out)`` token streams of ``--data`` (held-out: the last ``--eval-fraction``)."""
+    from ..data import open_data
+
+    return open_data(args.data, tokenizer).split(args.eval_fraction)
+
+
+def resolve_tokenizer(args: argparse.Namespace, vocab_size: Optional[int] = None):
+    """The tokenizer of the job: ``--tokenizer``, else the one in ``--init-hf DIR``, else bytes.
+
+    A Hugging Face checkpoint without a tokenizer trains on byte ids only with an explicit
+    ``--tokenizer bytes`` (or when its vocabulary is exactly the 256 bytes): a real vocabulary
+    fed byte ids would train silently on nonsense.
+
+    Raises:
+        ValueError: no usable tokenizer, or its ids do not fit ``vocab_size``.
+    """
+    from ..data import find_tokenizer_file, load_tokenizer
+
+    if args.tokenizer is not None:
+        tok = load_tokenizer(args.tokenizer)
+    elif getattr(args, "init_hf", None) and find_tokenizer_file(args.init_hf):
+        tok = load_tokenizer(args.init_hf)
+    elif getattr(args, "init_hf", None) and vocab_size not in (None, 256):
+        raise ValueError(f"--init-hf {args.init_hf!r} has no tokenizer.json and a vocabulary of {vocab_size} "
+                         "tokens; pass --tokenizer T (its tokenizer.json), or --tokenizer bytes to train it on "
+                         "byte ids anyway")
+    else:
+        tok = load_tokenizer("bytes")
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise ValueError(f"--tokenizer {tok.name!r} has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}")
+    return tok
+
+
+def fit_vocab(cfg: Any, tokenizer: Any, tp: int) -> Any:
+    """A preset config whose vocabulary holds the tokenizer's ids, rounded up to a multiple of
+    ``lcm(64, tp)`` (vocab-parallel embedding); unchanged for byte tokens."""
+    import dataclasses
+    import math
+
+    if tokenizer.vocab_size <= 256:
+        return cfg
+    step = math.lcm(64, tp)
+    return dataclasses.replace(cfg, vocab_size=-(-tokenizer.vocab_size // step) * step)
+
+
+def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> dict:
+    """What ``meta.json`` records about these flags (the router spec as given)."""
+    return {"router": args.router, "dtype": args.dtype, "remat": args.remat, "grad_accum": args.grad_accum,
+            "data": args.data, "tokenizer_flag": args.tokenizer, "tokenizer": tokenizer.name,
+            "device": device.type, "eval_fraction": args.eval_fraction}
+
+
+def step_options(args: argparse.Namespace) -> dict:
+    """Keyword arguments of :class:`fmoe.train.step.StepConfig` these flags set."""
+    return {"router": router_from_spec(args.router) if args.router else None, "dtype": args.dtype,
+            "remat": args.remat, "grad_accum": args.grad_accum}
+
+
+def should_eval(args: argparse.Namespace, step: int) -> bool:
+    """Evaluate after this step? (every ``--eval-every`` steps and after the last one)."""
+    return bool(args.eval_every) and (step % args.eval_every == 0 or step == args.steps)
+
+
+def export_tokenizer(tokenizer: Any, path: str) -> list[str]:
+    """Copy a Hugging Face tokenizer's files next to ``--export-hf``'s weights; returns the names."""
+    import shutil
+
+    from ..data import TOKENIZER_FILES
+
+    src = os.path.dirname(getattr(tokenizer, "path", "") or "")
+    copied = []
+    if not src:
+        return copied
+    for name in TOKENIZER_FILES:
+        f = os.path.join(src, name) if name != "tokenizer.json" else tokenizer.path
+        if os.path.isfile(f):
+            shutil.copyfile(f, os.path.join(path, name))
+            copied.append(name)
+    return copied
+
+
+def print_memory_plan(args: argparse.Namespace, model: Any, cfg: Any, model_plan: Any, world: int) -> None:
+    """Rank 0 prints the job's memory plan (:mod:`fmoe.memory_plan`) to stderr at start."""
+    import sys
+
+    from ..memory_plan import format_plan, memory_plan
+
+    plan = memory_plan(model, cfg, nproc=world, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
+                       batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,
+                       grad_accum=args.grad_accum, model_plan=model_plan)
+    print(format_plan(plan, args.memory_gb), file=sys.stderr)

@@ -1,0 +1,106 @@
+"""What fmoe does differently under ``torch.func`` transforms and ``torch.compile``.
+
+fmoe's layers are pure functions, so ``torch.func.grad``/``vjp``/``jvp``/``vmap`` and
+``torch.compile`` apply to them. Three things need care, and this module holds the answers:
+
+1. **Data-dependent input checks.** Expert ids in ``[0, E)``, finite routing weights, token ids
+   in ``[0, V)``, targets in range: each check reads a value on the host (``int(t.max())``).
+   That is impossible for a batched tensor under ``vmap`` and would end a graph under
+   ``torch.compile``. The checks therefore run whenever :func:`data_checks_enabled` (eager
+   mode, also under ``grad``/``vjp``/``jvp``, which give real values) and are skipped while a
+   ``vmap`` is active or while compiling. Run a step eagerly once (the trainer's first step
+   does) to get the clear ``ValueError`` on bad inputs; shape, dtype and structure checks
+   always run.
+2. **Parameters wrapped by ``torch.func``.** Inside ``torch.func.grad(f)(params)`` each leaf is
+   a functorch wrapper around the real tensor, so ``isinstance(leaf, DTensor)`` is False for a
+   placed parameter. :func:`peel` returns the innermost tensor (the DTensor), whose placement
+   and process groups the layers read; the computation itself stays on the wrapper.
+3. **Custom autograd Functions.** Each has a ``jvp`` (forward mode) and a vmap rule. Dynamo
+   cannot trace a Function that defines ``jvp``, so under ``torch.compile`` fmoe applies a twin
+   without it (:func:`without_jvp`, :func:`apply`).
+
+Example:
+    >>> data_checks_enabled()
+    True
+    >>> torch.func.vmap(lambda x: torch.tensor(data_checks_enabled()) + x)(torch.zeros(2)).tolist()
+    [0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+__all__ = ["vmapping", "compiling", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
+
+
+def vmapping() -> bool:
+    """Whether a ``torch.func.vmap`` is active (at any level)."""
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
+def compiling() -> bool:
+    """Whether Dynamo is tracing (``torch.compile``)."""
+    return torch.compiler.is_compiling()
+
+
+def active() -> bool:
+    """Whether any ``torch.func`` transform is active or Dynamo is tracing: fmoe's layers then
+    take their grouped-operator expert path (:mod:`fmoe.grouped_mm`), whose every piece has
+    backward, jvp and vmap rules and no host sync beyond the dispatch's."""
+    return compiling() or bool(retrieve_all_functorch_interpreters())
+
+
+def data_checks_enabled() -> bool:
+    """Whether value checks that need a host sync run: not under ``vmap``, not while compiling."""
+    return not compiling() and not vmapping()
+
+
+def peel(t: Any) -> Any:
+    """The tensor under every functorch wrapper (``grad``/``jvp``/``vmap`` levels) of ``t``;
+    ``t`` itself when it is not wrapped (or not a tensor)."""
+    if compiling():                 # Dynamo sees through the wrappers itself
+        return t
+    while isinstance(t, torch.Tensor) and is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+    return t
+
+
+def without_jvp(cls: type) -> type:
+    """A twin of the autograd Function ``cls`` without its ``jvp`` (otherwise identical), for
+    :func:`apply` to use while compiling: Dynamo refuses to trace a Function with a custom
+    ``jvp``. Keep it as a module global (``_FooTraced = without_jvp(_Foo)``): Dynamo resolves
+    globals, not classes hung on other classes."""
+    attrs = {k: v for k, v in cls.__dict__.items() if k not in ("jvp", "__dict__", "__weakref__")}
+    return type(cls.__name__ + "Traced", cls.__bases__, attrs)
+
+
+def apply(fn: type, traced: type, *args: Any) -> Any:
+    """``fn.apply(*args)``, or ``traced.apply(*args)`` (its :func:`without_jvp` twin) while compiling."""
+    return (traced if compiling() else fn).apply(*args)
+
+
+def vmap_by_loop(apply: Any):
+    """A vmap rule (for an autograd Function's ``vmap`` staticmethod) that runs ``apply`` once
+    per batch element and stacks the results along dim 0: correct for any Function, meant for
+    fused kernels whose inputs carry host-side metadata (group counts) that a batch cannot share.
+    fmoe's layers do not reach these under ``vmap`` (they take the grouped-op path), so the loop
+    only serves direct calls.
+
+    Args:
+        apply: the Function's ``apply``.
+    Returns:
+        ``rule(info, in_dims, *args) -> (outputs, out_dims)``.
+    """
+
+    def rule(info, in_dims, *args):
+        outs = [apply(*[a.select(d, i) if isinstance(d, int) else a for a, d in zip(args, in_dims)])
+                for i in range(info.batch_size)]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+        return torch.stack(outs), 0
+
+    return rule

@@ -1,0 +1,53 @@
+"""fmoe.plot draws each run's logged curves, labelled by its meta.json."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fmoe.plot import PANELS, plot_runs
+
+
+def _fake_run(d, model, router, loss0, eval_every=2):
+    d.mkdir()
+    with open(d / "log.jsonl", "w") as f:
+        for s in range(1, 7):
+            row = {"step": s, "loss": loss0 / s, "tokens_per_s": 1000.0 + s, "load_imbalance": [1.0 + s, 3.0 + s]}
+            if s % eval_every == 0:
+                row["eval_loss"] = loss0 / s + 0.5
+            f.write(json.dumps(row) + "\n")
+    (d / "step-6").mkdir()
+    (d / "step-6" / "meta.json").write_text(json.dumps({"model": model, "router": router,
+                                                        "mesh": {"tp": 1, "ep": 4, "fsdp": 4, "dp_replicate": 1}}))
+    return str(d)
+
+
+def test_plot_writes_png_with_the_logged_curves(tmp_path):
+    a = _fake_run(tmp_path / "a", "qwen3_moe", "sigmoid_topk:k=2", 6.0)
+    b = _fake_run(tmp_path / "b", "mixtral", None, 3.0, eval_every=3)
+    fig = plot_runs([a, b], str(tmp_path / "runs.png"))
+    png = (tmp_path / "runs.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert set(panels) == {name for _, name in PANELS}
+    loss = panels["training loss"].lines
+    assert [ln.get_label() for ln in loss] == ["qwen3_moe, router sigmoid_topk:k=2, tp=1 ep=4 fsdp=4 dp_replicate=1",
+                                               "mixtral, router default, tp=1 ep=4 fsdp=4 dp_replicate=1"]
+    assert list(loss[0].get_xdata()) == [1, 2, 3, 4, 5, 6] and loss[0].get_ydata()[2] == pytest.approx(2.0)
+    ev = panels["held-out loss"].lines
+    assert list(ev[0].get_xdata()) == [2, 4, 6] and list(ev[1].get_xdata()) == [3, 6]
+    assert ev[1].get_ydata()[0] == pytest.approx(1.5)
+    imb = panels["load imbalance (max/mean)"].lines[0]
+    assert list(imb.get_ydata()) == pytest.approx([3.0, 4.0, 5.0, 6.0, 7.0, 8.0])     # mean over layers
+    assert list(panels["tokens / s"].lines[1].get_ydata())[:2] == [1001.0, 1002.0]
+
+
+def test_plot_command_and_bad_run(tmp_path):
+    a = _fake_run(tmp_path / "a", "qwen3_moe", None, 5.0)
+    r = subprocess.run([sys.executable, "-m", "fmoe.plot", a, "--out", str(tmp_path / "x.png")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (tmp_path / "x.png").stat().st_size > 10_000, r.stderr
+    r = subprocess.run([sys.executable, "-m", "fmoe.plot", str(tmp_path), "--out", str(tmp_path / "y.png")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "has no log.jsonl" in r.stderr
