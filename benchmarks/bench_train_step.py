@@ -28,6 +28,12 @@ outside the MoE code would buy.
 Distributed efficiency = tokens/s of the 4-rank run / tokens/s of the single process, per
 library, from the same script invocation (same cores, same tokens per step).
 
+``fmoe_compiled``: fmoe as shipped with ``torch.compile`` over forward + loss (backward compiled
+with it; graph breaks only at the dispatch's split-size sync, one per MoE layer). Compilation
+happens in the warmup steps (use ``--warmup 3``: the second call recompiles with dynamic shapes).
+Model FLOP/s (:func:`model_flops_per_token` x tokens/s) is reported as a fraction of the
+measured ``torch.mm`` rate of the machine (all cores, fp32, 1024^3).
+
     python benchmarks/bench_train_step.py [--k 8 4] [--steps 12] [--warmup 2] [--layouts single ep4 tp2ep4]
 
 Prints a table and writes benchmarks/out/train_step.json.
@@ -112,18 +118,26 @@ def hf_step(model, tokens: torch.Tensor) -> float:
     return float(loss.detach())
 
 
-def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto", coalesced: bool = False) -> float:
-    """Forward + backward of the same loss; gradients reduced over the data-parallel ranks
-    (``fmoe.train.grads.reduce_grads``, or the ``coalesced`` experiment)."""
+def _fmoe_loss(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     from fmoe.models import qwen3_moe
     from fmoe.nn import cross_entropy
+
+    logits = qwen3_moe.forward(params, tokens, cfg, mesh, impl=impl)
+    return cross_entropy(logits[:, :-1], tokens[:, 1:])
+
+
+def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto", coalesced: bool = False,
+              loss_fn=_fmoe_loss) -> float:
+    """Forward + backward of the same loss; gradients reduced over the data-parallel ranks
+    (``fmoe.train.grads.reduce_grads``, or the ``coalesced`` experiment). ``loss_fn``: the
+    forward (``torch.compile(_fmoe_loss)`` for the compiled runner; its backward is compiled
+    with it)."""
     from fmoe.fsdp import regather_in_backward
     from fmoe.train.grads import reduce_grads
 
     leaves = fmoe.tree.leaves(params)
     with regather_in_backward():
-        logits = qwen3_moe.forward(params, tokens, cfg, mesh, impl=impl)
-        loss = cross_entropy(logits[:, :-1], tokens[:, 1:])
+        loss = loss_fn(params, cfg, mesh, tokens, impl=impl)
         grads = torch.autograd.grad(loss, leaves)
     if mesh is not None and coalesced:
         _reduce_grads_coalesced(grads, mesh)
@@ -215,6 +229,10 @@ def run_layout(rank: int, world: int, path: str, layout: dict, names: list, step
             runners[name] = (lambda m: lambda: hf_step(m, tokens))(model)
         elif name == "fmoe_fsdp" and not distributed:
             continue
+        elif name == "fmoe_compiled":        # the shipped library under torch.compile (dynamic shapes)
+            params, cfg = _fmoe_params(path, mesh)
+            compiled = torch.compile(_fmoe_loss)
+            runners[name] = (lambda p, c: lambda: fmoe_step(p, c, mesh, tokens, loss_fn=compiled))(params, cfg)
         else:
             params, cfg = _fmoe_params(path, mesh, fsdp=name == "fmoe_fsdp")
             step = (lambda p, c: lambda: fmoe_step(p, c, mesh, tokens, coalesced=name == "fmoe_exp"))(params, cfg)
@@ -245,6 +263,32 @@ def run_layout(rank: int, world: int, path: str, layout: dict, names: list, step
                 if distributed else int(tokens.numel()), threads=torch.get_num_threads())
 
 
+def model_flops_per_token(k: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): 2 per multiply-add of every
+    matmul a token goes through (q/k/v/o, router, its ``k`` experts' SwiGLU, lm_head) plus causal
+    attention scores and values (on average ``S / 2`` keys per query)."""
+    H, G, hd = 8, 4, 32
+    per_layer = D * (2 * H * hd + 2 * G * hd) + D * E + k * 3 * D * I
+    attention = 2 * (S / 2) * H * hd                       # q.k and p.v per query
+    forward = 2 * (LAYERS * per_layer + V * D) + 2 * LAYERS * attention
+    return 3 * forward
+
+
+def mm_rate(threads: int, n: int = 1024, repeat: int = 20) -> float:
+    """Measured ``torch.mm`` FLOP/s of an ``n x n`` fp32 product with ``threads`` threads (the
+    matmul ceiling the FLOP fraction is reported against; best of ``repeat``)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    torch.set_num_threads(old)
+    return 2 * n ** 3 / best
+
+
 def _tag(layout: dict) -> str:
     return "single" if layout["world"] == 1 else f"tp{layout['tp']}ep{layout['ep']}"
 
@@ -260,6 +304,7 @@ def summarize(per_rank: list[dict], layout_name: str, k: int) -> dict:
                cpu_s_all_ranks={n: statistics.median([sum(r["cpu"][n][i] for r in per_rank)
                                                       for i in range(len(step[n]))]) for n in names})
     out["tokens_per_s"] = {n: out["tokens_per_step"] / out["median_s"][n] for n in names}
+    out["model_flop_per_s"] = {n: out["tokens_per_s"][n] * model_flops_per_token(k) for n in names}
     if "transformers" in names:
         fm = [n for n in names if n.startswith("fmoe")]
         out["ratio_median_of_steps"] = {n: statistics.median([f / h for f, h in zip(step[n], step["transformers"])])
@@ -286,11 +331,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--attn", default="sdpa", help="transformers attn_implementation (its default: sdpa)")
     ap.add_argument("--runners", nargs="+", default=["fmoe", "fmoe_fsdp", "transformers"],
-                    choices=["fmoe", "fmoe_fsdp", "fmoe_sdpa", "fmoe_exp", "transformers"],
+                    choices=["fmoe", "fmoe_fsdp", "fmoe_compiled", "fmoe_sdpa", "fmoe_exp", "transformers"],
                     help="fmoe: load_hf default plan (dense replicated, grads all-reduced); fmoe_fsdp: dense "
                          "FSDP like transformers; EXPERIMENTS (patched in the benchmark, not the library): "
                          "fmoe_sdpa = fmoe with SDPA attention, fmoe_exp = SDPA attention + coalesced "
-                         "gradient all-reduce")
+                         "gradient all-reduce; fmoe_compiled: fmoe with torch.compile(forward + loss), "
+                         "backward compiled with it (dense replicated, like fmoe)")
     ap.add_argument("--profile", action="store_true", help="write torch.profiler tables of one step per library")
     ap.add_argument("--out", default="benchmarks/out/train_step.json")
     args = ap.parse_args()
@@ -310,10 +356,16 @@ def main() -> None:
                 _print_row(rows[-1])
                 sys.stdout.flush()
     eff = _efficiency(rows)
+    rate = mm_rate(os.cpu_count() or 1)
+    for r in rows:
+        r["fraction_of_mm_rate"] = {n: f / rate for n, f in r["model_flop_per_s"].items()}
+        print(f"{r['layout']} K={r['k']} model FLOP/s as a fraction of torch.mm ({rate / 1e9:.1f} GFLOP/s): "
+              + ", ".join(f"{n} {v:.3f}" for n, v in r["fraction_of_mm_rate"].items()))
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.platform(), cpus=os.cpu_count(),
                 torch=torch.__version__, transformers=__import__("transformers").__version__,
                 model=dict(V=V, D=D, I=I, E=E, layers=LAYERS, batch_per_rank=[B, S]), attn=args.attn,
                 steps=args.steps, warmup=args.warmup, loadavg_before=load_before, loadavg_after=os.getloadavg(),
+                mm_flop_per_s=rate,
                 command=" ".join(["python"] + sys.argv))
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows, efficiency=eff), f, indent=2)

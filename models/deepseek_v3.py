@@ -315,6 +315,25 @@ def default_router(cfg: Config):
                                      topk_groups=cfg.topk_group, group_top=2)
 
 
+def _moe(m: dict, x: torch.Tensor, route: Any, mesh: Optional[fmoe.Mesh], impl: str) -> tuple[torch.Tensor, dict]:
+    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=route, mesh=mesh, impl=impl)   # [T, D]
+    return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
+
+
+def _layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
+           mesh: Optional[fmoe.Mesh], impl: str, route: Any, step: Any,
+           layer_cache: Optional[dict]) -> tuple[torch.Tensor, Optional[dict], Any]:
+    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block or None, cache entry)``."""
+    y, entry = _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, step,
+                          layer_cache)
+    h = h + y
+    x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+    if "moe" not in layer:
+        return h + nn.swiglu_mlp(x, layer["mlp"]["w_gate_up"], layer["mlp"]["w_down"]), None, entry
+    y, aux = fmoe.remat.call("moe", _moe, layer["moe"], x, route, mesh, impl)
+    return h + y, aux, entry
+
+
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
             cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Any:
@@ -353,18 +372,10 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     route = router or default_router(cfg)
     auxes, entries = [], []
     for i, layer in enumerate(fmoe.unsharded_layers(params["layers"])):  # FSDP: one gather per layer
-        x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-        y, entry = _attention(layer["attn"], x, cos, sin, cfg, step, None if cache is None else cache["layers"][i])
+        h, aux, entry = fmoe.remat.call("layer", _layer, layer, h, cos, sin, cfg, mesh, impl, route, step,
+                                        None if cache is None else cache["layers"][i])
         entries.append(entry)
-        h = h + y
-        x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-        if "moe" in layer:
-            y, aux = fmoe.moe(layer["moe"], rearrange(x, "b s d -> (b s) d"), router=route, mesh=mesh, impl=impl)
-            y = rearrange(y, "(b s) d -> b s d", b=x.shape[0])
-            auxes.append(aux)
-        else:
-            y = nn.swiglu_mlp(x, layer["mlp"]["w_gate_up"], layer["mlp"]["w_down"])
-        h = h + y
+        auxes += [aux] if aux is not None else []
     h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
     logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
     out = (logits,) + (() if cache is None else (nn.cache.finish(cache, step, entries),))

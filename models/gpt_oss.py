@@ -237,6 +237,18 @@ def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl:
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux  # [B, S, D]
 
 
+def _layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config, window: Optional[int],
+           mesh: Optional[fmoe.Mesh], impl: str, router: Optional[Any], step: Any,
+           layer_cache: Optional[dict]) -> tuple[torch.Tensor, dict, Any]:
+    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block, cache entry)``."""
+    x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+    y, entry = _attention(layer["attn"], x, cos, sin, cfg, window, step, layer_cache)
+    h = h + y
+    y, aux = fmoe.remat.call("moe", _moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps),
+                             cfg, mesh, impl, router)
+    return h + y, aux, entry
+
+
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False,
             router: Optional[Any] = None, cache: Optional[dict] = None,
@@ -279,12 +291,9 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     auxes, entries = [], []
     for i, (layer, kind) in enumerate(zip(fmoe.unsharded_layers(params["layers"]), cfg.layer_types)):  # FSDP gathers
         window = cfg.sliding_window if kind == "sliding_attention" else None
-        x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-        y, entry = _attention(layer["attn"], x, cos, sin, cfg, window, step, None if cache is None else cache["layers"][i])
+        h, aux, entry = fmoe.remat.call("layer", _layer, layer, h, cos, sin, cfg, window, mesh, impl, router, step,
+                                        None if cache is None else cache["layers"][i])
         entries.append(entry)
-        h = h + y
-        y, aux = _moe(layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, impl, router)
-        h = h + y
         auxes.append(aux)
     h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
     logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]

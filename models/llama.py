@@ -188,6 +188,17 @@ def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo")), entry  # [B, S, D]
 
 
+def _layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config, step: Any,
+           layer_cache: Optional[dict]) -> tuple[torch.Tensor, Any]:
+    """One decoder layer: ``h [B, S, D]`` -> ``(h, cache entry)``."""
+    y, entry = _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, step,
+                          layer_cache)
+    h = h + y
+    m = layer["mlp"]
+    return h + nn.swiglu_mlp(nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), m["w_gate_up"], m["w_down"],
+                             m.get("b_gate_up"), m.get("b_down")), entry
+
+
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Any:
     """Logits of a causal language model.
@@ -214,13 +225,9 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
     entries = []
     for i, layer in enumerate(fmoe.unsharded_layers(params["layers"])):  # FSDP: one gather per layer
-        x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-        y, entry = _attention(layer["attn"], x, cos, sin, cfg, step, None if cache is None else cache["layers"][i])
+        h, entry = fmoe.remat.call("layer", _layer, layer, h, cos, sin, cfg, step,
+                                   None if cache is None else cache["layers"][i])
         entries.append(entry)
-        h = h + y
-        m = layer["mlp"]
-        h = h + nn.swiglu_mlp(nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps), m["w_gate_up"], m["w_down"],
-                              m.get("b_gate_up"), m.get("b_down"))
     h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = nn.linear(h, head, gather=True)  # [B, S, V]: the full vocabulary whatever the plan

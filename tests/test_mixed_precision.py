@@ -96,3 +96,20 @@ def test_remat_saves_less_for_backward():
         torch.autograd.grad(loss, fmoe.tree.leaves(params))
     print("saved for backward (bytes):", saved)
     assert saved["layer"] < 0.35 * saved["none"] and saved["moe"] < 0.75 * saved["none"], saved
+
+
+def test_every_model_recomputes_to_the_same_loss_and_gradients():
+    from fmoe.models import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
+    for model in (qwen3_moe, mixtral, gpt_oss, llama, deepseek_v3):
+        cfg = model.Config.tiny()
+        params = fmoe.tree.map_with_path(lambda p, t: t.requires_grad_(not p.endswith("expert_bias")), model.init(cfg))
+        leaves = [t for t in fmoe.tree.leaves(params) if t.requires_grad]
+        tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+        out = {}
+        for policy in ("none", "layer", "moe"):
+            with fmoe.remat.policy(policy):
+                loss = fmoe.nn.cross_entropy(model.forward(params, tokens, cfg), tokens)
+                out[policy] = (loss, torch.autograd.grad(loss, leaves))
+        for policy in ("layer", "moe"):
+            assert torch.equal(out[policy][0], out["none"][0]), (model.__name__, policy)
+            assert all(torch.equal(a, b) for a, b in zip(out[policy][1], out["none"][1])), (model.__name__, policy)

@@ -141,7 +141,7 @@ def test_remat_grad_accum_and_routers_from_the_command_line(tmp_path):
     (["--eval-fraction", "1.5"], "--eval-fraction must be in (0, 1)"),
     (["--data", "/nonexistent/x.txt"], "--data '/nonexistent/x.txt' does not exist"),
     (["--tokenizer", "/nonexistent"], "--tokenizer '/nonexistent': not 'bytes'"),
-    (["--model", "llama", "--remat", "layer"], "--remat works with ['qwen3_moe', 'mixtral']"),
+    (["--model", "llama", "--remat", "moe"], "model llama has no such block to recompute; it supports --remat none / layer"),
     (["--dtype", "fp16"], "invalid choice: 'fp16'"),
 ])
 def test_bad_data_and_precision_flags_are_usage_errors(flags, match, capsys):

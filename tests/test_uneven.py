@@ -25,7 +25,8 @@ from fmoe.testing import spawn
 
 UNEVEN = {"qwen3_moe-v97": (qwen3_moe, qwen3_moe.Config.tiny(initializer_range=0.2, vocab_size=97)),
           "mixtral-v101": (mixtral, mixtral.Config.tiny(initializer_range=0.2, vocab_size=101, sliding_window=5))}
-TRAIN_CFG = qwen3_moe.Config.tiny(vocab_size=257, hidden_size=50, intermediate_size=36)  # byte corpus: >= 256
+# byte corpus: vocab >= 256; D=50 and I=33 divide by neither fsdp=4 nor efsdp=4
+TRAIN_CFG = qwen3_moe.Config.tiny(vocab_size=257, hidden_size=50, intermediate_size=36, moe_intermediate_size=33)
 
 
 def test_chunk_sizes_are_torch_chunk_sizes():
@@ -87,8 +88,16 @@ def _train_ranks(rank, world, meshes, ck_dir):
 def test_training_with_uneven_fsdp_and_vocab_matches_one_process():
     from test_train import compare
 
-    meshes = [dict(tp=2, ep=4), dict(tp=1, ep=2)]
+    meshes = [dict(tp=2, ep=4), dict(tp=1, ep=2), dict(tp=1, ep=1)]   # the last: efsdp=4 on uneven expert dims
     results = spawn(_train_ranks, 4, meshes, None, timeout=900)[0]
+    import types
+
+    from fmoe.fsdp import data_parallel_plan
+    sizes = {"tp": 1, "ep": 1, "fsdp": 4, "efsdp": 4, "dp_replicate": 1}
+    mesh = types.SimpleNamespace(fsdp=4, efsdp=4, size=sizes.get, rank_in=lambda a: 0)
+    full = qwen3_moe.init(TRAIN_CFG)
+    placed = fmoe.tree.flatten(data_parallel_plan(qwen3_moe.plan(TRAIN_CFG), full, mesh).resolve(full, mesh))
+    assert placed["layers.0.moe.w_down"] == P("ep", "efsdp") and placed["norm"] == P("fsdp"), placed
     compare(results, "qwen3_moe", cfg=TRAIN_CFG)
 
 

@@ -25,8 +25,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-#: Models whose forward marks its layers and MoE blocks for :mod:`fmoe.remat`.
-REMAT_MODELS = ("qwen3_moe", "mixtral")
+#: Model -> the blocks its forward marks for :mod:`fmoe.remat` (dense llama has no MoE block).
+REMAT_MODELS = {"qwen3_moe": ("layer", "moe"), "mixtral": ("layer", "moe"), "gpt_oss": ("layer", "moe"),
+                "deepseek_v3": ("layer", "moe"), "llama": ("layer",)}
 
 __all__ = ["REMAT_MODELS", "add_arguments", "check", "parse_router", "router_from_spec", "resolve_device", "open_streams"]
 
@@ -76,9 +77,9 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         from ..data import find_tokenizer_file
         if find_tokenizer_file(args.tokenizer) is None:
             ap.error(f"--tokenizer {args.tokenizer!r}: not 'bytes', a tokenizer.json, or a directory holding one")
-    if args.remat != "none" and args.model not in REMAT_MODELS:
-        ap.error(f"--remat {args.remat}: model {args.model} does not mark its blocks for recomputation; "
-                 f"--remat works with {list(REMAT_MODELS)}")
+    if args.remat not in ("none",) + REMAT_MODELS.get(args.model, ()):
+        ap.error(f"--remat {args.remat}: model {args.model} has no such block to recompute; it supports "
+                 f"--remat {' / '.join(('none',) + REMAT_MODELS.get(args.model, ()))}")
     if args.router is not None:
         try:
             router_from_spec(args.router)
