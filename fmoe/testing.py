@@ -204,7 +204,8 @@ def _cleanup(procs: list, q: Any, store_dir: str) -> None:
         if p.is_alive():
             p.kill()
     for p in procs:
-        p.join(timeout=5)
+        if p.pid is not None:                             # started (start() may have failed)
+            p.join(timeout=5)
     q.close()
     q.join_thread()
     for p in procs:

@@ -95,9 +95,11 @@ def test_a_planted_pickle_is_never_executed(params, tmp_path, monkeypatch):
     with open(os.path.join(path, ".metadata"), "wb") as f:      # torch's FileSystemReader would unpickle this
         pickle.dump(_Payload(), f)
     fresh = llama.init(CFG, seed=1)
-    with pytest.raises(ValueError, match=r"\.metadata.*not listed"):
+    planted = os.path.join(path, "shard-00009-model-00001-of-00001.safetensors")
+    save_file({"params.norm": torch.zeros(64)}, planted)         # a tensor file fmoe did not write
+    with pytest.raises(ValueError, match=r"shard-00009.*not listed in .*meta.json"):
         ckpt.load(path, fresh, adamw_init(fresh))
-    os.remove(os.path.join(path, ".metadata"))
+    os.remove(planted)
     # an old-format checkpoint (pickled .metadata + .distcp, meta.json without format) is refused
     legacy = tmp_path / "legacy" / "step-1"
     legacy.mkdir(parents=True)
@@ -107,7 +109,7 @@ def test_a_planted_pickle_is_never_executed(params, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="pickle-based"):
         ckpt.load(str(legacy), fresh, adamw_init(fresh))
     assert not marker.exists()
-    ckpt.load(path, fresh, adamw_init(fresh))                   # the clean checkpoint loads
+    ckpt.load(path, fresh, adamw_init(fresh))                   # loads, .metadata never opened
     assert all(torch.equal(a, b) for a, b in zip(fmoe.tree.leaves(fresh), fmoe.tree.leaves(params)))
     assert not marker.exists()
 

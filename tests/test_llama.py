@@ -136,14 +136,15 @@ def _ranks(rank, world, plans):
 
 def check_against_single_process(results) -> None:
     ref = [loss_and_grads(with_grad(llama.init(CFG, seed=0)), b, CFG) for b in batches()]
+    used = sorted({batch for per_plan in results for batch, *_ in per_plan})   # distinct batches of the run
     for rank, per_plan in enumerate(results):
         for batch, logits, grads, placed in per_plan:
             close(logits, ref[batch][0], f"rank {rank} logits")
             for path, g in grads.items():
-                # An fsdp-split weight is gathered for compute and its gradient reduce-scattered:
-                # it receives the SUM of the gradients of the fsdp batches. A weight replicated over
-                # fsdp keeps the gradient of this rank's own batch.
-                want = sum(r[1][path] for r in ref) if "fsdp" in placed[path].mesh_axes() else ref[batch][1][path]
+                # Honest gradient placements: a leaf is Partial over every data axis whose batches
+                # are not summed yet, so the gathered gradient of EVERY leaf (fsdp-split or
+                # replicated) is the gradient of the sum of the distinct batches' losses.
+                want = sum(ref[b][1][path] for b in used)
                 close(g, want, f"rank {rank} grad {path} ({placed[path]})")
 
 

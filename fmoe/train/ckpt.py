@@ -11,8 +11,9 @@ What a checkpoint may contain, and nothing else is read: ``shard-*.safetensors``
 ``HuggingFaceStorageReader``, which builds DCP's metadata from those JSON headers: nothing is
 unpickled, so a crafted checkpoint cannot run code. Before reading, every ``.safetensors`` file
 must be listed in ``meta.json`` and match its checksum (safetensors itself has none), and after
-reading every value must be finite. A directory in torch's pickle-based format (``.metadata``,
-``*.distcp``) is refused.
+reading every value must be finite. Any other file (a planted ``.metadata`` pickle, say) is
+never opened. A directory in torch's pickle-based format (``meta.json`` without this format,
+``.metadata``, ``*.distcp``) is refused.
 
 Packed placements (a fused ``[gate | up]`` weight split per block) are not contiguous chunks of
 the full tensor, which DCP cannot describe; such a leaf is stored as one tensor per block
@@ -286,10 +287,10 @@ def _check_files(ckpt: str, meta: dict) -> None:
     record = os.path.join(ckpt, "meta.json")
     names = sorted(n for n in os.listdir(ckpt) if n != "meta.json")
     error = None
-    unlisted = [n for n in names if n not in meta["files"]]
-    if unlisted:
-        error = (f"{ckpt}: {unlisted[:5]} not listed in {record}; a checkpoint holds only the files "
-                 "fmoe wrote (refusing to read it)")
+    unlisted = [n for n in names if n not in meta["files"] and n.endswith(".safetensors")]
+    if unlisted:                 # the reader would read these: only the files fmoe wrote may be there
+        error = (f"{ckpt}: {unlisted[:5]} not listed in {record}; a checkpoint holds only the tensor "
+                 "files fmoe wrote (refusing to read it)")
     else:
         world, rank = (dist.get_world_size(), dist.get_rank()) if _dist() else (1, 0)
         try:

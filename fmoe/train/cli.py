@@ -527,8 +527,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from fmoe.train import ckpt
 
         good = ckpt.latest(args.out) if os.path.isdir(args.out) else None
-        print(f"fmoe.train: error: stopped by {e}; every rank stopped, no partial checkpoint kept "
-              f"(last complete checkpoint: {good or 'none'})", file=sys.stderr)
+        print(f"fmoe.train: error: stopped by {e}; every rank stopped (last complete checkpoint: "
+              f"{good or 'none'}; a save cut short is never used)", file=sys.stderr)
         return 128 + e.signum
     except BaseException as e:  # noqa: BLE001 - every failure is one line (CheckpointException too)
         if isinstance(e, SystemExit) and e.code in (0, None):
