@@ -46,8 +46,10 @@ def policy(name: str) -> Iterator[None]:
         _POLICY.reset(token)
 
 
+@torch.compiler.assume_constant_result
 def active() -> str:
-    """The current policy name."""
+    """The current policy name (read once per trace under ``torch.compile``: Dynamo cannot trace
+    ``ContextVar.get``, so a compiled function is specialised on the policy it was traced with)."""
     return _POLICY.get()
 
 
@@ -62,6 +64,6 @@ def call(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """
     if kind not in POLICIES[1:]:
         raise ValueError(f"remat.call: kind must be one of {POLICIES[1:]}, got {kind!r}")
-    if _POLICY.get() != kind or not torch.is_grad_enabled():
+    if active() != kind or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     return checkpoint(fn, *args, use_reentrant=False, **kwargs)

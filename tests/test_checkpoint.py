@@ -390,9 +390,14 @@ def _distributed(rank, world, dirs, out_dir, grad_dir):
     for t in fmoe.tree.leaves(params):
         t.requires_grad_(True)
     sum((fmoe.to_local(t) * 2).sum() for t in fmoe.tree.leaves(params)).backward()
-    save_hf(toy, fmoe.tree.map_with_path(lambda _, t: t.grad, params), cfg, grad_dir)
+    grad_tree = fmoe.tree.map_with_path(lambda _, t: t.grad, params)
+    save_hf(toy, grad_tree, cfg, grad_dir)
     grads, _ = load_hf(toy, grad_dir)
-    res["grads"] = all(torch.equal(g, torch.full_like(g, 2.0)) for g in fmoe.tree.leaves(grads))
+    # honest placements: a leaf replicated over fsdp holds a pending sum of the 2 batches' 2.0
+    want = fmoe.tree.leaves(fmoe.gather(grad_tree))
+    res["grads"] = (all(torch.equal(g, w) for g, w in zip(fmoe.tree.leaves(grads), want))
+                    and all(torch.equal(w, torch.full_like(w, w.flatten()[0])) and w.flatten()[0] in (2.0, 4.0)
+                            for w in want))
     # a bad plan fails on every rank before a byte is read
     with Checkpoint(dirs["single"]) as ck:
         try:
