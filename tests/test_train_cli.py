@@ -117,3 +117,15 @@ def test_under_torchrun_it_uses_the_launchers_ranks(tmp_path):
     assert res.stdout.count('"final"') == 1
     rows = log(out)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["tokens"] == 2 * 16 * 2    # 2 launcher ranks = 2 batches
+
+
+def test_in_process_job_leaves_no_spawn_marker_for_later_torchrun_children(tmp_path, monkeypatch):
+    # A job run in-process with --nproc 2 marks its spawned ranks; the mark must not stay in this
+    # process's environment, or a later torchrun child would take every rank for a spawned one
+    # (each then locking OUT itself: RunDirBusy).
+    from fmoe.train.cli import main
+
+    monkeypatch.delenv("FMOE_SPAWNED", raising=False)
+    assert main([*BASE, "--nproc", "2", "--steps", "1", "--out", str(tmp_path / "run")]) == 0
+    assert "FMOE_SPAWNED" not in os.environ
+    assert [r["step"] for r in log(str(tmp_path / "run"))] == [1]

@@ -512,9 +512,16 @@ def _train(args: argparse.Namespace) -> Optional[dict]:
             return run(0, 1, args)
         from fmoe.testing import spawn
 
-        os.environ["FMOE_SPAWNED"] = "1"
-        return spawn(_spawned, args.nproc, args, timeout=args.timeout * max(1, args.steps),
-                     collective_timeout=args.timeout)[0]
+        previous = os.environ.get("FMOE_SPAWNED")
+        os.environ["FMOE_SPAWNED"] = "1"      # read by the ranks; not left behind in this process,
+        try:                                   # whose later torchrun children must not inherit it
+            return spawn(_spawned, args.nproc, args, timeout=args.timeout * max(1, args.steps),
+                         collective_timeout=args.timeout)[0]
+        finally:
+            if previous is None:
+                os.environ.pop("FMOE_SPAWNED", None)
+            else:
+                os.environ["FMOE_SPAWNED"] = previous
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
