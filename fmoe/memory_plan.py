@@ -50,6 +50,7 @@ from typing import Any, Optional
 import torch
 
 from . import tree as _tree
+from .mesh import rank_coords
 from .plan import local_shape
 
 __all__ = ["memory_plan", "format_plan", "VirtualMesh", "activation_estimate"]
@@ -78,8 +79,7 @@ class VirtualMesh:
             raise ValueError(f"memory plan: ep={ep} must be a multiple of tp={tp} and divide fsdp * tp = {fsdp * tp}")
         self.world, self.rank, self.tp, self.ep, self.fsdp, self.dp_replicate = world, rank, tp, ep, fsdp, dp_replicate
         self.efsdp = fsdp * tp // ep
-        self._coords = {"tp": rank % tp, "fsdp": (rank // tp) % fsdp, "dp_replicate": rank // (tp * fsdp),
-                        "ep": rank % ep, "efsdp": (rank // ep) % self.efsdp}
+        self._coords = rank_coords(rank, tp=tp, fsdp=fsdp, dp_replicate=dp_replicate, ep=ep)
 
     def size(self, axis: str) -> int:
         return getattr(self, axis)

@@ -37,6 +37,19 @@ AXES = ("dp_replicate", "fsdp", "tp", "efsdp", "ep")
 DATA_AXES = ("fsdp", "dp_replicate", "efsdp")   # axes whose ranks hold different batches
 
 
+def rank_coords(rank: int, *, tp: int, fsdp: int, dp_replicate: int, ep: int) -> dict[str, int]:
+    """The coordinates of global ``rank`` on every axis of both meshes: the one rank layout
+    (dense ``(dp_replicate, fsdp, tp)`` and expert ``(dp_replicate, efsdp, ep)``, tp fastest).
+
+    Example:
+        >>> rank_coords(5, tp=2, fsdp=2, dp_replicate=2, ep=4)
+        {'tp': 1, 'fsdp': 0, 'dp_replicate': 1, 'ep': 1, 'efsdp': 0}
+    """
+    efsdp = fsdp * tp // ep
+    return {"tp": rank % tp, "fsdp": (rank // tp) % fsdp, "dp_replicate": rank // (tp * fsdp),
+            "ep": rank % ep, "efsdp": (rank // ep) % efsdp}
+
+
 def _check_size(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"Mesh: {name} must be an int >= 1, got {value!r} ({type(value).__name__})")
@@ -97,13 +110,7 @@ class Mesh:
         self.tp, self.ep, self.fsdp, self.dp_replicate = tp, ep, fsdp, dp_replicate
         self.efsdp = fsdp * tp // ep
         self.world, self.rank = world, rank
-        self._coords = {
-            "tp": rank % tp,
-            "fsdp": (rank // tp) % fsdp,
-            "dp_replicate": rank // (tp * fsdp),
-            "ep": rank % ep,
-            "efsdp": (rank // ep) % self.efsdp,
-        }
+        self._coords = rank_coords(rank, tp=tp, fsdp=fsdp, dp_replicate=dp_replicate, ep=ep)
         self.dense = self.expert = None
         if initialized:
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
