@@ -12,12 +12,15 @@ function           forward                    backward
 =================  =========================  ==========================================
 all_to_all         rows to ranks by splits    the reverse exchange
 all_reduce         sum over the group         identity (grads of a replicated output)
-copy_to            identity                   sum over the group
+grad_sum           identity                   sum over the group
 all_gather         concat slices (uneven ok)  reduce-scatter: sum, keep own slice
-gather_replicated  concat slices (uneven ok)  keep own slice (output used identically)
+gather_slices      concat slices (uneven ok)  keep own slice (output used identically)
 reduce_scatter     sum, keep own slice        all-gather
-split_to           keep own slice             all-gather of the slices' gradients
+local_slice        keep own slice             all-gather of the slices' gradients
 =================  =========================  ==========================================
+
+(Former names, kept as aliases: ``copy_to`` = ``grad_sum``, ``gather_replicated`` =
+``gather_slices``, ``split_to`` = ``local_slice``.)
 
 Not differentiable (bookkeeping and buffers that autograd never sees): ``all_gather_rows``,
 ``reduce_scatter_rows``, ``all_to_all_rows`` (one equal row per rank, e.g. split sizes),
@@ -29,11 +32,11 @@ This module is the only one in the package that calls ``torch.distributed`` coll
 ``get_world_size``, ``new_group``) may live elsewhere.
 
 ``all_gather`` is the exact adjoint for a gathered tensor that each rank uses in a *different*
-loss; ``gather_replicated`` is for the usual tensor-parallel case where every rank of the group
+loss; ``gather_slices`` is for the usual tensor-parallel case where every rank of the group
 computes the *same* loss on the replicated result (summing would multiply gradients by the
-group size). ``split_to`` is for a replicated input of which each rank of the group processes
+group size). ``local_slice`` is for a replicated input of which each rank of the group processes
 a disjoint slice (token dispatch with ``tp > 1``): its gradient lives on the slice only, so
-gathering the slices gives every rank the full gradient at half the bytes of ``copy_to``'s
+gathering the slices gives every rank the full gradient at half the bytes of ``grad_sum``'s
 all-reduce.
 """
 
@@ -47,8 +50,8 @@ import torch.distributed._functional_collectives as funcol
 
 from .transforms import apply, compiling, without_jvp
 
-__all__ = ["all_to_all", "all_reduce", "copy_to", "all_gather", "gather_replicated",
-           "reduce_scatter", "split_to", "group_size", "all_gather_sizes", "all_reduce_coalesced",
+__all__ = ["all_to_all", "all_reduce", "grad_sum", "all_gather", "gather_slices",
+           "reduce_scatter", "local_slice", "copy_to", "gather_replicated", "split_to", "group_size", "all_gather_sizes", "all_reduce_coalesced",
            "all_gather_rows", "reduce_scatter_rows", "all_to_all_rows", "sum_over_world", "barrier",
            "broadcast_object", "broadcast_from", "all_gather_objects"]
 
@@ -143,7 +146,7 @@ class _AllReduce(torch.autograd.Function):
 _AllReduceTraced = without_jvp(_AllReduce)
 
 
-class _CopyTo(torch.autograd.Function):
+class _GradSum(torch.autograd.Function):
     @staticmethod
     def forward(x, group):
         return x.view_as(x)
@@ -162,10 +165,10 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, group):
-        return _CopyTo.apply(x, group), in_dims[0]
+        return _GradSum.apply(x, group), in_dims[0]
 
 
-_CopyToTraced = without_jvp(_CopyTo)
+_GradSumTraced = without_jvp(_GradSum)
 
 
 def all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -173,10 +176,10 @@ def all_reduce(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Ten
     return x if group_size(group) == 1 else apply(_AllReduce, _AllReduceTraced, x, group)
 
 
-def copy_to(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def grad_sum(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Identity; backward sums the gradient over ``group`` (a replicated input feeding
     rank-partial computations, e.g. the input of a colwise linear)."""
-    return x if group_size(group) == 1 else apply(_CopyTo, _CopyToTraced, x, group)
+    return x if group_size(group) == 1 else apply(_GradSum, _GradSumTraced, x, group)
 
 
 def all_gather_sizes(n: int, group: Optional[dist.ProcessGroup]) -> list[int]:
@@ -352,7 +355,7 @@ def all_gather(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0
     return apply(_AllGather, _AllGatherTraced, x, dim, _sizes_for(x, dim, sizes, group), group, False)
 
 
-def gather_replicated(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0,
+def gather_slices(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = 0,
                       sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Like :func:`all_gather`, for a result every rank uses identically: backward keeps this
     rank's slice of its own gradient, no sum."""
@@ -400,7 +403,7 @@ def reduce_scatter(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int
     return apply(_ReduceScatter, _ReduceScatterTraced, x, dim, [x.shape[dim] // n] * n, group)
 
 
-class _SplitTo(torch.autograd.Function):
+class _LocalSlice(torch.autograd.Function):
     @staticmethod
     def forward(x, dim, sizes, group):
         r = dist.get_rank(group)
@@ -416,17 +419,17 @@ class _SplitTo(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, dx, *_):
-        return _SplitTo.forward(dx, ctx.dim, ctx.sizes, ctx.group)
+        return _LocalSlice.forward(dx, ctx.dim, ctx.sizes, ctx.group)
 
     @staticmethod
     def vmap(info, in_dims, x, dim, sizes, group):
-        return _SplitTo.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group), 0
+        return _LocalSlice.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group), 0
 
 
-_SplitToTraced = without_jvp(_SplitTo)
+_LocalSliceTraced = without_jvp(_LocalSlice)
 
 
-def split_to(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequence[int], dim: int = 0) -> torch.Tensor:
+def local_slice(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequence[int], dim: int = 0) -> torch.Tensor:
     """This rank's slice of a tensor replicated over ``group`` (``sizes[r]`` along ``dim`` for
     rank r, uneven or empty allowed). Backward: the slices' gradients all-gathered, so every
     rank gets the full gradient (each slice's gradient is nonzero on its own rows only).
@@ -440,17 +443,17 @@ def split_to(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequenc
         ``x.narrow(dim, sum(sizes[:rank]), sizes[rank])``.
 
     Example:
-        >>> split_to(torch.ones(4, 2), None, [4]).shape
+        >>> local_slice(torch.ones(4, 2), None, [4]).shape
         torch.Size([4, 2])
     """
     sizes = [int(s) for s in sizes]
     if x.shape[dim] != sum(sizes):
-        raise ValueError(f"split_to: x has {x.shape[dim]} entries on dim {dim} but sizes {sizes} sum to {sum(sizes)}")
+        raise ValueError(f"local_slice: x has {x.shape[dim]} entries on dim {dim} but sizes {sizes} sum to {sum(sizes)}")
     if group_size(group) == 1:
         return x
     if len(sizes) != group_size(group):
-        raise ValueError(f"split_to: sizes {sizes} must have one entry per rank of the group ({group_size(group)})")
-    return apply(_SplitTo, _SplitToTraced, x, dim, sizes, group)
+        raise ValueError(f"local_slice: sizes {sizes} must have one entry per rank of the group ({group_size(group)})")
+    return apply(_LocalSlice, _LocalSliceTraced, x, dim, sizes, group)
 
 
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
@@ -479,3 +482,9 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[dist.P
         for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
             out[i] = piece.view(tensors[i].shape)
     return out  # type: ignore[return-value]
+
+
+# Former names (before the names said what the backward does).
+copy_to = grad_sum
+gather_replicated = gather_slices
+split_to = local_slice

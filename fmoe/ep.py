@@ -28,7 +28,7 @@ group (``efsdp == 1``) the layer's routing statistics ride in the split-size exc
 (:func:`folds_stats`), so they need no all-reduce. Both data exchanges are differentiable
 all-to-alls, so gradients of the routing weights travel back to the token's rank. The TP
 slices are reassembled with an all-gather whose backward keeps each rank's slice, and each rank
-takes its slice of the inputs (tokens and weights, concatenated) with ``split_to``, whose
+takes its slice of the inputs (tokens and weights, concatenated) with ``local_slice``, whose
 backward all-gathers the slices' gradients, so every TP rank ends with the full-batch gradient
 of ``x`` and the router. It also returns ``{"dispatch_rows": ...}`` (rows sent to other ranks)
 for the layer's aux.
@@ -50,7 +50,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .collectives import all_reduce, all_to_all, all_to_all_rows, copy_to, gather_replicated, group_size, split_to
+from .collectives import all_reduce, all_to_all, all_to_all_rows, grad_sum, gather_slices, group_size, local_slice
 from .expert_blocks import weighted_expert_sum
 from .experts import Activation, check_matmul, expert_mlp, swiglu
 from .grouped_mm import expert_mlp_offs, offsets
@@ -179,10 +179,10 @@ def local(x, weights, expert_ids, experts: LocalExperts, mesh) -> torch.Tensor:
 
 
 def _replicated_inputs(x: torch.Tensor, weights: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """``copy_to`` of tokens and weights as one tensor: one all-reduce of both gradients."""
+    """``grad_sum`` of tokens and weights as one tensor: one all-reduce of both gradients."""
     if group_size(group) == 1:
         return x, weights.to(x.dtype)
-    xw = copy_to(torch.cat([x, weights.to(x.dtype)], dim=1), group)            # [T, D + K]
+    xw = grad_sum(torch.cat([x, weights.to(x.dtype)], dim=1), group)            # [T, D + K]
     return xw.split([x.shape[1], weights.shape[1]], dim=1)
 
 
@@ -266,8 +266,8 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh, stats: 
     ids = expert_ids[start:stop]                                                # [Ts, K]
     Ts, K = ids.shape
     # ---- one row per token [x | K weights | K global ids], this TP rank's slice of them
-    if tp > 1:  # own slice; backward all-gathers the slices' gradients (half copy_to's bytes)
-        xw = split_to(torch.cat([x, weights.to(x.dtype)], dim=1), tp_group, sizes)
+    if tp > 1:  # own slice; backward all-gathers the slices' gradients (half grad_sum's bytes)
+        xw = local_slice(torch.cat([x, weights.to(x.dtype)], dim=1), tp_group, sizes)
         tok = torch.cat([xw, pack_ids(ids, x.dtype)], dim=1)                    # [Ts, D+2K]
     else:
         tok = torch.cat([x, weights.to(x.dtype), pack_ids(ids, x.dtype)], dim=1)
@@ -291,7 +291,7 @@ def all_to_all_impl(x, weights, expert_ids, experts: LocalExperts, mesh, stats: 
     back = all_to_all(combined, in_s, out_s, ep_group)                          # [Pn, D]
     ys = back.new_zeros(Ts, D).index_add(0, pair_tok, back)
     # ---- reassemble the TP slices (each rank keeps its own slice's gradient)
-    y = gather_replicated(ys, tp_group, dim=0, sizes=sizes)
+    y = gather_slices(ys, tp_group, dim=0, sizes=sizes)
     extra = {"dispatch_rows": torch.tensor(sum(in_s) - in_s[me])}
     if stats_sum is not None:
         extra["stats_over_ep"] = stats_sum

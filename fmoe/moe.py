@@ -24,7 +24,7 @@ Routers may take keyword inputs besides the logits (:func:`fmoe.routing.call`): 
 tensors such as ``token_ids [T]`` or ``seq_ids [T]``). ``params["shared"]`` adds shared experts
 (:mod:`fmoe.shared_experts`).
 
-``aux`` holds the router's own entries, with every :class:`fmoe.load_stats.GlobalStat` (aux
+``aux`` holds the router's own entries, with every :class:`fmoe.global_stats.GlobalStat` (aux
 losses, drop rates) reduced over the data-parallel batches and finished, plus
 ``tokens_per_expert`` (``[E]`` int64, this rank's slots per global expert), ``dispatch_rows``
 (rows this rank sent to *other* ranks), ``load`` (``[E]`` int64, routed slots per expert over all
@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from . import ep as _ep
 from .experts import Activation, check_matmul, swiglu
 from .fsdp import unshard
-from .load_stats import finalize, pack, routed_load, stat_sums
+from .global_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .shared_experts import check_shared, shared_expert
 from .transforms import peel

@@ -9,7 +9,7 @@ They live in the MoE params as ``params["shared"] = {"w_gate_up": [2I, D], "w_do
 "gate": [1, D] (optional)}`` and ``fmoe.moe`` adds them. Placements (from ``fmoe.shard``):
 replicated or split over ``fsdp`` (gathered for the call, gradient reduce-scattered), or
 tensor-parallel with ``w_gate_up`` ``packed_colwise`` and ``w_down`` ``rowwise`` (the local
-slices give partial outputs summed over ``tp``; x enters through ``copy_to`` so its gradient is
+slices give partial outputs summed over ``tp``; x enters through ``grad_sum`` so its gradient is
 summed over ``tp``). The gate is replicated. Every TP rank ends with the full output and the
 full-batch gradient of x, like the routed experts.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .collectives import all_reduce, copy_to
+from .collectives import all_reduce, grad_sum
 from .experts import Activation, swiglu
 from .fsdp import unshard
 from .sharding import placement_of
@@ -90,7 +90,7 @@ def shared_expert(shared: dict, x: torch.Tensor, act: Activation = swiglu) -> to
     group = _tp_group(shared["w_gate_up"])
     w_gate_up = unshard(shared["w_gate_up"], keep=("tp",))                 # [2I/tp, D] local
     w_down = unshard(shared["w_down"], keep=("tp",))                       # [D, I/tp]
-    gate, up = (copy_to(x, group) @ w_gate_up.t()).chunk(2, dim=-1)            # [T, I/tp] each
+    gate, up = (grad_sum(x, group) @ w_gate_up.t()).chunk(2, dim=-1)            # [T, I/tp] each
     y = all_reduce(act(gate, up) @ w_down.t(), group)                          # [T, D]
     if "gate" in shared:
         y = torch.sigmoid(x @ unshard(shared["gate"], keep=()).t()) * y    # [T, 1] * [T, D]

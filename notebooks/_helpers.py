@@ -10,7 +10,7 @@ hand-written one.) Everything is a pure function of a parameter tree, built from
       -> rms_norm -> lm_head -> logits [B, S, V]
 
 with ``aux`` of each MoE layer returned beside the logits (load, imbalance, aux losses, drop
-rates: see :mod:`fmoe.load_stats`). :func:`train_lm` trains it in one process on the standard
+rates: see :mod:`fmoe.global_stats`). :func:`train_lm` trains it in one process on the standard
 library's source (:class:`fmoe.train.data.Corpus`, byte tokens) with fmoe's functional AdamW,
 adds every weighted ``*_loss`` aux term to the loss, and, for a router with an expert bias,
 moves the bias with :func:`fmoe.routing.update_bias` after each optimizer step (the bias is
@@ -36,7 +36,7 @@ from einops import rearrange
 import fmoe
 from fmoe import nn
 from fmoe.aux_losses import total as aux_total
-from fmoe.load_stats import stack_layers
+from fmoe.global_stats import stack_layers
 from fmoe.routing import update_bias
 from fmoe.train.data import Corpus
 from fmoe.train.optim import AdamWConfig, adamw_init, adamw_update, lr_at

@@ -43,9 +43,9 @@ def _check(rank, world):
     res["ar_fwd"] = torch.equal(y, torch.full((2, 3), float(sum(range(1, world + 1)))))
     (y * weights(0, 2)).sum().backward()
     res["ar_bwd"] = torch.equal(x.grad, weights(0, 2))
-    # copy_to: each rank's partial loss (y * W_rank); total grad = sum_r W_r
+    # grad_sum: each rank's partial loss (y * W_rank); total grad = sum_r W_r
     x = torch.ones(2, 3, requires_grad=True)
-    (C.copy_to(x, g) * weights(rank, 2)).sum().backward()
+    (C.grad_sum(x, g) * weights(rank, 2)).sum().backward()
     res["copy_bwd"] = torch.allclose(x.grad, sum(weights(r, 2) for r in range(world)), atol=1e-6)
     # all_gather, uneven (rank 0 holds 0 rows): exact adjoint = reduce-scatter
     sizes = [r for r in range(world)]
@@ -62,9 +62,9 @@ def _check(rank, world):
     ref = torch.cat(torch.distributed.nn.functional.all_gather(x2), dim=1)
     (ref * torch.arange(3.0 * world)).sum().backward()
     res["ag_vs_torch"] = torch.allclose(x1.grad, x2.grad)
-    # gather_replicated: each rank computes the same loss; grad = own slice of W
+    # gather_slices: each rank computes the same loss; grad = own slice of W
     x = rows(rank, sizes[rank]).requires_grad_(True)
-    (C.gather_replicated(x, g) * weights(0, sum(sizes))).sum().backward()
+    (C.gather_slices(x, g) * weights(0, sum(sizes))).sum().backward()
     res["gr_bwd"] = torch.equal(x.grad, weights(0, sum(sizes))[sum(sizes[:rank]):sum(sizes[:rank + 1])])
     # reduce_scatter: y_r = sum_s x_s[slice r]; grad x_s = concat_r W_r
     x = rows(rank, 2 * world).requires_grad_(True)
@@ -83,6 +83,6 @@ def test_collectives_forward_backward_on_four_ranks():
 
 def test_single_process_collectives_are_identity():
     x = torch.randn(3, 2, requires_grad=True)
-    for fn in (C.all_reduce, C.copy_to, C.all_gather, C.gather_replicated, C.reduce_scatter):
+    for fn in (C.all_reduce, C.grad_sum, C.all_gather, C.gather_slices, C.reduce_scatter):
         assert fn(x, None) is x
     assert C.all_to_all(x, [3], [3], None) is x

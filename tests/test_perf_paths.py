@@ -1,5 +1,5 @@
 """The fast paths: fused SwiGLU experts, ids packed into the dispatch payload, the number of
-collectives per layer, ``split_to``, ``all_reduce_coalesced`` and the GPU benchmark script's CPU dry run.
+collectives per layer, ``local_slice``, ``all_reduce_coalesced`` and the GPU benchmark script's CPU dry run.
 
 The fused expert Function (routing weight folded into the hidden activation, hand-written
 backward) must give the plain autograd result of ``scale * expert(x)`` for every input, on both
@@ -143,16 +143,16 @@ def _coalesced_ok(rank):
 
 
 def _split_to_checks(rank):
-    """split_to: own slice forward; backward = the sum over ranks of each slice's gradient."""
+    """local_slice: own slice forward; backward = the sum over ranks of each slice's gradient."""
     import torch.distributed as dist
 
-    from fmoe.collectives import split_to
+    from fmoe.collectives import local_slice
 
     ok = []
     for sizes, dim in (([2, 1], 0), ([0, 3], 0), ([1, 2], 1)):
         x = torch.arange(3.0 * 4).view(3, 4)
         x = (x if dim == 0 else x.t().contiguous()).requires_grad_()
-        y = split_to(x, dist.group.WORLD, sizes, dim=dim)
+        y = local_slice(x, dist.group.WORLD, sizes, dim=dim)
         coef = torch.arange(y.numel(), dtype=torch.float32).view_as(y) + 10 * rank
         (y * coef).sum().backward()
         want = torch.zeros_like(x)            # what an all-reduce of the zero-padded gradients gives
@@ -171,7 +171,7 @@ def test_token_dispatch_uses_three_collectives_forward_two_backward_and_split_to
         assert fwd.count("c10d::allreduce_") == 0, fwd          # routing statistics ride in the split exchange
         assert bwd.count("c10d::alltoall_base_") == 2, bwd     # the two data exchanges in reverse
         assert rows == want_rows                                # distinct (token, remote rank) pairs
-        assert split_ok == [True, True, True, True]            # split_to cases, all_reduce_coalesced
+        assert split_ok == [True, True, True, True]            # local_slice cases, all_reduce_coalesced
 
 
 def _bench_gpu(*args):
@@ -191,10 +191,10 @@ def test_bench_gpu_dry_run_and_clear_error_without_cuda(tmp_path):
 
 
 def test_split_to_validates_sizes():
-    from fmoe.collectives import split_to
+    from fmoe.collectives import local_slice
 
     with pytest.raises(ValueError, match=r"sizes \[3\] sum to 3"):
-        split_to(torch.ones(4, 2), None, [3])
+        local_slice(torch.ones(4, 2), None, [3])
 
 
 def _prefetch_checks(rank, world):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fmoe
-from fmoe import aux_losses, load_stats, routing
+from fmoe import aux_losses, global_stats, routing
 from fmoe.routing import Routing
 from moe_cases import D, E, batch, full_params, shared_params
 
@@ -79,28 +79,28 @@ def test_switch_capacity_drops_in_order_and_reports_rate():
     r = routing.switch(capacity_factor=1.0)(logits)
     assert r.expert_ids.tolist() == [[0], [0], [0], [1]]
     close(r.weights, [[0.9], [0.8], [0.0], [0.6]])                        # third token to e0 dropped
-    close(load_stats.finalize(r.aux)["drop_rate"], 0.25)
+    close(global_stats.finalize(r.aux)["drop_rate"], 0.25)
     # k = 2 (GShard): all first choices are placed before any second choice; C = ceil(3*2/3) = 2
     logits = L([0.5, 0.3, 0.2], [0.6, 0.1, 0.3], [0.7, 0.2, 0.1])
     r = routing.switch(capacity_factor=1.0, k=2)(logits)
     assert r.expert_ids.tolist() == [[0, 1], [0, 2], [0, 1]]
     close(r.weights, [[0.5, 0.3], [0.6, 0.3], [0.0, 0.2]])
-    close(load_stats.finalize(r.aux)["drop_rate"], 1 / 6)
+    close(global_stats.finalize(r.aux)["drop_rate"], 1 / 6)
     r = routing.switch(capacity_factor=2.0)(L([0.9, 0.1], [0.8, 0.2], [0.7, 0.3]))
     close(r.weights, [[0.9], [0.8], [0.7]])                               # C = 3: nothing dropped
-    close(load_stats.finalize(r.aux)["drop_rate"], 0.0)
+    close(global_stats.finalize(r.aux)["drop_rate"], 0.0)
 
 
 def test_expert_choice_zero_one_or_several_experts_per_token():
     r = routing.expert_choice(k=1)(L([0.7, 0.3], [0.6, 0.4], [0.2, 0.8]))    # C = ceil(3/2) = 2
     assert r.expert_ids.tolist() == [[0, 0], [0, 1], [1, 1]]
     close(r.weights, [[0.7, 0.0], [0.6, 0.4], [0.8, 0.0]])
-    close(load_stats.finalize(r.aux)["drop_rate"], 0.0)
+    close(global_stats.finalize(r.aux)["drop_rate"], 0.0)
     logits = L([0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.55, 0.45])           # C = ceil(.5*4/2) = 1
     r = routing.expert_choice(capacity_factor=0.5)(logits)
     assert r.expert_ids.tolist() == [[0, 0], [0, 0], [1, 1], [0, 0]]       # unrouted: best expert, w 0
     close(r.weights, [[0.9, 0.0], [0.0, 0.0], [0.7, 0.0], [0.0, 0.0]])
-    close(load_stats.finalize(r.aux)["drop_rate"], 0.5)
+    close(global_stats.finalize(r.aux)["drop_rate"], 0.5)
     r = routing.expert_choice(k=1, max_experts=1)(L([0.7, 0.3], [0.6, 0.4], [0.2, 0.8]))
     assert r.expert_ids.tolist() == [[0], [0], [1]]                        # token 1 keeps its best
     close(r.weights, [[0.7], [0.6], [0.8]])
@@ -212,7 +212,7 @@ def test_aux_losses_match_their_definitions():
                            [0.5, 0.5, 3.0, 0.0], [1.0, 0.0, 0.0, 0.0]], requires_grad=True)
     router = aux_losses.with_losses(routing.topk(1), load_balance=0.1, seq_balance=0.2, z=0.3, seq_len=2)
     r = router(logits)
-    out = load_stats.finalize(r.aux)
+    out = global_stats.finalize(r.aux)
     p = torch.softmax(logits, -1)
     assert r.expert_ids.flatten().tolist() == [0, 1, 2, 0]
     f = torch.tensor([2, 1, 1, 0]) / 4.0
@@ -233,7 +233,7 @@ def test_aux_losses_match_their_definitions():
     r = aux_losses.with_losses(routing.topk(1), seq_balance=1.0)(logits, seq_ids=torch.tensor([7, 3, 7, 3]))
     by_ids = [4 * (torch.tensor(c) / 2.0 * p[rows].mean(0)).sum() for c, rows in
               (([1, 0, 1, 0], [0, 2]), ([1, 1, 0, 0], [1, 3]))]
-    close(load_stats.finalize(r.aux)["seq_balance_loss"], (by_ids[0] + by_ids[1]) / 2)
+    close(global_stats.finalize(r.aux)["seq_balance_loss"], (by_ids[0] + by_ids[1]) / 2)
 
 
 def test_normalized_sigmoid_probs_for_deepseek_balance():
@@ -241,21 +241,21 @@ def test_normalized_sigmoid_probs_for_deepseek_balance():
     r = aux_losses.with_losses(routing.sigmoid_topk(1), load_balance=1.0,
                                probs=aux_losses.normalized_sigmoid)(logits)
     p = torch.tensor([[0.4, 0.6], [0.6, 0.4]])                              # .5/1.25, .75/1.25
-    close(load_stats.finalize(r.aux)["load_balance_loss"], 2 * (0.5 * p.mean(0)).sum())
+    close(global_stats.finalize(r.aux)["load_balance_loss"], 2 * (0.5 * p.mean(0)).sum())
 
 
 def test_load_statistics_and_stacking():
     r = Routing(torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.2, 0.8]]), torch.tensor([[0, 1], [0, 3], [0, 0]]), {})
-    out = load_stats.finalize(load_stats.routed_load(r.weights, r.expert_ids, 4))
+    out = global_stats.finalize(global_stats.routed_load(r.weights, r.expert_ids, 4))
     assert out["load"].tolist() == [4, 1, 0, 0] and out["load"].dtype == torch.int64   # zero weight not counted
     close(out["imbalance"], 4 * 4 / 5)
-    close(load_stats.imbalance(torch.zeros(4, dtype=torch.long)), 1.0)
+    close(global_stats.imbalance(torch.zeros(4, dtype=torch.long)), 1.0)
     per_layer = [{"imbalance": torch.tensor(2.0), "load": torch.arange(4)},
                  {"imbalance": torch.tensor(1.0), "load": torch.ones(4, dtype=torch.long), "z_loss": torch.tensor(1.)}]
-    st = load_stats.stack_layers(per_layer)
+    st = global_stats.stack_layers(per_layer)
     assert sorted(st) == ["imbalance", "load"] and st["load"].shape == (2, 4)
     with pytest.raises(ValueError, match=r"keys \['z_loss'\] are missing"):
-        load_stats.stack_layers(per_layer, keys=["z_loss"])
+        global_stats.stack_layers(per_layer, keys=["z_loss"])
 
 
 # ------------------------------------------------------------------ aux-loss-free balancing
@@ -269,7 +269,7 @@ def test_bias_update_moves_load_toward_balance():
     def imbalance_now(b):
         x = torch.randn(1024, 16, generator=torch.Generator().manual_seed(99))
         ids = router(x @ w.t() + skew, expert_bias=b).expert_ids
-        return float(load_stats.imbalance(torch.bincount(ids.flatten(), minlength=E)))
+        return float(global_stats.imbalance(torch.bincount(ids.flatten(), minlength=E)))
 
     before = imbalance_now(bias)
     for _ in range(300):

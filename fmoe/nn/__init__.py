@@ -8,7 +8,7 @@ A model written with these functions contains no communication code. Each functi
 function          parameter placement               what it does across ranks
 ================  ================================  ============================================
 linear            ``P()``                           nothing
-linear            colwise ``P("tp", None)``         ``copy_to`` the input (``dx`` all-reduced);
+linear            colwise ``P("tp", None)``         ``grad_sum`` the input (``dx`` all-reduced);
                                                     output = local features, or gathered with
                                                     ``gather=True`` / ``P(..., gather=True)``
 linear            rowwise ``P(None, "tp")``         slice a full-width input if needed; partial

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from ..collectives import copy_to
+from ..collectives import grad_sum
 from ..fsdp import unshard
 from ..sharding import placement_of
 from ._tp import check_tensor, tp_size_rank
@@ -82,7 +82,7 @@ def shared_by_heads(x: torch.Tensor, heads_weight: torch.Tensor) -> torch.Tensor
 
     A per-token tensor shared by all heads (DeepSeek's rope key ``k_rot [B, S, 1, r]``) meets
     only the local heads of a layer whose ``heads_weight`` is split over tp, so each rank's
-    gradient of ``x`` is partial; this sums it over tp in backward (``copy_to``), like a
+    gradient of ``x`` is partial; this sums it over tp in backward (``grad_sum``), like a
     colwise linear does for its input.
 
     Example:
@@ -92,7 +92,7 @@ def shared_by_heads(x: torch.Tensor, heads_weight: torch.Tensor) -> torch.Tensor
     group, n, _ = tp_size_rank(heads_weight)
     if n == 1 or placement_of(heads_weight).dim_of("tp") is None:
         return x
-    return copy_to(x, group)
+    return grad_sum(x, group)
 
 
 def _check(q, k, v, window, sinks, num_kv_groups, key_mask) -> None:

@@ -8,8 +8,8 @@ placement of ``w``    input ``x``                     output, collectives
 ====================  ==============================  ========================================
 ``P()``               full width                      full; none
 colwise ``P("tp",     full width (replicated over     this rank's slice of the out features;
-None)``               tp; wrapped in ``copy_to``,     with ``gather=True`` gathered to full
-                      so ``dx`` is summed over tp)    width (``gather_replicated``)
+None)``               tp; wrapped in ``grad_sum``,    with ``gather=True`` gathered to full
+                      so ``dx`` is summed over tp)    width (``gather_slices``)
 rowwise ``P(None,     this rank's slice of the in     partial products summed with
 "tp")``               features, or the full width     ``all_reduce``; the bias (replicated) is
                       (own part sliced out)           added once, after the sum
@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..collectives import all_reduce, copy_to, gather_replicated
+from ..collectives import all_reduce, grad_sum, gather_slices
 from ..fsdp import unshard
 from ..placement import chunk_range, chunk_sizes
 from ..sharding import placement_of
@@ -101,10 +101,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
             raise ValueError(f"linear: colwise w {tuple(w.shape)} needs the full input width "
                              f"{wl.shape[1]}, but x has {x.shape[-1]} features")
         bl = None if b is None else _colwise_bias(b, wl.shape[0], n, r, p.packed)
-        y = F.linear(copy_to(x, group), wl, bl)
+        y = F.linear(grad_sum(x, group), wl, bl)
         if gather or (gather is None and p.gather):
             sizes = [y.shape[-1]] * n if p.packed > 1 else chunk_sizes(w.shape[0], n)  # uneven: torch.chunk
-            y = gather_replicated(y, group, dim=-1, sizes=sizes)
+            y = gather_slices(y, group, dim=-1, sizes=sizes)
             y = unpack_gathered(y, n, p.packed)
         return y
     # rowwise: [out, in/tp]
@@ -112,7 +112,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
     if x.shape[-1] == in_local:
         xl = x
     elif x.shape[-1] == w.shape[1]:  # replicated input: own part; dx summed over tp in backward
-        xl = own_part(copy_to(x, group), n, r, p.packed)
+        xl = own_part(grad_sum(x, group), n, r, p.packed)
     else:
         raise ValueError(f"linear: rowwise w {tuple(w.shape)} takes x with {in_local} (local slice) "
                          f"or {w.shape[1]} (full) features, got {x.shape[-1]}")
@@ -151,7 +151,7 @@ def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     if tp_dim is None or n == 1:
         return F.embedding(tokens, tl)
     if tp_dim == 1:  # features split: local lookup, gather the features
-        return gather_replicated(F.embedding(tokens, tl), group, dim=-1, sizes=chunk_sizes(table.shape[1], n))
+        return gather_slices(F.embedding(tokens, tl), group, dim=-1, sizes=chunk_sizes(table.shape[1], n))
     first, rows = chunk_range(vocab, n, r)  # vocabulary-parallel: rows [first, first + rows) (torch.chunk)
     local = tokens - first
     outside = (local < 0) | (local >= rows)

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..load_stats import GlobalStat
+from ..global_stats import GlobalStat
 from .core import Router, Routing, check_k, check_logits
 
 __all__ = ["switch", "expert_choice", "capacity"]

@@ -3,7 +3,7 @@
 A router is any callable ``router(logits[T, E]) -> Routing``. It sees only this rank's token
 logits and never communicates, so a scheme written in a notebook runs distributed unchanged:
 ``fmoe.moe`` does the dispatch and reduces any global statistics (see
-:class:`fmoe.load_stats.GlobalStat`). A ``Routing`` holds, per token, ``K`` global expert ids
+:class:`fmoe.global_stats.GlobalStat`). A ``Routing`` holds, per token, ``K`` global expert ids
 and the weights their outputs are mixed with, plus ``aux`` (losses and statistics).
 
 Extra inputs are keyword arguments. A router that needs more than the logits declares them::
@@ -39,7 +39,7 @@ class Routing(NamedTuple):
     Attributes:
         weights: ``[T, K]`` floating mixing weights (differentiable: gradients reach the router).
         expert_ids: ``[T, K]`` int64 global expert ids in ``[0, E)``.
-        aux: extra entries: tensors, or :class:`fmoe.load_stats.GlobalStat` for quantities over
+        aux: extra entries: tensors, or :class:`fmoe.global_stats.GlobalStat` for quantities over
             all data-parallel batches (``fmoe.moe`` reduces and finishes those).
     """
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .. import remat as _remat
 from .. import tree as _tree
-from ..load_stats import imbalance
+from ..global_stats import imbalance
 from ..mesh import Mesh
 from ..model import model_of
 from ..nn import cross_entropy
