@@ -50,7 +50,7 @@ from typing import Any, Optional
 import torch
 
 from . import tree as _tree
-from .mesh import rank_coords
+from .mesh import check_layout, rank_coords
 from .plan import local_shape
 
 __all__ = ["memory_plan", "format_plan", "VirtualMesh", "activation_estimate"]
@@ -68,15 +68,11 @@ class VirtualMesh:
     """
 
     def __init__(self, world: int, rank: int = 0, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1):
-        ep = tp if ep is None else ep
-        for name, v in (("world", world), ("tp", tp), ("ep", ep), ("dp_replicate", dp_replicate)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"memory plan: {name} must be an int >= 1, got {v!r}")
-        if world % (tp * dp_replicate):
-            raise ValueError(f"memory plan: nproc={world} must be divisible by tp * dp_replicate = {tp * dp_replicate}")
-        fsdp = world // (tp * dp_replicate)
-        if ep % tp or (fsdp * tp) % ep:
-            raise ValueError(f"memory plan: ep={ep} must be a multiple of tp={tp} and divide fsdp * tp = {fsdp * tp}")
+        try:
+            layout = check_layout(world, tp=tp, ep=ep, dp_replicate=dp_replicate, names={"world": "nproc"})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"memory plan: {e}") from None
+        ep, fsdp = layout.ep, layout.fsdp
         self.world, self.rank, self.tp, self.ep, self.fsdp, self.dp_replicate = world, rank, tp, ep, fsdp, dp_replicate
         self.efsdp = fsdp * tp // ep
         self._coords = rank_coords(rank, tp=tp, fsdp=fsdp, dp_replicate=dp_replicate, ep=ep)

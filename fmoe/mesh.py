@@ -11,7 +11,9 @@ Two meshes are laid over the same ``world = dp_replicate * fsdp * tp`` ranks:
   the same position in different copies form the ``efsdp`` group.
 
 ``ep`` adds no processes. It must be a multiple of ``tp`` (a TP group never straddles two expert
-groups) and divide ``fsdp * tp``. Eight ranks with ``tp=2``::
+groups) and divide ``fsdp * tp``. :func:`check_layout` holds these rules, once: :class:`Mesh`
+checks with it, and so do programs before they start any rank (``python -m fmoe.train``, the
+memory plan). Eight ranks with ``tp=2``::
 
     rank     0     1     2     3     4     5     6     7
     batch    [ B0 ]      [ B1 ]      [ B2 ]      [ B3 ]
@@ -25,11 +27,11 @@ parameters can be DTensors; :meth:`Mesh.group` hands out their process groups.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch.distributed as dist
 
-__all__ = ["Mesh", "DENSE_AXES", "EXPERT_AXES", "AXES", "DATA_AXES"]
+__all__ = ["Mesh", "Layout", "check_layout", "rank_coords", "DENSE_AXES", "EXPERT_AXES", "AXES", "DATA_AXES"]
 
 DENSE_AXES = ("dp_replicate", "fsdp", "tp")
 EXPERT_AXES = ("dp_replicate", "efsdp", "ep")
@@ -50,12 +52,83 @@ def rank_coords(rank: int, *, tp: int, fsdp: int, dp_replicate: int, ep: int) ->
             "ep": rank % ep, "efsdp": (rank // ep) % efsdp}
 
 
-def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Mesh: {name} must be an int >= 1, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"Mesh: {name} must be >= 1, got {name}={value}")
-    return value
+class Layout(NamedTuple):
+    """The sizes of one valid rank layout (see :func:`check_layout`)."""
+
+    world: int
+    tp: int
+    ep: int
+    fsdp: int
+    dp_replicate: int
+
+    @property
+    def efsdp(self) -> int:
+        """Copies of one full expert set: ``fsdp * tp / ep``."""
+        return self.fsdp * self.tp // self.ep
+
+
+#: How :func:`check_layout` names each field in its errors unless told otherwise.
+FIELD_NAMES = {"world": "world_size", "tp": "tp", "ep": "ep", "fsdp": "fsdp", "dp_replicate": "dp_replicate"}
+
+
+def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Optional[int] = None,
+                 dp_replicate: int = 1, names: Optional[Mapping[str, str]] = None) -> Layout:
+    """The layout rules of a mesh over ``world`` ranks, checked without any process: every size
+    an int >= 1, ``world = dp_replicate * fsdp * tp``, ``ep`` a multiple of ``tp`` dividing
+    ``fsdp * tp``. :class:`Mesh` checks with it, and so does a program before it starts ranks.
+
+    Args:
+        world: number of ranks.
+        tp, ep, fsdp, dp_replicate: the sizes (``ep`` default ``tp``; ``fsdp`` default
+            ``world // (tp * dp_replicate)``).
+        names: how the caller's user spells a field in errors, e.g. ``{"world": "--nproc",
+            "tp": "--tp"}`` (default :data:`FIELD_NAMES`); a flag is quoted as ``--tp 2``, a keyword
+            as ``tp=2``.
+    Returns:
+        the checked :class:`Layout`.
+    Raises:
+        TypeError: a size that is not an int.
+        ValueError: a size below 1 or a rule broken, naming the field, its value and what is valid.
+
+    Example:
+        >>> check_layout(8, tp=2, ep=4)
+        Layout(world=8, tp=2, ep=4, fsdp=4, dp_replicate=1)
+        >>> check_layout(8, tp=2, ep=3)
+        Traceback (most recent call last):
+        ...
+        ValueError: ep=3 must be a multiple of tp=2 (a tensor-parallel group never straddles two expert groups); valid ep: 2, 4, 8
+    """
+    name = {**FIELD_NAMES, **(names or {})}
+
+    def said(field: str, value: int) -> str:
+        return f"{name[field]} {value}" if name[field].startswith("-") else f"{name[field]}={value}"
+
+    ep = tp if ep is None else ep
+    sizes = [("world", world), ("tp", tp), ("ep", ep), ("dp_replicate", dp_replicate)]
+    for field, value in sizes + ([] if fsdp is None else [("fsdp", fsdp)]):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name[field]} must be an int >= 1, got {value!r} ({type(value).__name__})")
+        if value < 1:
+            raise ValueError(f"{name[field]} must be >= 1, got {said(field, value)}")
+    if fsdp is None:
+        if world % (tp * dp_replicate):
+            raise ValueError(
+                f"{said('world', world)} must be divisible by {name['tp']} * {name['dp_replicate']} = "
+                f"{tp * dp_replicate} ({said('tp', tp)}, {said('dp_replicate', dp_replicate)}): fsdp = "
+                f"{name['world']} / ({name['tp']} * {name['dp_replicate']}) must be a whole number")
+        fsdp = world // (tp * dp_replicate)
+    if dp_replicate * fsdp * tp != world:
+        raise ValueError(
+            f"the parallel mesh requires {name['dp_replicate']} * {name['fsdp']} * {name['tp']} = {dp_replicate} * "
+            f"{fsdp} * {tp} = {dp_replicate * fsdp * tp} processes, but {name['world']} is {world}")
+    valid = ", ".join(str(e) for e in range(tp, fsdp * tp + 1, tp) if (fsdp * tp) % e == 0)
+    if ep % tp:
+        raise ValueError(f"{said('ep', ep)} must be a multiple of {said('tp', tp)} (a tensor-parallel group never "
+                         f"straddles two expert groups); valid {name['ep']}: {valid}")
+    if (fsdp * tp) % ep:
+        raise ValueError(f"{said('ep', ep)} must divide fsdp * tp = {fsdp} * {tp} = {fsdp * tp} (the ranks of one "
+                         f"data-parallel replica); valid {name['ep']}: {valid}")
+    return Layout(world, tp, ep, fsdp, dp_replicate)
 
 
 class Mesh:
@@ -81,32 +154,14 @@ class Mesh:
 
     def __init__(self, tp: int = 1, ep: Optional[int] = None, fsdp: Optional[int] = None,
                  dp_replicate: int = 1):
-        tp = _check_size("tp", tp)
-        ep = _check_size("ep", tp if ep is None else ep)
-        dp_replicate = _check_size("dp_replicate", dp_replicate)
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
-        if fsdp is None:
-            if world % (tp * dp_replicate):
-                raise ValueError(
-                    f"Mesh: world_size {world} is not divisible by tp * dp_replicate = "
-                    f"{tp} * {dp_replicate}; the parallel mesh requires "
-                    "world_size = dp_replicate * fsdp * tp"
-                )
-            fsdp = world // (tp * dp_replicate)
-        fsdp = _check_size("fsdp", fsdp)
-        if dp_replicate * fsdp * tp != world:
-            raise ValueError(
-                f"Mesh: the parallel mesh requires dp_replicate * fsdp * tp = {dp_replicate} * "
-                f"{fsdp} * {tp} = {dp_replicate * fsdp * tp} processes, but world_size is {world}"
-            )
-        if ep % tp:
-            raise ValueError(f"Mesh: ep must be a multiple of tp, got ep={ep}, tp={tp}")
-        if (fsdp * tp) % ep:
-            raise ValueError(
-                f"Mesh: ep must divide fsdp * tp, got ep={ep}, fsdp * tp = {fsdp} * {tp} = {fsdp * tp}"
-            )
+        try:
+            layout = check_layout(world, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Mesh: {e}") from None
+        tp, ep, fsdp, dp_replicate = layout.tp, layout.ep, layout.fsdp, layout.dp_replicate
         self.tp, self.ep, self.fsdp, self.dp_replicate = tp, ep, fsdp, dp_replicate
         self.efsdp = fsdp * tp // ep
         self.world, self.rank = world, rank

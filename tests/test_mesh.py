@@ -32,6 +32,46 @@ def test_sizes_below_one(kw, match):
         fmoe.Mesh(**kw)
 
 
+def test_check_layout_is_the_one_set_of_rules():
+    """The rules Mesh enforces, as a pure function of the sizes (no process group needed)."""
+    from fmoe.mesh import Layout, check_layout
+    assert check_layout(8, tp=2, ep=4) == Layout(world=8, tp=2, ep=4, fsdp=4, dp_replicate=1)
+    assert check_layout(8, tp=2, ep=4).efsdp == 2 and check_layout(8, tp=2).ep == 2        # ep default: tp
+    assert check_layout(8, tp=2, ep=2, dp_replicate=2) == Layout(8, 2, 2, 2, 2)
+    bad = [
+        (dict(world=8, tp=3), ValueError, "world_size=8 must be divisible by tp * dp_replicate = 3 (tp=3, dp_replicate=1)"),
+        (dict(world=8, tp=2, dp_replicate=3), ValueError, "must be divisible by tp * dp_replicate = 6"),
+        (dict(world=8, tp=2, ep=3), ValueError, "ep=3 must be a multiple of tp=2 (a tensor-parallel group never "
+                                                "straddles two expert groups); valid ep: 2, 4, 8"),
+        (dict(world=8, tp=2, ep=16), ValueError, "ep=16 must divide fsdp * tp = 4 * 2 = 8 (the ranks of one "
+                                                 "data-parallel replica); valid ep: 2, 4, 8"),
+        (dict(world=8, tp=2, ep=8, dp_replicate=2), ValueError, "ep=8 must divide fsdp * tp = 2 * 2 = 4 (the ranks "
+                                                                "of one data-parallel replica); valid ep: 2, 4"),
+        (dict(world=8, tp=1, fsdp=4), ValueError, "requires dp_replicate * fsdp * tp = 1 * 4 * 1 = 4 processes, "
+                                                  "but world_size is 8"),
+        (dict(world=8, tp=0), ValueError, "tp must be >= 1, got tp=0"),
+        (dict(world=8, fsdp=0), ValueError, "fsdp must be >= 1, got fsdp=0"),
+        (dict(world=8, tp=2.0), TypeError, "tp must be an int >= 1, got 2.0 (float)"),
+        (dict(world=8, ep=True), TypeError, "ep must be an int >= 1, got True (bool)"),
+    ]
+    for kw, kind, match in bad:
+        with pytest.raises(kind) as e:
+            check_layout(kw.pop("world"), **kw)
+        assert match in str(e.value), (kw, str(e.value))
+    # the same rule, spelled as the caller's user spells the fields
+    flags = {"world": "--nproc", "tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate"}
+    with pytest.raises(ValueError, match=r"^--ep 3 must be a multiple of --tp 2 .*; valid --ep: 2, 4$"):
+        check_layout(4, tp=2, ep=3, names=flags)
+    with pytest.raises(ValueError, match=r"^--nproc 4 must be divisible by --tp \* --dp-replicate = 3 "):
+        check_layout(4, tp=3, names=flags)
+    # Mesh raises exactly these errors (single process: world 1)
+    with pytest.raises(ValueError) as e:
+        fmoe.Mesh(tp=2)
+    with pytest.raises(ValueError) as want:
+        check_layout(1, tp=2)
+    assert str(e.value) == f"Mesh: {want.value}"
+
+
 def _eight_rank_layouts(rank, world):
     out = {}
     for ep in (2, 4, 8):
@@ -74,9 +114,9 @@ def test_eight_rank_layouts_match_reference():
         dpr, fsdp, efsdp, batch, dpr_ranks, efsdp_ranks = configs[4]
         assert (dpr, fsdp, efsdp, batch) == (2, 2, 2, rank // 2)
         assert dpr_ranks == [rank % 4, rank % 4 + 4] and efsdp_ranks == [rank - rank % 4 + rank % 2, rank - rank % 4 + rank % 2 + 2]
-        assert "world_size 8 is not divisible by tp * dp_replicate = 3 * 1" in errors[0]
-        assert "ep must be a multiple of tp, got ep=3, tp=2" in errors[1]
-        assert "ep must divide fsdp * tp, got ep=6" in errors[2]
+        assert "Mesh: world_size=8 must be divisible by tp * dp_replicate = 3 (tp=3, dp_replicate=1)" in errors[0]
+        assert "Mesh: ep=3 must be a multiple of tp=2" in errors[1] and "valid ep: 2, 4, 8" in errors[1]
+        assert "Mesh: ep=6 must divide fsdp * tp = 4 * 2 = 8" in errors[2] and "valid ep: 2, 4, 8" in errors[2]
         assert "requires dp_replicate * fsdp * tp = 1 * 4 * 1 = 4 processes, but world_size is 8" in errors[3]
-        assert "ep must divide fsdp * tp, got ep=16" in errors[4]
+        assert "Mesh: ep=16 must divide fsdp * tp = 8 * 1 = 8" in errors[4] and "valid ep: 1, 2, 4, 8" in errors[4]
         assert "= 12 processes, but world_size is 8" in errors[5]

@@ -46,6 +46,8 @@ def load_params(path):
     (["--steps", "x"], "--steps must be an integer >= 1, got 'x'"),
     (["--nproc", "4", "--tp", "3"], "--nproc 4 must be divisible by --tp * --dp-replicate = 3"),
     (["--nproc", "4", "--tp", "2", "--ep", "3"], "--ep 3 must be a multiple of --tp 2"),
+    (["--nproc", "4", "--ep", "8"], "--ep 8 must divide fsdp * tp = 4 * 1 = 4 (the ranks of one data-parallel "
+                                    "replica); valid --ep: 1, 2, 4"),
     (["--model", "gpt5"], "invalid choice: 'gpt5'"),
     (["--lr", "-1"], "--lr must be a number > 0"),
     (["--resume", "/nonexistent/dir"], "--resume '/nonexistent/dir' does not exist"),

@@ -35,10 +35,12 @@ import warnings
 from dataclasses import asdict, is_dataclass
 from typing import Optional, Sequence
 
+from ..mesh import check_layout
 from . import options
 
 MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama", "deepseek_v3")
 DEFAULT_OUT = "runs/fmoe"
+FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate"}   # mesh fields as flags
 
 __all__ = ["build_parser", "parse_args", "main", "run", "DEFAULT_OUT"]
 
@@ -196,13 +198,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.explicit = _explicit(argv)
     args.world = _launcher_world() or args.nproc
-    world, ep = args.world, (args.tp if args.ep is None else args.ep)
-    if world % (args.tp * args.dp_replicate):
-        ap.error(f"--nproc {world} must be divisible by --tp * --dp-replicate = {args.tp * args.dp_replicate}")
-    if ep % args.tp:
-        ap.error(f"--ep {ep} must be a multiple of --tp {args.tp}")
-    if (world // args.dp_replicate) % ep:
-        ap.error(f"--ep {ep} must divide fsdp * tp = {world // args.dp_replicate}")
+    ep = args.tp if args.ep is None else args.ep
+    try:                                               # Mesh's own rules, before any rank starts
+        check_layout(args.world, tp=args.tp, ep=ep, dp_replicate=args.dp_replicate,
+                     names={**FLAG_NAMES, "world": "WORLD_SIZE" if _launcher_world() else "--nproc"})
+    except ValueError as e:
+        ap.error(str(e))
     if args.init_hf and not os.path.isdir(args.init_hf):
         ap.error(f"--init-hf {args.init_hf!r} is not a directory")
     if not math.isfinite(args.aux_weight) or args.aux_weight < 0:
