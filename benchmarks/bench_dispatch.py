@@ -26,7 +26,7 @@ forward and backward: all-to-all bytes and rows sent to *other* ranks, ring-algo
 all-reduce (``2 (n-1)/n`` of the tensor), all-gather and reduce-scatter (``(n-1)/n``).
 
 Expert compute: what the layer runs on this rank's received assignments, fwd + bwd, alone
-(``fmoe.ep.LocalExperts.weighted_sum``: gather, GEMMs, SwiGLU, routing weight, scatter-add; on
+(``fmoe.experts.LocalExperts.weighted_sum``: gather, GEMMs, SwiGLU, routing weight, scatter-add; on
 CPU the blocked path from 256 rows per expert on, the whole-tensor grouped path below), timed in the same run as ``torch.mm`` doing the
 same FLOPs as one GEMM (``[A, D] x [D, 3I]`` three times, the fwd + bwd count): the ratio is the
 fraction of the machine's matmul rate that the expert work reaches.

@@ -119,15 +119,21 @@ def reduce_over_batches(tensors: Sequence[torch.Tensor], mesh, summed_over_fsdp:
 def stat_sums(aux: Mapping[str, Any]) -> list[torch.Tensor]:
     """The distinct sum tensors of every :class:`GlobalStat` in ``aux`` (each once, in order):
     what :func:`finalize` reduces."""
-    unique: dict[int, torch.Tensor] = {}
+    unique: list[torch.Tensor] = []
     for v in aux.values():
         if not isinstance(v, GlobalStat):
             continue
         for name, t in v.sums.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"GlobalStat sums must be tensors, got {name}={type(t).__name__}")
-            unique.setdefault(id(t), t)
-    return list(unique.values())
+            if _index_of(t, unique) is None:       # by identity, not id(): torch.compile guards on ids
+                unique.append(t)
+    return unique
+
+
+def _index_of(t: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Optional[int]:
+    """Position of ``t`` itself (identity) in ``tensors``, or None."""
+    return next((i for i, u in enumerate(tensors) if u is t), None)
 
 
 def finalize(aux: Mapping[str, Any], mesh=None, summed_over_fsdp: Optional[torch.Tensor] = None) -> dict:
@@ -147,11 +153,11 @@ def finalize(aux: Mapping[str, Any], mesh=None, summed_over_fsdp: Optional[torch
         {'rate': tensor(0.2500), 'x': 1}
     """
     sums = stat_sums(aux)
-    reduced = dict(zip(map(id, sums), reduce_over_batches(sums, mesh, summed_over_fsdp)))
+    reduced = reduce_over_batches(sums, mesh, summed_over_fsdp)
     out = dict(aux)
     for key, st in aux.items():
         if isinstance(st, GlobalStat):
-            out[key] = st.finish({n: reduced[id(t)] for n, t in st.sums.items()})
+            out[key] = st.finish({n: reduced[_index_of(t, sums)] for n, t in st.sums.items()})
     return out
 
 

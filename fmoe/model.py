@@ -35,6 +35,7 @@ from . import tree as _tree
 from .checkpoint import hf as _hf
 from .fsdp import data_parallel_plan
 from .mesh import Mesh
+from .placement import check_fused_gate_up
 from .plan import Plan
 from .sharding import shard as _shard
 
@@ -139,9 +140,8 @@ class Model:
                 continue
             name = path.split(".", 2)[2] if path.startswith("layers.") else path
             rule = (plan.match(path) or ("<default>",))[0]
-            if name in self.fused_gate_up and d == 0 and p.packed != 2:
-                raise ValueError(f"check_plan: {path} is split over tp as {p!r} by rule {rule!r}; the fused "
-                                 "[gate | up] weight must be split per half (style 'packed_colwise')")
+            if name in self.fused_gate_up:
+                check_fused_gate_up(p, f"check_plan: {path} (rule {rule!r})")
             fld = self.tp_fields.get((name, d))
             if fld and getattr(cfg, fld) % tp:
                 problems.setdefault(fld, f"tp={tp} does not divide {fld}={getattr(cfg, fld)} "

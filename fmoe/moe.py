@@ -30,7 +30,7 @@ losses, drop rates) reduced over the data-parallel batches and finished, plus
 (rows this rank sent to *other* ranks), ``load`` (``[E]`` int64, routed slots per expert over all
 batches) and ``imbalance`` (max / mean of ``load``). All statistics travel in one small
 all-reduce over the batches, or inside the token dispatch's split-size exchange when its expert
-group holds the whole fsdp group (:func:`fmoe.ep.folds_stats`).
+group holds the whole fsdp group (``impl.folds_stats``, :mod:`fmoe.ep.contract`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import ep as _ep
-from .experts import Activation, check_matmul, swiglu
+from .activations import Activation, swiglu
+from .experts import LocalExperts, check_matmul
 from .fsdp import unshard
 from .global_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
@@ -113,7 +114,7 @@ def _choose(impl: str, mesh, needs_grad: bool) -> str:
     return impl
 
 
-def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> _ep.LocalExperts:
+def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> LocalExperts:
     ep = 1 if mesh is None else mesh.ep
     rng = range(0, E) if mesh is None else mesh.expert_range(E)
     weights = {}
@@ -127,7 +128,7 @@ def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> 
             raise ValueError(f"moe: params[{key!r}] holds {w.shape[0]} experts on this rank, "
                              f"expected {len(rng)} (E={E} over ep={ep})")
         weights[key] = w
-    return _ep.LocalExperts(weights, rng.start, E, act=act, matmul=matmul)
+    return LocalExperts(weights, rng.start, E, act=act, matmul=matmul)
 
 
 def _router_inputs(params: dict, router_inputs: Optional[Mapping[str, Any]]) -> dict:
@@ -144,16 +145,6 @@ def _router_inputs(params: dict, router_inputs: Optional[Mapping[str, Any]]) -> 
             raise ValueError("moe: expert_bias is given both in params and in router_inputs; keep one")
         inputs["expert_bias"] = unshard(params["expert_bias"], keep=()).detach()
     return inputs
-
-
-def _dispatch_rows(ids: torch.Tensor, e_local: int, mesh) -> int:
-    """Distinct (token, remote rank) pairs this rank sends in the all_to_all dispatch."""
-    start, stop = _ep.tp_slice_bounds(ids.shape[0], mesh.tp, mesh.rank_in("tp"))
-    dest = ids[start:stop] // e_local                                            # [Ts, K]
-    remote = dest != mesh.rank_in("ep")
-    sorted_dest, _ = torch.where(remote, dest, -1).sort(dim=1)
-    distinct = (sorted_dest[:, 1:] != sorted_dest[:, :-1]) & (sorted_dest[:, 1:] >= 0)
-    return int(distinct.sum() + (sorted_dest[:, :1] >= 0).sum())
 
 
 def moe(
@@ -177,10 +168,10 @@ def moe(
         mesh: ``fmoe.Mesh`` or None for a single process.
         impl: ``"auto"``, ``"all_to_all"``, ``"all_reduce"`` or a registered name.
         act: expert activation ``act(gate, up)`` (default SwiGLU).
-        matmul: expert path: ``"grouped"`` (whole-tensor ``torch._grouped_mm``), ``"loop"``
-            (one expert at a time; on CPU the fused blocked path of :mod:`fmoe.expert_blocks`)
-            or ``"auto"`` (CPU: blocked from ``fmoe.ep.BLOCKED_MIN_ROWS`` rows per local expert
-            on, grouped below; CUDA: grouped where aligned). Same numbers on every path.
+        matmul: expert path (:mod:`fmoe.experts`): ``"grouped"`` (whole-tensor
+            ``torch._grouped_mm``), ``"loop"`` (one expert at a time; on CPU the fused blocked
+            path) or ``"auto"`` (CPU: blocked from ``fmoe.experts.BLOCKED_MIN_ROWS`` rows per
+            local expert on, grouped below; CUDA: grouped where aligned). Same numbers on every path.
         router_inputs: extra keyword inputs for the router, e.g. ``{"token_ids": ids [T]}``.
     Returns:
         ``(y [T, D], aux)``.
@@ -211,20 +202,15 @@ def moe(
     routing = validate(call(router, logits, inputs), x.shape[0], E)
     experts = _local_experts(params, E, mesh, act, matmul)
     stats = {**routing.aux, **routed_load(routing.weights, routing.expert_ids, E)}
-    fold = name == "all_to_all" and _ep.get(name) is _ep.all_to_all_impl and _ep.folds_stats(mesh)
-    kwargs = {"stats": pack(stat_sums(stats))} if fold else {}   # summed in the dispatch's split exchange
-    out = _ep.get(name)(x, routing.weights, routing.expert_ids, experts, mesh, **kwargs)
-    extra: dict = {}
-    if isinstance(out, tuple):
-        out, extra = out
-        extra = dict(extra)
+    chosen = _ep.get(name)
+    packed = pack(stat_sums(stats)) if _ep.takes_stats(chosen, mesh) else None   # summed by the dispatch
+    result = _ep.run(chosen, x, routing.weights, routing.expert_ids, experts, mesh, packed)
+    out = result.y
     if "shared" in params:
         out = out + shared_expert(params["shared"], x, act=act).to(out.dtype)
-    aux = finalize(stats, mesh, summed_over_fsdp=extra.pop("stats_over_ep", None))
+    aux = finalize(stats, mesh, summed_over_fsdp=result.stats_sum)
     ids = routing.expert_ids.flatten()           # bincount without a data-dependent shape
     aux["tokens_per_expert"] = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add(0, ids, torch.ones_like(ids))
-    if "dispatch_rows" not in extra:  # the built-in all_to_all reports it itself (no second sort)
-        rows = _dispatch_rows(routing.expert_ids, experts.num_local, mesh) if name == "all_to_all" else 0
-        aux["dispatch_rows"] = torch.tensor(rows)
-    aux.update(extra)
+    aux["dispatch_rows"] = result.sent_rows
+    aux.update(result.extra)
     return out.to(x.dtype), aux

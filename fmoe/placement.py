@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Union
 
 from .mesh import AXES, DENSE_AXES, EXPERT_AXES
 
-__all__ = ["P", "Axis", "chunk_range", "chunk_sizes"]
+__all__ = ["P", "Axis", "chunk_range", "chunk_sizes", "check_fused_gate_up"]
 
 Axis = Union[None, str, tuple]
 
@@ -167,3 +167,27 @@ class P:
         if self.gather:
             parts.append("gather=True")
         return f"P({', '.join(parts)})"
+
+
+def check_fused_gate_up(p: "P", what: str) -> None:
+    """The fused ``[gate | up]`` rule, in one place: a ``w_gate_up [2I, D]`` (or its bias) split
+    over ``tp`` on its output dim must be split per half (``packed=2``), or each rank would pair
+    gates with gates. Checked when a model's plan is built (:meth:`fmoe.model.Model.build_plan`)
+    and, for weights placed by hand, when :func:`fmoe.nn.swiglu_mlp` or ``fmoe.moe``'s shared
+    experts receive them.
+
+    Args:
+        p: the weight's placement.
+        what: how to name the weight in the error (path, rule).
+    Raises:
+        ValueError: naming ``what``, the placement and the valid style.
+
+    Example:
+        >>> check_fused_gate_up(P("tp", None, packed=2), "w_gate_up")     # fine
+        >>> check_fused_gate_up(P("tp", None), "w_gate_up")
+        Traceback (most recent call last):
+        ValueError: w_gate_up is split over tp as P('tp', None); a fused [gate | up] weight must be split per half: use style 'packed_colwise' (P('tp', None, packed=2))
+    """
+    if p.dim_of("tp") == 0 and p.packed != 2:
+        raise ValueError(f"{what} is split over tp as {p!r}; a fused [gate | up] weight must be split per "
+                         "half: use style 'packed_colwise' (P('tp', None, packed=2))")

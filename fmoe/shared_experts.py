@@ -6,12 +6,12 @@ their summed width) to the routed mixture; Qwen2-MoE scales them by a per-token 
     y = moe(x) + sigmoid(x @ gate.T) * w_down @ act(w_gate_up @ x)      (gate optional)
 
 They live in the MoE params as ``params["shared"] = {"w_gate_up": [2I, D], "w_down": [D, I],
-"gate": [1, D] (optional)}`` and ``fmoe.moe`` adds them. Placements (from ``fmoe.shard``):
-replicated or split over ``fsdp`` (gathered for the call, gradient reduce-scattered), or
-tensor-parallel with ``w_gate_up`` ``packed_colwise`` and ``w_down`` ``rowwise`` (the local
-slices give partial outputs summed over ``tp``; x enters through ``grad_sum`` so its gradient is
-summed over ``tp``). The gate is replicated. Every TP rank ends with the full output and the
-full-batch gradient of x, like the routed experts.
+"gate": [1, D] (optional)}`` and ``fmoe.moe`` adds them. They run through the dense MLP the
+models use (:func:`fmoe.nn.swiglu_mlp`), so the placements are the dense MLP's: replicated or
+split over ``fsdp`` (gathered for the call, gradient reduce-scattered), or tensor-parallel with
+``w_gate_up`` ``packed_colwise`` and ``w_down`` ``rowwise`` (partial outputs summed over ``tp``,
+the gradient of x summed over ``tp``). The gate is replicated. Every TP rank ends with the full
+output and the full-batch gradient of x, like the routed experts.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from .collectives import all_reduce, grad_sum
-from .experts import Activation, swiglu
+from .activations import Activation, swiglu
 from .fsdp import unshard
+from .nn.mlp import swiglu_mlp
+from .placement import check_fused_gate_up
 from .sharding import placement_of
 
 __all__ = ["shared_expert", "check_shared"]
@@ -52,22 +53,14 @@ def check_shared(shared: Any, D: int, dtype: torch.dtype) -> int:
         if v.dtype != dtype:
             raise ValueError(f"moe: x dtype {dtype} differs from params['shared'][{k!r}] dtype {v.dtype}")
     gp, dp = placement_of(gu), placement_of(dn)
-    tp_gu, tp_dn = gp.dim_of("tp"), dp.dim_of("tp")
-    if (tp_gu, tp_dn) not in ((None, None), (0, 1)) or (tp_gu == 0 and gp.packed != 2):
+    check_fused_gate_up(gp, "moe: params['shared']['w_gate_up']")
+    if (gp.dim_of("tp"), dp.dim_of("tp")) not in ((None, None), (0, 1)):
         raise ValueError(f"moe: shared expert placements w_gate_up {gp!r}, w_down {dp!r} are not "
                          "supported over tp: use packed_colwise P('tp', None, packed=2) and rowwise "
                          "P(None, 'tp'), or no tp split")
     if "gate" in shared and placement_of(shared["gate"]).dim_of("tp") is not None:
         raise ValueError("moe: params['shared']['gate'] must not be split over tp")
     return I
-
-
-def _tp_group(t: torch.Tensor):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor) and placement_of(t).dim_of("tp") is not None:
-        return t.device_mesh.get_group("tp")
-    return None
 
 
 def shared_expert(shared: dict, x: torch.Tensor, act: Activation = swiglu) -> torch.Tensor:
@@ -87,11 +80,7 @@ def shared_expert(shared: dict, x: torch.Tensor, act: Activation = swiglu) -> to
         torch.Size([2, 4])
     """
     check_shared(shared, x.shape[-1], x.dtype)
-    group = _tp_group(shared["w_gate_up"])
-    w_gate_up = unshard(shared["w_gate_up"], keep=("tp",))                 # [2I/tp, D] local
-    w_down = unshard(shared["w_down"], keep=("tp",))                       # [D, I/tp]
-    gate, up = (grad_sum(x, group) @ w_gate_up.t()).chunk(2, dim=-1)            # [T, I/tp] each
-    y = all_reduce(act(gate, up) @ w_down.t(), group)                          # [T, D]
+    y = swiglu_mlp(x, shared["w_gate_up"], shared["w_down"], act=act)         # [T, D]; tp handled by linear
     if "gate" in shared:
         y = torch.sigmoid(x @ unshard(shared["gate"], keep=()).t()) * y    # [T, 1] * [T, D]
     return y

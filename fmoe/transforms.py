@@ -49,7 +49,7 @@ def compiling() -> bool:
 
 def active() -> bool:
     """Whether any ``torch.func`` transform is active or Dynamo is tracing: fmoe's layers then
-    take their grouped-operator expert path (:mod:`fmoe.grouped_mm`), whose every piece has
+    take their grouped-operator expert path (:mod:`fmoe.experts.ops`), whose every piece has
     backward, jvp and vmap rules and no host sync beyond the dispatch's."""
     return compiling() or bool(retrieve_all_functorch_interpreters())
 

@@ -66,7 +66,7 @@ def expected_dispatch_rows(ids, e_local, mesh):
 def check_case(mesh, impl, router_name, sizes, seed=0, matmul="auto"):
     """Distributed fmoe.moe vs single process on this rank's batch; returns a list of failures.
     ``matmul="loop"`` forces the blocked CPU expert path (``"auto"`` takes it only from
-    ``fmoe.ep.BLOCKED_MIN_ROWS`` rows per expert, more than these tiny batches have)."""
+    ``fmoe.experts.BLOCKED_MIN_ROWS`` rows per expert, more than these tiny batches have)."""
     router = ROUTERS[router_name] if isinstance(router_name, str) else router_name
     full = full_params(seed)
     leaves = {k: v.clone().requires_grad_(True) for k, v in full.items()}

@@ -1,4 +1,4 @@
-"""The blocked expert path (``fmoe.expert_blocks.weighted_expert_sum``): gather, SwiGLU, routing
+"""The blocked expert path (``fmoe.experts.blocked.weighted_expert_sum``): gather, SwiGLU, routing
 weight and scatter-add per expert block must give the plain autograd result of the definition,
 forward, backward (rows, weights, both expert matrices), double backward and under
 ``torch.func.grad``; fp32, rtol 1e-5. Blocks of 1 and 2 rows force the weight gradients to
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.expert_blocks import weighted_expert_sum
+from fmoe.experts.blocked import weighted_expert_sum
 
 D, I = 8, 4
 
@@ -96,11 +96,11 @@ def test_moe_uses_the_blocked_path_on_cpu_and_matches_grouped():
     p = {"router": torch.randn(E, D, generator=g), "w_gate_up": torch.randn(E, 2 * I, D, generator=g),
          "w_down": torch.randn(E, D, I, generator=g)}
     x = torch.randn(9, D, generator=g)
-    experts = fmoe.ep.LocalExperts({k: p[k] for k in ("w_gate_up", "w_down")}, 0, E)
-    many = fmoe.ep.BLOCKED_MIN_ROWS * E
+    experts = fmoe.experts.LocalExperts({k: p[k] for k in ("w_gate_up", "w_down")}, 0, E)
+    many = fmoe.experts.BLOCKED_MIN_ROWS * E
     assert experts.blocked(x, many) and not experts.blocked(x, many - 1)
-    assert fmoe.ep.LocalExperts(experts.weights, 0, E, matmul="loop").blocked(x, 1)
-    assert not fmoe.ep.LocalExperts(experts.weights, 0, E, matmul="grouped").blocked(x, many)
+    assert fmoe.experts.LocalExperts(experts.weights, 0, E, matmul="loop").blocked(x, 1)
+    assert not fmoe.experts.LocalExperts(experts.weights, 0, E, matmul="grouped").blocked(x, many)
     got = []
     for matmul in ("loop", "grouped"):
         leaves = {k: v.clone().requires_grad_() for k, v in p.items()}

@@ -42,7 +42,7 @@ def test_fused_swiglu_experts_match_autograd(matmul, counts, with_scale):
     wgu, wd = torch.randn(E, 2 * I, D, generator=g), torch.randn(E, D, I, generator=g)
     scale = torch.rand(N, generator=g) if with_scale else None
     results = []
-    for fn in (lambda *a: expert_mlp(*a[:4], impl=matmul, scale=a[4]), reference):
+    for fn in (lambda *a: expert_mlp(*a[:4], matmul=matmul, scale=a[4]), reference):
         leaves = [t.clone().requires_grad_() for t in (x, wgu, wd)] + ([scale.clone().requires_grad_()] if with_scale else [])
         y = fn(leaves[0], counts, leaves[1], leaves[2], leaves[3] if with_scale else None)
         results.append((y, torch.autograd.grad(y, leaves, gy, allow_unused=True)))
@@ -70,7 +70,7 @@ def test_fused_experts_double_backward(matmul):
     leaves0 = [torch.randn(5, 8, generator=g), torch.randn(3, 8, 8, generator=g) / 3, torch.randn(3, 8, 4, generator=g) / 3,
                torch.rand(5, generator=g)]          # O(1) activations: second derivatives stay O(1)
     outs = []
-    for fn in (lambda x, wgu, wd, s: expert_mlp(x, counts, wgu, wd, impl=matmul, scale=s),
+    for fn in (lambda x, wgu, wd, s: expert_mlp(x, counts, wgu, wd, matmul=matmul, scale=s),
                lambda x, wgu, wd, s: reference(x, counts, wgu, wd, s)):
         leaves = [t.clone().requires_grad_() for t in leaves0]
         grads = torch.autograd.grad(fn(*leaves).sin().sum(), leaves, create_graph=True)

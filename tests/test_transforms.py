@@ -143,7 +143,7 @@ def test_data_checks_raise_in_eager_and_do_not_break_vmap():
 
 
 def test_grouped_mm_ops_pass_opcheck():
-    from fmoe.grouped_mm import _grouped_mm_op, _grouped_wgrad_op, offsets
+    from fmoe.experts.ops import _grouped_mm_op, _grouped_wgrad_op, offsets
     offs = offsets(torch.tensor([2, 0, 3]))
     for impl in ("grouped", "loop"):
         torch.library.opcheck(_grouped_mm_op, (torch.randn(5, 4), torch.randn(3, 8, 4), offs, True, impl))
@@ -297,4 +297,4 @@ def _jvp_and_compile_on_meshes(rank, world):
 
 def test_jvp_and_compile_on_four_ranks():
     for out in spawn(_jvp_and_compile_on_meshes, 4, timeout=900):
-        assert out["break_lines"] == [("ep.py", "_exchange_splits")], out["break_lines"]
+        assert out["break_lines"] == [("token_dispatch.py", "_exchange_splits")], out["break_lines"]

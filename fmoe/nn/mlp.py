@@ -1,19 +1,23 @@
-"""The dense SwiGLU feed-forward block: ``down(silu(gate(x)) * up(x))``.
+"""The dense SwiGLU feed-forward block ``down(act(gate(x), up(x)))``, for dense layers and shared
+experts (:mod:`fmoe.shared_experts`) alike.
 
 Gate and up are one fused weight ``w_gate_up [2I, D]`` (gate rows first), as in the experts.
 Under tensor parallelism it is sharded ``packed_colwise`` (each half split separately), so the
 local output is ``[gate_r | up_r]`` and ``chunk(2, -1)`` still pairs each gate with its up; the
 down projection ``w_down [D, I]`` is ``rowwise`` and sums the partial products. A plain
-``colwise`` (unpacked) split of ``w_gate_up`` would pair gates with gates; it is rejected.
+``colwise`` (unpacked) split of ``w_gate_up`` would pair gates with gates; it is rejected
+(:func:`fmoe.placement.check_fused_gate_up`). The activation is :func:`swiglu`
+(:mod:`fmoe.activations`, the same object the experts use) unless another is given.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
+from ..activations import Activation, swiglu
+from ..placement import check_fused_gate_up
 from ..sharding import placement_of
 from ._tp import tp_size_rank
 from .linear import linear
@@ -21,20 +25,9 @@ from .linear import linear
 __all__ = ["swiglu", "swiglu_mlp"]
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``.
-
-    Example:
-        >>> swiglu(torch.zeros(2), torch.ones(2))
-        tensor([0., 0.])
-    """
-    if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
-    return F.silu(gate) * up
-
-
 def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-               b_gate_up: Optional[torch.Tensor] = None, b_down: Optional[torch.Tensor] = None) -> torch.Tensor:
+               b_gate_up: Optional[torch.Tensor] = None, b_down: Optional[torch.Tensor] = None, *,
+               act: Union[Activation, Callable] = swiglu) -> torch.Tensor:
     """Dense SwiGLU MLP with a fused gate/up weight.
 
     Args:
@@ -43,6 +36,7 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
             gathered ``P("tp", None, packed=2, gather=True)``).
         w_down: ``[D, I]`` (replicated or ``rowwise``).
         b_gate_up: optional ``[2I]``; b_down: optional ``[D]``.
+        act: ``act(gate, up)`` (:mod:`fmoe.activations`; default SwiGLU).
     Returns:
         ``[..., D]``.
 
@@ -50,9 +44,7 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         >>> swiglu_mlp(torch.ones(3, 4), torch.ones(6, 4), torch.ones(4, 3)).shape
         torch.Size([3, 4])
     """
-    p = placement_of(w_gate_up)
-    if p.dim_of("tp") == 0 and p.packed != 2 and tp_size_rank(w_gate_up)[1] > 1:
-        raise ValueError(f"swiglu_mlp: w_gate_up is split over tp as {p!r}; a fused [gate | up] weight "
-                         "must be split per half: use style 'packed_colwise' (P('tp', None, packed=2))")
+    if tp_size_rank(w_gate_up)[1] > 1:
+        check_fused_gate_up(placement_of(w_gate_up), "swiglu_mlp: w_gate_up")
     gate, up = linear(x, w_gate_up, b_gate_up).chunk(2, dim=-1)
-    return linear(swiglu(gate, up), w_down, b_down)
+    return linear(act(gate, up), w_down, b_down)

@@ -1,4 +1,4 @@
-"""Expert compute: SwiGLU MLPs on rows already grouped by expert.
+"""Expert MLPs on rows already grouped by expert: the grouped and loop matmul paths.
 
 Weights are fused per expert: ``w_gate_up [E, 2I, D]`` (gate rows first, then up rows) and
 ``w_down [E, D, I]``, optionally with biases ``b_gate_up [E, 2I]`` and ``b_down [E, D]``
@@ -20,8 +20,9 @@ when ``I < D``), keeps only ``x`` and the ``[N, 2I]`` projection for backward, r
 cheap activation there and writes the gate and up gradients straight into one buffer (no
 concatenation). Other activations and biased experts use plain autograd over the same GEMMs.
 
-Activations are functions ``act(gate, up) -> h``: :func:`swiglu` (``silu(gate) * up``) or
-:func:`clamped_swiglu` (gpt-oss: clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``).
+Activations are :mod:`fmoe.activations` (``act(gate, up) -> h``); the fused Function runs when
+the activation's name is ``"swiglu"`` (explicit data, so ``fmoe.nn.swiglu``, the same object, and
+any ``Activation("swiglu", ...)`` take it), any other callable the general path.
 """
 
 from __future__ import annotations
@@ -31,36 +32,11 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .grouped_mm import grouped_mm
-from .transforms import vmap_by_loop
+from ..activations import Activation, activation_name, swiglu
+from ..transforms import vmap_by_loop
+from .ops import check_matmul, grouped_mm
 
-__all__ = ["swiglu", "clamped_swiglu", "expert_mlp", "grouped_mm_available", "use_grouped"]
-
-Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (Qwen3-MoE, Mixtral, Llama)."""
-    return F.silu(gate) * up
-
-
-def clamped_swiglu(alpha: float = 1.702, limit: float = 7.0) -> Activation:
-    """gpt-oss activation: gate clamped above at ``limit``, up clamped to ``[-limit, limit]``,
-    ``(up + 1) * gate * sigmoid(alpha * gate)``.
-
-    Example:
-        >>> act = clamped_swiglu()
-        >>> act(torch.tensor([10.0]), torch.tensor([0.0])).item() == 7.0 * torch.sigmoid(torch.tensor(1.702 * 7.0)).item()
-        True
-    """
-
-    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-    act.__name__ = f"clamped_swiglu(alpha={alpha}, limit={limit})"
-    return act
+__all__ = ["expert_mlp", "grouped_mm_available", "use_grouped", "check_matmul", "check_groups"]
 
 
 def grouped_mm_available() -> bool:
@@ -212,14 +188,14 @@ def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.shape[-1] % align == 0 and w.shape[1] % align == 0 and w.shape[2] % align == 0
 
 
-def use_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, impl: str = "auto") -> bool:
-    """Whether ``expert_mlp(..., impl=impl)`` runs ``torch._grouped_mm`` for these tensors."""
-    return impl == "grouped" or (impl == "auto" and _grouped_ok(x, w_gate_up) and _grouped_ok(x, w_down))
+def use_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, matmul: str = "auto") -> bool:
+    """Whether ``expert_mlp(..., matmul=matmul)`` runs ``torch._grouped_mm`` for these tensors."""
+    return matmul == "grouped" or (matmul == "auto" and _grouped_ok(x, w_gate_up) and _grouped_ok(x, w_down))
 
 
 def _project(x, w, counts, offs, grouped: bool) -> torch.Tensor:
     if grouped:
-        return grouped_mm(x.contiguous(), w, offs, impl="grouped")
+        return grouped_mm(x.contiguous(), w, offs, matmul="grouped")
     return _loop_mm(x, w, counts)
 
 
@@ -231,8 +207,10 @@ def expert_mlp(
     b_gate_up: Optional[torch.Tensor] = None,
     b_down: Optional[torch.Tensor] = None,
     act: Activation = swiglu,
-    impl: str = "auto",
+    matmul: str = "auto",
     scale: Optional[torch.Tensor] = None,
+    *,
+    impl: Optional[str] = None,
 ) -> torch.Tensor:
     """Run each expert's MLP on its rows, optionally weighting each row's output.
 
@@ -242,8 +220,9 @@ def expert_mlp(
         w_gate_up: ``[E_local, 2I, D]``; w_down: ``[E_local, D, I]``.
         b_gate_up: optional ``[E_local, 2I]``; b_down: optional ``[E_local, D]``.
         act: ``act(gate, up) -> h``.
-        impl: ``"grouped"``, ``"loop"`` or ``"auto"`` (grouped where available and aligned).
+        matmul: ``"grouped"``, ``"loop"`` or ``"auto"`` (grouped where available and aligned).
         scale: optional ``[N]`` per-row weights (differentiable), same dtype as ``x``.
+        impl: former name of ``matmul`` (it meant two things: this and the MoE dispatch).
     Returns:
         ``[N, D]`` expert outputs (times ``scale``), in the same row order.
 
@@ -252,11 +231,13 @@ def expert_mlp(
         >>> expert_mlp(torch.randn(5, 4), [2, 3], w1, w2).shape
         torch.Size([5, 4])
     """
-    check_matmul("expert_mlp", "impl", impl)
+    if impl is not None:
+        matmul = impl
+    check_matmul("expert_mlp", "matmul", matmul)
     counts = check_groups("expert_mlp", counts, w_gate_up.shape[0], x.shape[0], "rows", scale)
     offs = torch.tensor(counts, dtype=torch.int64, device=x.device).cumsum(0).to(torch.int32)
-    grouped = use_grouped(x, w_gate_up, w_down, impl)
-    if act is swiglu and b_gate_up is None and b_down is None:
+    grouped = use_grouped(x, w_gate_up, w_down, matmul)
+    if activation_name(act) == "swiglu" and b_gate_up is None and b_down is None:
         return _SwiGLUExperts.apply(x.contiguous(), scale, w_gate_up, w_down, offs, counts, grouped)[0]
     h = _project(x, w_gate_up, counts, offs, grouped)                           # [N, 2I]
     if b_gate_up is not None:
@@ -266,12 +247,6 @@ def expert_mlp(
     if b_down is not None:
         out = out + _per_row(b_down, counts)
     return out if scale is None else out * scale.unsqueeze(-1)
-
-
-def check_matmul(fn: str, name: str, value: object) -> None:
-    """ValueError naming ``fn``'s argument ``name`` unless ``value`` is an expert matmul path."""
-    if value not in ("auto", "grouped", "loop"):
-        raise ValueError(f"{fn}: {name} must be 'auto', 'grouped' or 'loop', got {value!r}")
 
 
 def check_groups(fn: str, counts: Sequence[int], num_experts: int, n: int, what: str,

@@ -1,0 +1,295 @@
+"""Grouped expert GEMMs as torch operators that every transform understands.
+
+The experts' matmuls multiply each group of rows (the rows routed to one expert, grouped by a
+sort) by that group's weight matrix. Two PyTorch operators carry them:
+
+=========================  =====================================  ==========================
+operator                   math, for the rows of group ``g``      shapes
+=========================  =====================================  ==========================
+``fmoe::grouped_mm``       ``out_g = x_g @ w[g].T`` (``trans``)   ``x [N, k]`` -> ``[N, n]``
+                           or ``x_g @ w[g]``
+``fmoe::grouped_wgrad``    ``out[g] = a_g.T @ b_g``               ``[G, na, nb]``
+=========================  =====================================  ==========================
+
+Groups are given by ``offs [G]`` (int32, the cumulative row counts, ``offs[-1] == N``), a
+tensor: no host sync is needed to call them, so ``torch.compile`` traces a layer through them
+with ``fullgraph=True``. Each is a ``torch.library.custom_op`` with
+
+- a fake (meta) rule for any float dtype (``torch._grouped_mm``'s own rule accepts bf16 only);
+- a vmap rule that folds the batch into the groups (``B`` batches of ``G`` groups are ``B * G``
+  groups over ``B * N`` rows): one call, whatever is batched (stacked models, token batches);
+- a CPU/CUDA kernel: ``torch._grouped_mm`` where it applies (``matmul="grouped"``, aligned
+  shapes, bf16 on CUDA), else one ``torch.mm`` per group (``matmul="loop"``; the op reads the
+  group sizes on the host, which is invisible to the compiler because the op is opaque).
+
+:func:`grouped_mm` and :func:`grouped_wgrad` are differentiable: autograd Functions over the
+operators with a backward (itself differentiable, for double backward and ``hessian``), a
+``jvp`` (the product rule: both are bilinear) and ``generate_vmap_rule=True`` (their forward is
+one operator with a vmap rule). Dynamo cannot trace an autograd Function that defines ``jvp``,
+so under ``torch.compile`` their jvp-less twins are applied (:func:`fmoe.transforms.forward_mode`).
+
+Example:
+    >>> x, w = torch.randn(5, 4), torch.randn(2, 3, 4)
+    >>> offs = torch.tensor([2, 5], dtype=torch.int32)
+    >>> y = grouped_mm(x, w, offs)                                 # [5, 3]
+    >>> torch.allclose(y[:2], x[:2] @ w[0].T) and torch.allclose(y[2:], x[2:] @ w[1].T)
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..transforms import apply, without_jvp
+
+__all__ = ["grouped_mm", "grouped_wgrad", "offsets", "expert_mlp_offs", "check_matmul", "MATMULS"]
+
+MATMULS = ("auto", "grouped", "loop")
+
+
+def offsets(counts: torch.Tensor) -> torch.Tensor:
+    """Cumulative group ends ``offs [G]`` (int32) from per-group row counts ``[G]``; no host sync.
+
+    Example:
+        >>> offsets(torch.tensor([2, 0, 3])).tolist()
+        [2, 2, 5]
+    """
+    return counts.cumsum(-1).to(torch.int32)
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` needs 16-byte aligned strides, one dtype, and bf16 on CUDA."""
+    t0 = ts[0]
+    if not hasattr(torch, "_grouped_mm") or any(t.dtype != t0.dtype for t in ts):
+        return False
+    if t0.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (t0.is_cuda and t0.dtype != torch.bfloat16):
+        return False
+    align = 16 // t0.element_size()
+    return all(s % align == 0 for t in ts for s in t.shape[-2:])
+
+
+def _bounds(offs: torch.Tensor) -> list[int]:
+    return [0] + [int(o) for o in offs.tolist()]
+
+
+@torch.library.custom_op("fmoe::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool, matmul: str) -> torch.Tensor:
+    wt = w.transpose(1, 2) if trans else w                                      # [G, k, n]
+    if matmul != "loop" and _aligned(x, wt):
+        return torch._grouped_mm(x.contiguous(), wt, offs=offs)
+    out = x.new_zeros((x.shape[0], wt.shape[2]))
+    b = _bounds(offs)
+    for g in range(w.shape[0]):
+        if b[g + 1] > b[g]:
+            torch.mm(x[b[g]:b[g + 1]], wt[g], out=out[b[g]:b[g + 1]])
+    return out
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offs, trans, matmul):
+    return x.new_empty((x.shape[0], w.shape[1] if trans else w.shape[2]))
+
+
+@torch.library.custom_op("fmoe::grouped_wgrad", mutates_args=())
+def _grouped_wgrad_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: str) -> torch.Tensor:
+    if matmul != "loop" and _aligned(a, b):
+        return torch._grouped_mm(a.t(), b, offs=offs)
+    out = a.new_zeros((offs.shape[0], a.shape[1], b.shape[1]))
+    e = _bounds(offs)
+    for g in range(offs.shape[0]):
+        if e[g + 1] > e[g]:
+            torch.mm(a[e[g]:e[g + 1]].t(), b[e[g]:e[g + 1]], out=out[g])
+    return out
+
+
+@_grouped_wgrad_op.register_fake
+def _(a, b, offs, matmul):
+    return a.new_empty((offs.shape[0], a.shape[1], b.shape[1]))
+
+
+def _batched(t: torch.Tensor, d: Optional[int], n: int) -> torch.Tensor:
+    """``t`` with its batch dim first (expanded to ``n`` when it has none)."""
+    return t.movedim(d, 0) if d is not None else t.unsqueeze(0).expand(n, *t.shape)
+
+
+def _folded_offs(offs: torch.Tensor, d: Optional[int], n: int, rows: int) -> torch.Tensor:
+    """Offsets of ``n`` batches of groups over ``n * rows`` rows: batch b's groups shifted by ``b * rows``."""
+    o = _batched(offs, d, n)                                                    # [B, G]
+    shift = torch.arange(n, device=o.device, dtype=o.dtype).unsqueeze(1) * rows
+    return (o + shift).reshape(-1)
+
+
+@_grouped_mm_op.register_vmap
+def _(info, in_dims, x, w, offs, trans, matmul):
+    n = info.batch_size
+    xb, wb = _batched(x, in_dims[0], n), _batched(w, in_dims[1], n)            # [B, N, k], [B, G, ., .]
+    out = _grouped_mm_op(xb.reshape(-1, xb.shape[-1]), wb.reshape(-1, *wb.shape[2:]),
+                         _folded_offs(offs, in_dims[2], n, xb.shape[1]), trans, matmul)
+    return out.reshape(n, xb.shape[1], -1), 0
+
+
+@_grouped_wgrad_op.register_vmap
+def _(info, in_dims, a, b, offs, matmul):
+    n = info.batch_size
+    ab, bb = _batched(a, in_dims[0], n), _batched(b, in_dims[1], n)            # [B, N, na], [B, N, nb]
+    out = _grouped_wgrad_op(ab.reshape(-1, ab.shape[-1]), bb.reshape(-1, bb.shape[-1]),
+                            _folded_offs(offs, in_dims[2], n, ab.shape[1]), matmul)
+    return out.reshape(n, -1, *out.shape[1:]), 0
+
+
+class _GroupedMM(torch.autograd.Function):
+    """Differentiable ``fmoe::grouped_mm``: backward and jvp by the product rule."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, w, offs, trans, matmul):
+        return _grouped_mm_op(x, w, offs, trans, matmul)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, offs, ctx.trans, ctx.matmul = inputs
+        ctx.save_for_backward(x, w, offs)
+        ctx.save_for_forward(x, w, offs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, offs = ctx.saved_tensors
+        gx = gw = None
+        if ctx.needs_input_grad[0]:            # x w^T -> g w ; x w -> g w^T
+            gx = grouped_mm(g, w, offs, trans=not ctx.trans, matmul=ctx.matmul)
+        if ctx.needs_input_grad[1]:            # [G, n, k] = g_g^T x_g ; [G, k, n] = x_g^T g_g
+            gw = grouped_wgrad(g, x, offs, ctx.matmul) if ctx.trans else grouped_wgrad(x, g, offs, ctx.matmul)
+        return gx, gw, None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, dw, _doffs, _dtrans, _dmatmul):
+        x, w, offs = ctx.saved_tensors
+        out = None
+        if dx is not None:
+            out = _grouped_mm_op(dx, w, offs, ctx.trans, ctx.matmul)
+        if dw is not None:
+            t = _grouped_mm_op(x, dw, offs, ctx.trans, ctx.matmul)
+            out = t if out is None else out + t
+        return out
+
+
+_GroupedMMTraced = without_jvp(_GroupedMM)
+
+
+class _GroupedWGrad(torch.autograd.Function):
+    """Differentiable ``fmoe::grouped_wgrad`` (``out[g] = a_g^T b_g``): backward and jvp by the product rule."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b, offs, matmul):
+        return _grouped_wgrad_op(a, b, offs, matmul)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, b, offs, ctx.matmul = inputs
+        ctx.save_for_backward(a, b, offs)
+        ctx.save_for_forward(a, b, offs)
+
+    @staticmethod
+    def backward(ctx, g):                      # g [G, na, nb]
+        a, b, offs = ctx.saved_tensors
+        ga = grouped_mm(b, g, offs, trans=True, matmul=ctx.matmul) if ctx.needs_input_grad[0] else None   # b_g g^T
+        gb = grouped_mm(a, g, offs, trans=False, matmul=ctx.matmul) if ctx.needs_input_grad[1] else None  # a_g g
+        return ga, gb, None, None
+
+    @staticmethod
+    def jvp(ctx, da, db, _doffs, _dmatmul):
+        a, b, offs = ctx.saved_tensors
+        out = None
+        if da is not None:
+            out = _grouped_wgrad_op(da, b, offs, ctx.matmul)
+        if db is not None:
+            t = _grouped_wgrad_op(a, db, offs, ctx.matmul)
+            out = t if out is None else out + t
+        return out
+
+
+_GroupedWGradTraced = without_jvp(_GroupedWGrad)
+
+
+def check_matmul(fn: str, name: str, value: object) -> None:
+    """ValueError naming ``fn``'s argument ``name`` unless ``value`` is an expert matmul path."""
+    if value not in MATMULS:
+        raise ValueError(f"{fn}: {name} must be 'auto', 'grouped' or 'loop', got {value!r}")
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool = True,
+               matmul: str = "auto") -> torch.Tensor:
+    """Rows of group ``g`` times ``w[g].T`` (``trans``) or ``w[g]``; differentiable.
+
+    Args:
+        x: ``[N, k]`` rows sorted by group.
+        w: ``[G, n, k]`` (``trans``) or ``[G, k, n]``.
+        offs: ``[G]`` int32 cumulative row counts (:func:`offsets`), ``offs[-1] == N``.
+        trans: multiply by the transposed group matrices (the layout of expert weights).
+        matmul: ``"grouped"``/``"auto"`` (``torch._grouped_mm`` where it applies) or ``"loop"``.
+    Returns:
+        ``[N, n]``.
+    """
+    check_matmul("grouped_mm", "matmul", matmul)
+    return apply(_GroupedMM, _GroupedMMTraced, x, w, offs, trans, matmul)
+
+
+def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: str = "auto") -> torch.Tensor:
+    """Per-group ``a_g^T @ b_g`` (a weight gradient), ``[G, na, nb]``; zeros for an empty group.
+
+    Args:
+        a: ``[N, na]``; b: ``[N, nb]``; rows sorted by group.
+        offs: ``[G]`` int32 cumulative row counts.
+        matmul: as in :func:`grouped_mm`.
+    Returns:
+        ``[G, na, nb]``.
+
+    Example:
+        >>> grouped_wgrad(torch.ones(3, 2), torch.ones(3, 4), torch.tensor([1, 3], dtype=torch.int32))[1]
+        tensor([[2., 2., 2., 2.],
+                [2., 2., 2., 2.]])
+    """
+    check_matmul("grouped_wgrad", "matmul", matmul)
+    return apply(_GroupedWGrad, _GroupedWGradTraced, a, b, offs, matmul)
+
+
+def expert_mlp_offs(x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                    b_gate_up: Optional[torch.Tensor] = None, b_down: Optional[torch.Tensor] = None,
+                    act=None, scale: Optional[torch.Tensor] = None, matmul: str = "auto") -> torch.Tensor:
+    """Each expert's MLP on its group of rows, groups given by ``offs`` (no host sync): the
+    expert path fmoe takes under ``torch.func`` transforms and ``torch.compile``.
+
+    Args:
+        x: ``[N, D]`` rows sorted by expert; offs: ``[E]`` int32 group ends (:func:`offsets`).
+        w_gate_up: ``[E, 2I, D]`` (gate rows first); w_down: ``[E, D, I]``.
+        b_gate_up, b_down: optional ``[E, 2I]``, ``[E, D]`` biases.
+        act: ``act(gate, up)``; None: SwiGLU.
+        scale: optional ``[N]`` row weights, applied to the hidden activation.
+        matmul: as in :func:`grouped_mm`.
+    Returns:
+        ``[N, D]``.
+
+    Example:
+        >>> x, wgu, wd = torch.randn(3, 4), torch.randn(2, 6, 4), torch.randn(2, 4, 3)
+        >>> expert_mlp_offs(x, torch.tensor([1, 3], dtype=torch.int32), wgu, wd).shape
+        torch.Size([3, 4])
+    """
+    h = grouped_mm(x, w_gate_up, offs, matmul=matmul)                              # [N, 2I]
+    if b_gate_up is not None or b_down is not None:
+        group = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
+    if b_gate_up is not None:
+        h = h + b_gate_up.index_select(0, group)
+    gate, up = h.chunk(2, dim=-1)                                               # [N, I] each
+    a = torch.nn.functional.silu(gate) * up if act is None else act(gate, up)
+    if scale is not None:
+        a = a * scale.unsqueeze(-1)
+    out = grouped_mm(a, w_down, offs, matmul=matmul)                                # [N, D]
+    if b_down is not None:
+        out = out + (b_down.index_select(0, group) if scale is None else
+                     b_down.index_select(0, group) * scale.unsqueeze(-1))
+    return out
