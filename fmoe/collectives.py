@@ -212,7 +212,7 @@ def reduce_scatter_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup]) 
     if group_size(group) == 1:
         return send.reshape(-1).clone()
     out = send.new_empty(send.shape[1])
-    dist.reduce_scatter_tensor(out, send.reshape(-1), group=group)
+    dist.reduce_scatter_single(out, send.reshape(-1), group=group)
     return out
 
 
@@ -306,7 +306,7 @@ def _reduce_own_slice(g: torch.Tensor, dim: int, sizes: Sequence[int], group) ->
         for i, piece in enumerate(gm.split(list(sizes))):
             padded[i * m: i * m + piece.shape[0]] = piece
     out = padded.new_empty((m,) + tuple(gm.shape[1:]))
-    dist.reduce_scatter_tensor(out, padded, group=group)
+    dist.reduce_scatter_single(out, padded, group=group)
     return out[:sizes[dist.get_rank(group)]].movedim(0, dim).contiguous()
 
 

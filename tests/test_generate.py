@@ -187,6 +187,9 @@ def test_command_line_prints_text_on_one_and_four_ranks(tmp_path):
         assert run.stdout == "".join(w + "\n" for w in want), (extra, run.stdout, want)
     bad = subprocess.run(base[:5] + ["--prompt", "hello", "--top-p", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--top-p must be in (0, 1], got 0.0" in bad.stderr
+    bad = subprocess.run(base[:5] + ["--prompt", "hello", "--nproc", "4", "--tp", "2", "--ep", "3"],
+                         capture_output=True, text=True, timeout=300)       # the mesh's rules, before any spawn
+    assert bad.returncode == 2 and "--ep 3 must be a multiple of --tp 2" in bad.stderr, bad.stderr
     bad = subprocess.run(base[:3] + ["--ckpt", str(tmp_path), "--prompt", "1 2"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 1 and "neither config.json" in bad.stderr

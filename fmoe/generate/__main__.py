@@ -60,9 +60,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not os.path.isdir(args.ckpt):
         ap.error(f"--ckpt {args.ckpt!r} is not a directory")
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    if world % args.tp:
-        ap.error(f"--nproc {world} must be divisible by --tp {args.tp}")
+    from ..mesh import check_layout
+
+    launched = "WORLD_SIZE" in os.environ
+    try:                              # the mesh's own rules, before any rank starts
+        check_layout(int(os.environ["WORLD_SIZE"]) if launched else args.nproc, tp=args.tp, ep=args.ep,
+                     names={"tp": "--tp", "ep": "--ep", "world": "WORLD_SIZE" if launched else "--nproc"})
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import sys
-import warnings
 from dataclasses import asdict, is_dataclass
 
 from . import options
@@ -116,8 +115,6 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from fmoe.train.outdir import check_room
     from fmoe.train.step import StepConfig, train_step
 
-    warnings.filterwarnings("ignore", category=FutureWarning,        # the job's output stays clean;
-                            message=r".*reduce_scatter_tensor. is deprecated")  # library: see notes
     model = importlib.import_module(f"fmoe.models.{args.model}")
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
     device = options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))
