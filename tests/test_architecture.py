@@ -342,3 +342,34 @@ def test_imports_point_down_the_layers():
                 for n in MODULES for m in _imports(n) if n != "fmoe" and layer_of(m) > layer_of(n))
     assert up == []
     assert layer_of("fmoe.models.qwen3_moe") == 6 and layer_of("fmoe.expert_blocks") == 2
+
+
+# ------------------------------------------------------------------------------- explicit data, not identity
+BUILTIN_IMPLS = {"all_to_all_impl", "all_reduce_impl", "local", "ALL_TO_ALL", "ALL_REDUCE", "LOCAL",
+                 "folds_stats", "_token_dispatch", "_exchange_splits"}
+
+
+def identity_dispatch(tree: ast.AST) -> list[str]:
+    """``x is <name>`` / ``x is not <name>`` comparisons against a function or implementation
+    object (a path chosen by object identity), and references to a built-in expert-parallel
+    implementation by attribute (``ep.all_to_all_impl``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for op, right in zip(node.ops, node.comparators):
+                name = _dotted(right)
+                if isinstance(op, (ast.Is, ast.IsNot)) and name and name.split(".")[-1] not in ("None", "True", "False"):
+                    found.append(f"line {node.lineno}: is {name}")
+        if isinstance(node, ast.Attribute) and node.attr in BUILTIN_IMPLS:
+            found.append(f"line {node.lineno}: {_dotted(node)}")
+    return found
+
+
+def test_the_layer_treats_every_implementation_alike_and_paths_are_chosen_by_data():
+    """``fmoe.moe`` runs every expert-parallel implementation through ``ep.run`` (no built-in
+    named, no identity test), and no module picks a compute path by ``act is swiglu``."""
+    assert identity_dispatch(TREES["fmoe.moe"]) == []
+    assert {n: f for n, t in TREES.items() if n.startswith(("fmoe.experts", "fmoe.ep", "fmoe.nn", "fmoe.shared_experts"))
+            for f in [[x for x in identity_dispatch(t) if " is " in x]] if f} == {}
+    bad = ast.parse("def f(act, ep):\n    if act is swiglu:\n        pass\n    return ep.all_to_all_impl\n")
+    assert identity_dispatch(bad) == ["line 2: is swiglu", "line 4: ep.all_to_all_impl"]
