@@ -57,7 +57,6 @@ from fmoe import P, Plan
 from fmoe.model import Model
 from fmoe.checkpoint import Cat, Key, Spec, Stack
 
-HF_IGNORE = ("**.rotary_emb.inv_freq",)
 LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm keep the default eps
 
 
@@ -175,58 +174,6 @@ class Config:
         return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_act": "silu",
                 "attention_bias": False, "num_key_value_heads": self.num_attention_heads, **out,
                 "rope_parameters": rope}
-
-
-def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
-    """Every parameter path -> how it is made of checkpoint tensors (shapes included); experts
-    from per-expert keys (what ``save_pretrained`` writes) or the fused in-memory keys.
-
-    Example:
-        >>> hf_specs(Config.tiny())["layers.1.attn.wkv_b"].shape
-        (160, 32)
-    """
-    V, D, E, I, Id = cfg.vocab_size, cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, \
-        cfg.intermediate_size
-    H, C, Q, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim
-    Is, qk, nv = I * cfg.n_shared_experts, cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
-    keys = set(keys or ())
-    swiglu = lambda m, inner: {"w_gate_up": Cat([Key(m + "gate_proj.weight", (inner, D)),  # noqa: E731
-                                                 Key(m + "up_proj.weight", (inner, D))], 0),
-                               "w_down": Key(m + "down_proj.weight", (D, inner))}
-    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
-    for i in range(cfg.num_hidden_layers):
-        p, k = f"layers.{i}.", f"model.layers.{i}."
-        a, sa = p + "attn.", k + "self_attn."
-        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
-        if Q is None:
-            s[a + "wq"] = Key(sa + "q_proj.weight", (H * qk, D))
-        else:
-            s[a + "wq_a"] = Key(sa + "q_a_proj.weight", (Q, D))
-            s[a + "q_a_norm"] = Key(sa + "q_a_layernorm.weight", (Q,))
-            s[a + "wq_b"] = Key(sa + "q_b_proj.weight", (H * qk, Q))
-        s[a + "wkv_a"] = Key(sa + "kv_a_proj_with_mqa.weight", (C + r, D))
-        s[a + "kv_a_norm"] = Key(sa + "kv_a_layernorm.weight", (C,))
-        s[a + "wkv_b"] = Key(sa + "kv_b_proj.weight", (H * nv, C))
-        s[a + "wo"] = Key(sa + "o_proj.weight", (D, H * cfg.v_head_dim))
-        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
-        m = k + "mlp."
-        if not cfg.is_sparse(i):
-            s.update({p + "mlp." + n: spec for n, spec in swiglu(m, Id).items()})
-            continue
-        s[p + "moe.router"] = Key(m + "gate.weight", (E, D))
-        s[p + "moe.expert_bias"] = Key(m + "gate.e_score_correction_bias", (E,))
-        if m + "experts.gate_up_proj" in keys:  # fused layout
-            s[p + "moe.w_gate_up"] = Key(m + "experts.gate_up_proj", (E, 2 * I, D))
-            s[p + "moe.w_down"] = Key(m + "experts.down_proj", (E, D, I))
-        else:  # one key per expert and projection, stacked on a new expert dim
-            per = lambda n, shape: Stack([Key(f"{m}experts.{e}.{n}.weight", shape) for e in range(E)])  # noqa: E731
-            s[p + "moe.w_gate_up"] = Cat([per("gate_proj", (I, D)), per("up_proj", (I, D))], dim=1)
-            s[p + "moe.w_down"] = per("down_proj", (D, I))
-        s.update({p + "moe.shared." + n: spec for n, spec in swiglu(m + "shared_experts.", Is).items()})
-    s["norm"] = Key("model.norm.weight", (D,))
-    if not cfg.tie_word_embeddings:
-        s["lm_head"] = Key("lm_head.weight", (V, D))
-    return s
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
@@ -402,6 +349,62 @@ def plan(cfg: Config) -> Plan:
         **({} if all(sparse) else {"layers.*.mlp.w_gate_up": "packed_colwise", "layers.*.mlp.w_down": "rowwise"}),
         **({} if cfg.tie_word_embeddings else {"lm_head": "colwise_gather"}),
     }, default=P(), strict=False)
+
+
+# ---------------------------------------------------------------------------- checkpoint name map
+HF_IGNORE = ("**.rotary_emb.inv_freq",)
+
+
+def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
+    """Every parameter path -> how it is made of checkpoint tensors (shapes included); experts
+    from per-expert keys (what ``save_pretrained`` writes) or the fused in-memory keys.
+
+    Example:
+        >>> hf_specs(Config.tiny())["layers.1.attn.wkv_b"].shape
+        (160, 32)
+    """
+    V, D, E, I, Id = cfg.vocab_size, cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, \
+        cfg.intermediate_size
+    H, C, Q, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim
+    Is, qk, nv = I * cfg.n_shared_experts, cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+    keys = set(keys or ())
+    swiglu = lambda m, inner: {"w_gate_up": Cat([Key(m + "gate_proj.weight", (inner, D)),  # noqa: E731
+                                                 Key(m + "up_proj.weight", (inner, D))], 0),
+                               "w_down": Key(m + "down_proj.weight", (D, inner))}
+    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
+    for i in range(cfg.num_hidden_layers):
+        p, k = f"layers.{i}.", f"model.layers.{i}."
+        a, sa = p + "attn.", k + "self_attn."
+        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
+        if Q is None:
+            s[a + "wq"] = Key(sa + "q_proj.weight", (H * qk, D))
+        else:
+            s[a + "wq_a"] = Key(sa + "q_a_proj.weight", (Q, D))
+            s[a + "q_a_norm"] = Key(sa + "q_a_layernorm.weight", (Q,))
+            s[a + "wq_b"] = Key(sa + "q_b_proj.weight", (H * qk, Q))
+        s[a + "wkv_a"] = Key(sa + "kv_a_proj_with_mqa.weight", (C + r, D))
+        s[a + "kv_a_norm"] = Key(sa + "kv_a_layernorm.weight", (C,))
+        s[a + "wkv_b"] = Key(sa + "kv_b_proj.weight", (H * nv, C))
+        s[a + "wo"] = Key(sa + "o_proj.weight", (D, H * cfg.v_head_dim))
+        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
+        m = k + "mlp."
+        if not cfg.is_sparse(i):
+            s.update({p + "mlp." + n: spec for n, spec in swiglu(m, Id).items()})
+            continue
+        s[p + "moe.router"] = Key(m + "gate.weight", (E, D))
+        s[p + "moe.expert_bias"] = Key(m + "gate.e_score_correction_bias", (E,))
+        if m + "experts.gate_up_proj" in keys:  # fused layout
+            s[p + "moe.w_gate_up"] = Key(m + "experts.gate_up_proj", (E, 2 * I, D))
+            s[p + "moe.w_down"] = Key(m + "experts.down_proj", (E, D, I))
+        else:  # one key per expert and projection, stacked on a new expert dim
+            per = lambda n, shape: Stack([Key(f"{m}experts.{e}.{n}.weight", shape) for e in range(E)])  # noqa: E731
+            s[p + "moe.w_gate_up"] = Cat([per("gate_proj", (I, D)), per("up_proj", (I, D))], dim=1)
+            s[p + "moe.w_down"] = per("down_proj", (D, I))
+        s.update({p + "moe.shared." + n: spec for n, spec in swiglu(m + "shared_experts.", Is).items()})
+    s["norm"] = Key("model.norm.weight", (D,))
+    if not cfg.tie_word_embeddings:
+        s["lm_head"] = Key("lm_head.weight", (V, D))
+    return s
 
 
 # ---------------------------------------------------------------------------- the declared interface

@@ -41,7 +41,6 @@ from fmoe import P, Plan
 from fmoe.model import Model
 from fmoe.checkpoint import Deinterleave, Key, Spec, Transpose
 
-HF_IGNORE = ("**.rotary_emb.inv_freq",)
 _YARN = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0), ("original_max_position_embeddings", 4096),
          ("rope_type", "yarn"), ("truncate", False))
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -142,38 +141,6 @@ class Config:
         rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
         return {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_act": "silu", **out,
                 "layer_types": list(self.layer_types), "rope_parameters": rope}
-
-
-def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
-    """Every parameter path -> how it is made of checkpoint tensors (shapes included).
-
-    Example:
-        >>> hf_specs(Config.tiny())["layers.0.moe.w_gate_up"]
-        Transpose(Deinterleave(Key('model.layers.0.mlp.experts.gate_up_proj', (8, 64, 64)), dim=2, n=2), 1, 2)
-    """
-    V, D, E, I = cfg.vocab_size, cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
-    H, q, kv = cfg.num_attention_heads, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
-    for i in range(cfg.num_hidden_layers):
-        p, k = f"layers.{i}.", f"model.layers.{i}."
-        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
-        for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
-            s[p + f"attn.w{x}"] = Key(k + f"self_attn.{x}_proj.weight", shape)
-            if cfg.attention_bias:
-                s[p + f"attn.b{x}"] = Key(k + f"self_attn.{x}_proj.bias", shape[:1])
-        s[p + "attn.sinks"] = Key(k + "self_attn.sinks", (H,))
-        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
-        m = k + "mlp."
-        s[p + "moe.router"] = Key(m + "router.weight", (E, D))
-        s[p + "moe.router_bias"] = Key(m + "router.bias", (E,))
-        s[p + "moe.w_gate_up"] = Transpose(Deinterleave(Key(m + "experts.gate_up_proj", (E, D, 2 * I)), dim=2), 1, 2)
-        s[p + "moe.b_gate_up"] = Deinterleave(Key(m + "experts.gate_up_proj_bias", (E, 2 * I)), dim=1)
-        s[p + "moe.w_down"] = Transpose(Key(m + "experts.down_proj", (E, I, D)), 1, 2)
-        s[p + "moe.b_down"] = Key(m + "experts.down_proj_bias", (E, D))
-    s["norm"] = Key("model.norm.weight", (D,))
-    if not cfg.tie_word_embeddings:
-        s["lm_head"] = Key("lm_head.weight", (V, D))
-    return s
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
@@ -312,6 +279,42 @@ def plan(cfg: Config) -> Plan:
         "layers.*.attn.sinks": "local", "layers.*.moe.router*": "replicate", "layers.*.moe.[wb]_*": "expert",
         **({} if cfg.tie_word_embeddings else {"lm_head": "colwise_gather"}),
     }, default=P(), strict=False)
+
+
+# ---------------------------------------------------------------------------- checkpoint name map
+HF_IGNORE = ("**.rotary_emb.inv_freq",)
+
+
+def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
+    """Every parameter path -> how it is made of checkpoint tensors (shapes included).
+
+    Example:
+        >>> hf_specs(Config.tiny())["layers.0.moe.w_gate_up"]
+        Transpose(Deinterleave(Key('model.layers.0.mlp.experts.gate_up_proj', (8, 64, 64)), dim=2, n=2), 1, 2)
+    """
+    V, D, E, I = cfg.vocab_size, cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
+    H, q, kv = cfg.num_attention_heads, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
+    for i in range(cfg.num_hidden_layers):
+        p, k = f"layers.{i}.", f"model.layers.{i}."
+        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
+        for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
+            s[p + f"attn.w{x}"] = Key(k + f"self_attn.{x}_proj.weight", shape)
+            if cfg.attention_bias:
+                s[p + f"attn.b{x}"] = Key(k + f"self_attn.{x}_proj.bias", shape[:1])
+        s[p + "attn.sinks"] = Key(k + "self_attn.sinks", (H,))
+        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
+        m = k + "mlp."
+        s[p + "moe.router"] = Key(m + "router.weight", (E, D))
+        s[p + "moe.router_bias"] = Key(m + "router.bias", (E,))
+        s[p + "moe.w_gate_up"] = Transpose(Deinterleave(Key(m + "experts.gate_up_proj", (E, D, 2 * I)), dim=2), 1, 2)
+        s[p + "moe.b_gate_up"] = Deinterleave(Key(m + "experts.gate_up_proj_bias", (E, 2 * I)), dim=1)
+        s[p + "moe.w_down"] = Transpose(Key(m + "experts.down_proj", (E, I, D)), 1, 2)
+        s[p + "moe.b_down"] = Key(m + "experts.down_proj_bias", (E, D))
+    s["norm"] = Key("model.norm.weight", (D,))
+    if not cfg.tie_word_embeddings:
+        s["lm_head"] = Key("lm_head.weight", (V, D))
+    return s
 
 
 # ---------------------------------------------------------------------------- the declared interface

@@ -35,8 +35,6 @@ from fmoe import P, Plan
 from fmoe.model import Model
 from fmoe.checkpoint import Cat, Key, Spec, Stack
 
-HF_IGNORE = ("**.rotary_emb.inv_freq",)
-
 
 @dataclass(frozen=True)
 class Config:
@@ -124,43 +122,6 @@ class Config:
         rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
         return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_act": "silu", **out,
                 "rope_parameters": rope}
-
-
-def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
-    """Every parameter path -> how it is made of checkpoint tensors (shapes included).
-
-    The hub layout (what ``save_pretrained`` writes) keeps one key per expert under
-    ``block_sparse_moe`` (``experts.3.w1.weight``: gate, ``w3``: up, ``w2``: down); when ``keys``
-    holds transformers' fused in-memory names (``mlp.experts.gate_up_proj``) those are read.
-
-    Example:
-        >>> hf_specs(Config.tiny())["layers.0.moe.router"]
-        Key('model.layers.0.block_sparse_moe.gate.weight', (8, 64))
-    """
-    V, D, E, I = cfg.vocab_size, cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    keys = set(keys or ())
-    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
-    for i in range(cfg.num_hidden_layers):
-        p, k = f"layers.{i}.", f"model.layers.{i}."
-        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
-        for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
-            s[p + f"attn.w{x}"] = Key(k + f"self_attn.{x}_proj.weight", shape)
-        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
-        if k + "mlp.experts.gate_up_proj" in keys:  # fused layout (transformers' in-memory names)
-            s[p + "moe.router"] = Key(k + "mlp.gate.weight", (E, D))
-            s[p + "moe.w_gate_up"] = Key(k + "mlp.experts.gate_up_proj", (E, 2 * I, D))
-            s[p + "moe.w_down"] = Key(k + "mlp.experts.down_proj", (E, D, I))
-            continue
-        m = k + "block_sparse_moe."
-        per = lambda w, shape: Stack([Key(f"{m}experts.{e}.{w}.weight", shape) for e in range(E)])  # noqa: E731
-        s[p + "moe.router"] = Key(m + "gate.weight", (E, D))
-        s[p + "moe.w_gate_up"] = Cat([per("w1", (I, D)), per("w3", (I, D))], dim=1)
-        s[p + "moe.w_down"] = per("w2", (D, I))
-    s["norm"] = Key("model.norm.weight", (D,))
-    if not cfg.tie_word_embeddings:
-        s["lm_head"] = Key("lm_head.weight", (V, D))
-    return s
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
@@ -288,6 +249,47 @@ def plan(cfg: Config) -> Plan:
         "layers.*.moe.router": "replicate", "layers.*.moe.w_*": "expert",
         **({} if cfg.tie_word_embeddings else {"lm_head": "colwise_gather"}),
     }, default=P(), strict=False)
+
+
+# ---------------------------------------------------------------------------- checkpoint name map
+HF_IGNORE = ("**.rotary_emb.inv_freq",)
+
+
+def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
+    """Every parameter path -> how it is made of checkpoint tensors (shapes included).
+
+    The hub layout (what ``save_pretrained`` writes) keeps one key per expert under
+    ``block_sparse_moe`` (``experts.3.w1.weight``: gate, ``w3``: up, ``w2``: down); when ``keys``
+    holds transformers' fused in-memory names (``mlp.experts.gate_up_proj``) those are read.
+
+    Example:
+        >>> hf_specs(Config.tiny())["layers.0.moe.router"]
+        Key('model.layers.0.block_sparse_moe.gate.weight', (8, 64))
+    """
+    V, D, E, I = cfg.vocab_size, cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    keys = set(keys or ())
+    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
+    for i in range(cfg.num_hidden_layers):
+        p, k = f"layers.{i}.", f"model.layers.{i}."
+        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
+        for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
+            s[p + f"attn.w{x}"] = Key(k + f"self_attn.{x}_proj.weight", shape)
+        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
+        if k + "mlp.experts.gate_up_proj" in keys:  # fused layout (transformers' in-memory names)
+            s[p + "moe.router"] = Key(k + "mlp.gate.weight", (E, D))
+            s[p + "moe.w_gate_up"] = Key(k + "mlp.experts.gate_up_proj", (E, 2 * I, D))
+            s[p + "moe.w_down"] = Key(k + "mlp.experts.down_proj", (E, D, I))
+            continue
+        m = k + "block_sparse_moe."
+        per = lambda w, shape: Stack([Key(f"{m}experts.{e}.{w}.weight", shape) for e in range(E)])  # noqa: E731
+        s[p + "moe.router"] = Key(m + "gate.weight", (E, D))
+        s[p + "moe.w_gate_up"] = Cat([per("w1", (I, D)), per("w3", (I, D))], dim=1)
+        s[p + "moe.w_down"] = per("w2", (D, I))
+    s["norm"] = Key("model.norm.weight", (D,))
+    if not cfg.tie_word_embeddings:
+        s["lm_head"] = Key("lm_head.weight", (V, D))
+    return s
 
 
 # ---------------------------------------------------------------------------- the declared interface

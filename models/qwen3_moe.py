@@ -39,8 +39,6 @@ from fmoe import P, Plan
 from fmoe.model import Model
 from fmoe.checkpoint import Cat, Key, Spec, Stack
 
-HF_IGNORE = ("**.rotary_emb.inv_freq",)
-
 
 @dataclass(frozen=True)
 class Config:
@@ -138,48 +136,6 @@ class Config:
                 "attention_bias": False, **out, "mlp_only_layers": list(self.mlp_only_layers),
                 "use_sliding_window": self.sliding_window is not None, "sliding_window": self.sliding_window,
                 "rope_parameters": rope}
-
-
-def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
-    """Every parameter path -> how it is made of checkpoint tensors (shapes included).
-
-    Experts are read from per-expert keys (``mlp.experts.3.gate_proj.weight``, what
-    ``save_pretrained`` writes) or, when ``keys`` holds them, from the fused in-memory keys
-    (``mlp.experts.gate_up_proj [E, 2I, D]``, ``mlp.experts.down_proj [E, D, I]``).
-
-    Example:
-        >>> hf_specs(Config.tiny())["layers.0.moe.w_down"].shape
-        (8, 64, 32)
-    """
-    V, D, E, I, Id = cfg.vocab_size, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
-    hd, q, kv = cfg.head_dim, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    keys = set(keys or ())
-    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
-    for i in range(cfg.num_hidden_layers):
-        p, k = f"layers.{i}.", f"model.layers.{i}."
-        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
-        for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
-            s[p + f"attn.w{x}"] = Key(k + f"self_attn.{x}_proj.weight", shape)
-        s[p + "attn.q_norm"] = Key(k + "self_attn.q_norm.weight", (hd,))
-        s[p + "attn.k_norm"] = Key(k + "self_attn.k_norm.weight", (hd,))
-        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
-        m = k + "mlp."
-        if not cfg.is_sparse(i):
-            s[p + "mlp.w_gate_up"] = Cat([Key(m + "gate_proj.weight", (Id, D)), Key(m + "up_proj.weight", (Id, D))], 0)
-            s[p + "mlp.w_down"] = Key(m + "down_proj.weight", (D, Id))
-            continue
-        s[p + "moe.router"] = Key(m + "gate.weight", (E, D))
-        if m + "experts.gate_up_proj" in keys:  # fused layout
-            s[p + "moe.w_gate_up"] = Key(m + "experts.gate_up_proj", (E, 2 * I, D))
-            s[p + "moe.w_down"] = Key(m + "experts.down_proj", (E, D, I))
-        else:  # one key per expert and projection, stacked on a new expert dim
-            per = lambda n, shape: Stack([Key(f"{m}experts.{e}.{n}.weight", shape) for e in range(E)])  # noqa: E731
-            s[p + "moe.w_gate_up"] = Cat([per("gate_proj", (I, D)), per("up_proj", (I, D))], dim=1)
-            s[p + "moe.w_down"] = per("down_proj", (D, I))
-    s["norm"] = Key("model.norm.weight", (D,))
-    if not cfg.tie_word_embeddings:
-        s["lm_head"] = Key("lm_head.weight", (V, D))
-    return s
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
@@ -315,6 +271,52 @@ def plan(cfg: Config) -> Plan:
            {"layers.*.mlp.w_gate_up": "packed_colwise", "layers.*.mlp.w_down": "rowwise"}),
         **({} if cfg.tie_word_embeddings else {"lm_head": "colwise_gather"}),
     }, default=P(), strict=False)
+
+
+# ---------------------------------------------------------------------------- checkpoint name map
+HF_IGNORE = ("**.rotary_emb.inv_freq",)
+
+
+def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
+    """Every parameter path -> how it is made of checkpoint tensors (shapes included).
+
+    Experts are read from per-expert keys (``mlp.experts.3.gate_proj.weight``, what
+    ``save_pretrained`` writes) or, when ``keys`` holds them, from the fused in-memory keys
+    (``mlp.experts.gate_up_proj [E, 2I, D]``, ``mlp.experts.down_proj [E, D, I]``).
+
+    Example:
+        >>> hf_specs(Config.tiny())["layers.0.moe.w_down"].shape
+        (8, 64, 32)
+    """
+    V, D, E, I, Id = cfg.vocab_size, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
+    hd, q, kv = cfg.head_dim, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    keys = set(keys or ())
+    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
+    for i in range(cfg.num_hidden_layers):
+        p, k = f"layers.{i}.", f"model.layers.{i}."
+        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
+        for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
+            s[p + f"attn.w{x}"] = Key(k + f"self_attn.{x}_proj.weight", shape)
+        s[p + "attn.q_norm"] = Key(k + "self_attn.q_norm.weight", (hd,))
+        s[p + "attn.k_norm"] = Key(k + "self_attn.k_norm.weight", (hd,))
+        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
+        m = k + "mlp."
+        if not cfg.is_sparse(i):
+            s[p + "mlp.w_gate_up"] = Cat([Key(m + "gate_proj.weight", (Id, D)), Key(m + "up_proj.weight", (Id, D))], 0)
+            s[p + "mlp.w_down"] = Key(m + "down_proj.weight", (D, Id))
+            continue
+        s[p + "moe.router"] = Key(m + "gate.weight", (E, D))
+        if m + "experts.gate_up_proj" in keys:  # fused layout
+            s[p + "moe.w_gate_up"] = Key(m + "experts.gate_up_proj", (E, 2 * I, D))
+            s[p + "moe.w_down"] = Key(m + "experts.down_proj", (E, D, I))
+        else:  # one key per expert and projection, stacked on a new expert dim
+            per = lambda n, shape: Stack([Key(f"{m}experts.{e}.{n}.weight", shape) for e in range(E)])  # noqa: E731
+            s[p + "moe.w_gate_up"] = Cat([per("gate_proj", (I, D)), per("up_proj", (I, D))], dim=1)
+            s[p + "moe.w_down"] = per("down_proj", (D, I))
+    s["norm"] = Key("model.norm.weight", (D,))
+    if not cfg.tie_word_embeddings:
+        s["lm_head"] = Key("lm_head.weight", (V, D))
+    return s
 
 
 # ---------------------------------------------------------------------------- the declared interface
