@@ -296,7 +296,7 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, ckp
 
     Example:
         >>> hf_specs(Config.tiny())["layers.0.mlp.w_gate_up"].shape
-        (192, 64)
+        (256, 64)
     """
     layout, names = _layout(cfg), hf_names(cfg)
     out = {}
