@@ -24,6 +24,7 @@ Mesh sizes themselves are checked by :class:`fmoe.Mesh`, dims divisible by their
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ class Model:
         routed: whether ``forward`` takes ``impl=``, ``router=`` and ``return_aux=`` (MoE layers).
         init_cache: ``init_cache(cfg, batch, max_len, mesh=None, dtype=...) -> cache`` for
             generation (``forward(..., cache=, positions=)``), or None.
+        aux_loss_fields: ``(switch, coefficient)``: the config fields that turn the router's
+            load-balance loss on and weigh it (transformers' ``output_router_logits``,
+            ``router_aux_loss_coef``), or None when the model has none (:meth:`with_aux_loss`).
     """
 
     name: str
@@ -75,6 +79,7 @@ class Model:
     fused_gate_up: tuple = ("mlp.w_gate_up", "mlp.b_gate_up")
     routed: bool = True
     init_cache: Optional[Callable] = None
+    aux_loss_fields: Optional[tuple] = None
 
     @property
     def __name__(self) -> str:       # the checkpoint loader's messages name the model
@@ -83,6 +88,18 @@ class Model:
     @property
     def HF_IGNORE(self) -> tuple:    # noqa: N802  (the checkpoint loader's protocol name)
         return self.hf_ignore
+
+    def with_aux_loss(self, cfg: Any, weight: float) -> Any:
+        """``cfg`` with the router's load-balance loss on at ``weight`` (off at 0), through the
+        declared :attr:`aux_loss_fields`; ``cfg`` unchanged for a model without them.
+
+        Example:
+            >>> # qwen3_moe.MODEL.with_aux_loss(cfg, 0.01).router_aux_loss_coef  -> 0.01
+        """
+        if self.aux_loss_fields is None:
+            return cfg
+        switch, coef = self.aux_loss_fields
+        return dataclasses.replace(cfg, **{switch: weight > 0, coef: weight})
 
     # ---------------------------------------------------------------- plans, in one place
     def build_plan(self, cfg: Any, rules: Rules = None, mesh: Optional[Mesh] = None, params: Any = None, *,

@@ -116,3 +116,19 @@ def test_load_hf_checks_the_plan_first_ignores_inv_freq_and_names_missing_keys(t
     (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg.to_hf()))
     with pytest.raises(ValueError, match="model.layers.1.block_sparse_moe.experts.5.w3.weight"):
         mixtral.load_hf(tmp_path / "bad")
+
+
+def test_the_aux_loss_switch_is_declared_not_probed():
+    """The trainer turns a model's router load-balance loss on through ``Model.with_aux_loss``
+    (the fields each model declares), and leaves models without such a switch unchanged."""
+    from fmoe.model import model_of
+    from fmoe.models import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
+
+    for module in (qwen3_moe, mixtral, gpt_oss):
+        cfg = module.Config.tiny()
+        on = model_of(module).with_aux_loss(cfg, 0.02)
+        assert on.output_router_logits is True and on.router_aux_loss_coef == 0.02
+        assert model_of(module).with_aux_loss(on, 0.0).output_router_logits is False
+    for module in (llama, deepseek_v3):
+        cfg = module.Config.tiny()
+        assert model_of(module).with_aux_loss(cfg, 0.02) == cfg

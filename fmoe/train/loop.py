@@ -134,9 +134,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         raise ValueError(f"model vocab_size {cfg.vocab_size} cannot hold the data's token ids "
                          f"(vocabulary {train_data.vocab_size} of {train_data.name})")
     full = fmoe.tree.map_with_path(lambda _, t: t.to(device), full)
-    if hasattr(cfg, "output_router_logits"):
-        cfg = dataclasses.replace(cfg, output_router_logits=args.aux_weight > 0,
-                                  router_aux_loss_coef=args.aux_weight)
+    cfg = model_of(model).with_aux_loss(cfg, args.aux_weight)      # declared switch, no probing
     model_plan = model_of(model).build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model_of(model).build_plan(cfg, model_plan, mesh, full, data_parallel=True)
     packed = ckpt.packed_layout(plan, full)

@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .. import remat as _remat
 from .. import tree as _tree
@@ -111,6 +112,11 @@ def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, me
     return declared.forward(params, tokens, cfg, mesh, impl=impl, return_aux=True, **kwargs)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor gradient (no autograd), or the plain tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _world_mean(x: torch.Tensor) -> torch.Tensor:
     x = x.detach().clone().float()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -178,9 +184,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         if acc is None:
             acc = list(grads)
         else:
-            for a, g in zip(acc, grads):
-                (a._local_tensor if hasattr(a, "_local_tensor") else a).add_(
-                    g._local_tensor if hasattr(g, "_local_tensor") else g)
+            for a, g in zip(acc, grads):                 # in place on the local shards
+                _local(a).add_(_local(g))
         losses.append(loss.detach())
         for k, v in aux_named.items():
             aux_sums[k] = aux_sums.get(k, 0.0) + v.detach() / n_micro
