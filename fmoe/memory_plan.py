@@ -50,7 +50,7 @@ from typing import Any, Optional
 import torch
 
 from . import tree as _tree
-from .mesh import check_layout, rank_coords
+from .mesh import RankLayout
 from .plan import local_shape
 
 __all__ = ["memory_plan", "format_plan", "VirtualMesh", "activation_estimate"]
@@ -58,8 +58,9 @@ __all__ = ["memory_plan", "format_plan", "VirtualMesh", "activation_estimate"]
 _F32, _STEP = 4, 8          # fp32 masters / moments; AdamW's int64 step counter
 
 
-class VirtualMesh:
-    """The sizes and coordinates :class:`fmoe.Mesh` gives ``rank`` of ``world``, without processes.
+class VirtualMesh(RankLayout):
+    """The sizes and coordinates :class:`fmoe.Mesh` gives ``rank`` of ``world``, without processes
+    (a :class:`fmoe.mesh.RankLayout` whose errors name the memory plan's flags).
 
     Example:
         >>> m = VirtualMesh(8, rank=3, tp=2, ep=4)
@@ -69,27 +70,9 @@ class VirtualMesh:
 
     def __init__(self, world: int, rank: int = 0, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1):
         try:
-            layout = check_layout(world, tp=tp, ep=ep, dp_replicate=dp_replicate, names={"world": "nproc"})
+            super().__init__(world, rank, tp=tp, ep=ep, dp_replicate=dp_replicate, names={"world": "nproc"})
         except (TypeError, ValueError) as e:
             raise ValueError(f"memory plan: {e}") from None
-        ep, fsdp = layout.ep, layout.fsdp
-        self.world, self.rank, self.tp, self.ep, self.fsdp, self.dp_replicate = world, rank, tp, ep, fsdp, dp_replicate
-        self.efsdp = fsdp * tp // ep
-        self._coords = rank_coords(rank, tp=tp, fsdp=fsdp, dp_replicate=dp_replicate, ep=ep)
-
-    def size(self, axis: str) -> int:
-        return getattr(self, axis)
-
-    def rank_in(self, axis: str) -> int:
-        return self._coords[axis]
-
-    @property
-    def batch_index(self) -> int:
-        return self._coords["dp_replicate"] * self.fsdp + self._coords["fsdp"]
-
-    @property
-    def num_batches(self) -> int:
-        return self.dp_replicate * self.fsdp
 
 
 def _numel(shape) -> int:

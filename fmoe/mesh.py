@@ -31,7 +31,7 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch.distributed as dist
 
-__all__ = ["Mesh", "Layout", "check_layout", "rank_coords", "DENSE_AXES", "EXPERT_AXES", "AXES", "DATA_AXES"]
+__all__ = ["Mesh", "RankLayout", "Layout", "check_layout", "rank_coords", "DENSE_AXES", "EXPERT_AXES", "AXES", "DATA_AXES"]
 
 DENSE_AXES = ("dp_replicate", "fsdp", "tp")
 EXPERT_AXES = ("dp_replicate", "efsdp", "ep")
@@ -131,8 +131,91 @@ def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Opt
     return Layout(world, tp, ep, fsdp, dp_replicate)
 
 
-class Mesh:
-    """The process layout of one job: sizes, coordinates and process groups per axis.
+class RankLayout:
+    """One rank's place in a valid layout: sizes and coordinates on every axis, no processes.
+
+    The pure half of :class:`Mesh` (which adds the process groups); programs that plan a run
+    without starting ranks use it directly (the memory plan). Errors are :func:`check_layout`'s.
+
+    Args:
+        world: number of ranks; rank: this rank.
+        tp, ep, fsdp, dp_replicate: the sizes, as in :func:`check_layout`.
+        names: how errors spell the fields (:func:`check_layout`).
+
+    Example:
+        >>> m = RankLayout(8, 3, tp=2, ep=4)
+        >>> m.fsdp, m.efsdp, m.rank_in("tp"), m.rank_in("ep"), m.batch_index, m.ranks("ep")
+        (4, 2, 1, 3, 1, [0, 1, 2, 3])
+    """
+
+    def __init__(self, world: int, rank: int = 0, tp: int = 1, ep: Optional[int] = None,
+                 fsdp: Optional[int] = None, dp_replicate: int = 1, names: Optional[Mapping[str, str]] = None):
+        layout = check_layout(world, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, names=names)
+        self.world, self.rank = world, rank
+        self.tp, self.ep, self.fsdp, self.dp_replicate = layout.tp, layout.ep, layout.fsdp, layout.dp_replicate
+        self.efsdp = layout.efsdp
+        self._coords = rank_coords(rank, tp=self.tp, fsdp=self.fsdp, dp_replicate=self.dp_replicate, ep=self.ep)
+
+    def size(self, axis: str) -> int:
+        """Size of a mesh axis (``"tp"``, ``"fsdp"``, ``"ep"``, ``"efsdp"``, ``"dp_replicate"``)."""
+        self._check_axis(axis)
+        return getattr(self, axis)
+
+    def rank_in(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        self._check_axis(axis)
+        return self._coords[axis]
+
+    def ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis``, in coordinate order."""
+        self._check_axis(axis)
+        stride = {"tp": 1, "fsdp": self.tp, "dp_replicate": self.tp * self.fsdp,
+                  "ep": 1, "efsdp": self.ep}[axis]
+        base = self.rank - self._coords[axis] * stride
+        return [base + i * stride for i in range(self.size(axis))]
+
+    @property
+    def batch_index(self) -> int:
+        """Index of the data-parallel batch this rank holds (same for a whole TP group)."""
+        return self._coords["dp_replicate"] * self.fsdp + self._coords["fsdp"]
+
+    @property
+    def num_batches(self) -> int:
+        """Number of distinct data-parallel batches (``dp_replicate * fsdp``)."""
+        return self.dp_replicate * self.fsdp
+
+    def expert_range(self, num_experts: int) -> range:
+        """Global ids of the experts this rank owns: a contiguous block of ``E / ep``.
+
+        Example:
+            >>> RankLayout(4, 1, ep=4).expert_range(8)
+            range(2, 4)
+        """
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"expert_range: num_experts must be an int >= 1, got {num_experts!r}")
+        if num_experts % self.ep:
+            raise ValueError(
+                f"Cannot evenly shard {num_experts} experts across {self.ep} expert-parallel "
+                f"ranks (num_experts must be a multiple of ep={self.ep})"
+            )
+        n = num_experts // self.ep
+        start = self._coords["ep"] * n
+        return range(start, start + n)
+
+    def _check_axis(self, axis: str) -> None:
+        if axis not in AXES:
+            raise ValueError(f"unknown mesh axis {axis!r}; valid axes are {list(AXES)}")
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(world={self.world}, rank={self.rank}, dp_replicate={self.dp_replicate}, "
+            f"fsdp={self.fsdp}, tp={self.tp}, ep={self.ep}, efsdp={self.efsdp})"
+        )
+
+
+class Mesh(RankLayout):
+    """The process layout of one job: a :class:`RankLayout` (sizes, coordinates) plus the process
+    groups per axis.
 
     Args:
         tp: tensor-parallel size (consecutive ranks).
@@ -158,35 +241,18 @@ class Mesh:
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
         try:
-            layout = check_layout(world, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate)
+            super().__init__(world, rank, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate)
         except (TypeError, ValueError) as e:
             raise type(e)(f"Mesh: {e}") from None
-        tp, ep, fsdp, dp_replicate = layout.tp, layout.ep, layout.fsdp, layout.dp_replicate
-        self.tp, self.ep, self.fsdp, self.dp_replicate = tp, ep, fsdp, dp_replicate
-        self.efsdp = fsdp * tp // ep
-        self.world, self.rank = world, rank
-        self._coords = rank_coords(rank, tp=tp, fsdp=fsdp, dp_replicate=dp_replicate, ep=ep)
         self.dense = self.expert = None
         if initialized:
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.dense = init_device_mesh(device, (dp_replicate, fsdp, tp), mesh_dim_names=DENSE_AXES)
-            self.expert = init_device_mesh(
-                device, (dp_replicate, self.efsdp, ep), mesh_dim_names=EXPERT_AXES
-            )
+            self.dense = init_device_mesh(device, (self.dp_replicate, self.fsdp, self.tp), mesh_dim_names=DENSE_AXES)
+            self.expert = init_device_mesh(device, (self.dp_replicate, self.efsdp, self.ep), mesh_dim_names=EXPERT_AXES)
 
-    # ----------------------------------------------------------------------------- queries
-    def size(self, axis: str) -> int:
-        """Size of a mesh axis (``"tp"``, ``"fsdp"``, ``"ep"``, ``"efsdp"``, ``"dp_replicate"``)."""
-        self._check_axis(axis)
-        return getattr(self, axis)
-
-    def rank_in(self, axis: str) -> int:
-        """This rank's coordinate along ``axis``."""
-        self._check_axis(axis)
-        return self._coords[axis]
-
+    # ----------------------------------------------------------------------------- process groups
     def group(self, axis: str) -> Optional[dist.ProcessGroup]:
         """Process group of this rank along ``axis`` (None in a single process without init)."""
         self._check_axis(axis)
@@ -197,52 +263,6 @@ class Mesh:
         """The DeviceMesh (dense or expert) that holds ``axis``."""
         self._check_axis(axis)
         return self.expert if axis in ("ep", "efsdp") else self.dense
-
-    def ranks(self, axis: str) -> list[int]:
-        """Global ranks of this rank's group along ``axis``, in coordinate order."""
-        self._check_axis(axis)
-        stride = {"tp": 1, "fsdp": self.tp, "dp_replicate": self.tp * self.fsdp,
-                  "ep": 1, "efsdp": self.ep}[axis]
-        base = self.rank - self._coords[axis] * stride
-        return [base + i * stride for i in range(self.size(axis))]
-
-    @property
-    def batch_index(self) -> int:
-        """Index of the data-parallel batch this rank holds (same for a whole TP group)."""
-        return self._coords["dp_replicate"] * self.fsdp + self._coords["fsdp"]
-
-    @property
-    def num_batches(self) -> int:
-        """Number of distinct data-parallel batches (``dp_replicate * fsdp``)."""
-        return self.dp_replicate * self.fsdp
-
-    def expert_range(self, num_experts: int) -> range:
-        """Global ids of the experts this rank owns: a contiguous block of ``E / ep``.
-
-        Example:
-            >>> Mesh().expert_range(4)
-            range(0, 4)
-        """
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"expert_range: num_experts must be an int >= 1, got {num_experts!r}")
-        if num_experts % self.ep:
-            raise ValueError(
-                f"Cannot evenly shard {num_experts} experts across {self.ep} expert-parallel "
-                f"ranks (num_experts must be a multiple of ep={self.ep})"
-            )
-        n = num_experts // self.ep
-        start = self._coords["ep"] * n
-        return range(start, start + n)
-
-    def _check_axis(self, axis: str) -> None:
-        if axis not in AXES:
-            raise ValueError(f"unknown mesh axis {axis!r}; valid axes are {list(AXES)}")
-
-    def __repr__(self) -> str:
-        return (
-            f"Mesh(world={self.world}, rank={self.rank}, dp_replicate={self.dp_replicate}, "
-            f"fsdp={self.fsdp}, tp={self.tp}, ep={self.ep}, efsdp={self.efsdp})"
-        )
 
     def __reduce__(self):  # meshes hold process groups: rebuild, never pickle them
         raise TypeError("fmoe.Mesh cannot be pickled; build it on each rank after init_process_group")

@@ -44,6 +44,7 @@ from . import ep as _ep
 from .activations import Activation, swiglu
 from .experts import LocalExperts, check_matmul
 from .fsdp import unshard
+from .mesh import Mesh
 from .global_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .shared_experts import check_shared, shared_expert
@@ -185,7 +186,7 @@ def moe(
         (torch.Size([5, 8]), 10)
     """
     E, D, I = _check_params(params, x)
-    if mesh is not None and not hasattr(mesh, "expert_range"):
+    if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"moe: mesh must be an fmoe.Mesh or None, got {type(mesh).__name__}")
     if not callable(router):
         raise TypeError(f"moe: router must be callable (e.g. fmoe.routing.topk(2)), got {router!r}")

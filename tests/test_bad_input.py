@@ -36,6 +36,8 @@ def cases(mesh):
         ("missing key", lambda: moe(p={k: v for k, v in params.items() if k != "w_down"}), r"missing \['w_down'\]"),
         ("inconsistent I", lambda: moe(p={**params, "w_down": torch.randn(E, D, I + 1)}), "w_down must be"),
         ("unknown impl", lambda: moe(impl="nccl_magic"), "unknown MoE impl 'nccl_magic'"),
+        ("mesh without groups", lambda: fmoe.moe(params, x, router=top2, mesh=fmoe.mesh.RankLayout(1)),
+         "mesh must be an fmoe.Mesh or None, got RankLayout"),
         ("all_reduce with ep != tp", lambda: moe(impl="all_reduce"), "requires ep == tp"),
         ("ids out of range", lambda: moe(router=_router_returning(torch.ones(3, 2), ids + E)), r"expert_ids must be in \[0, 8\)"),
         ("negative ids", lambda: moe(router=_router_returning(torch.ones(3, 2), ids - 1)), r"got values in \[-1, -1\]"),
