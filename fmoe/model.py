@@ -24,10 +24,9 @@ Mesh sizes themselves are checked by :class:`fmoe.Mesh`, dims divisible by their
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -99,7 +98,7 @@ class Model:
         if self.aux_loss_fields is None:
             return cfg
         switch, coef = self.aux_loss_fields
-        return dataclasses.replace(cfg, **{switch: weight > 0, coef: weight})
+        return replace(cfg, **{switch: weight > 0, coef: weight})
 
     # ---------------------------------------------------------------- plans, in one place
     def build_plan(self, cfg: Any, rules: Rules = None, mesh: Optional[Mesh] = None, params: Any = None, *,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-__all__ = ["rope_from_hf", "TP_FIELDS"]
+__all__ = ["rope_from_hf", "TP_FIELDS", "AUX_LOSS_FIELDS"]
 
 #: (parameter name inside a layer, tensor dim) -> the config field tp must divide when that dim
 #: is split over tp: attention by whole heads, a dense MLP by its hidden size.
@@ -22,6 +22,10 @@ TP_FIELDS = {
     ("mlp.w_gate_up", 0): "intermediate_size", ("mlp.b_gate_up", 0): "intermediate_size",
     ("mlp.w_down", 1): "intermediate_size",
 }
+
+#: transformers' switch and weight of the router's load-balance loss (qwen3_moe, mixtral, gpt_oss):
+#: the ``Model.aux_loss_fields`` the trainer sets through ``Model.with_aux_loss``.
+AUX_LOSS_FIELDS = ("output_router_logits", "router_aux_loss_coef")
 
 
 def rope_from_hf(hf: Mapping[str, Any], default_theta: float,

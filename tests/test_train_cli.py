@@ -1,6 +1,5 @@
 """The main job end to end: flags, log, checkpoints, bitwise resume, resharded resume."""
 
-import json
 import os
 import subprocess
 import sys
@@ -13,21 +12,17 @@ from fmoe.train import ckpt
 from fmoe.fsdp import data_parallel_plan
 from fmoe.train.optim import adamw_init
 import fmoe.models.llama
+from train_cases import read_log, train_cli
 
 MODEL = "llama"
 BASE = ["--model", MODEL, "--preset", "tiny", "--batch", "2", "--seq", "16", "--lr", "3e-3", "--quiet"]
 
 
 def cli(*args, check=True):
-    out = subprocess.run([sys.executable, "-m", "fmoe.train", *args], capture_output=True, text=True, timeout=600)
-    if check:
-        assert out.returncode == 0, out.stderr[-4000:]
-    return out
+    return train_cli(*args, check=check, timeout=600)
 
 
-def log(out_dir):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
+log = read_log
 
 
 def load_params(path):

@@ -11,22 +11,13 @@ import sys
 import pytest
 
 from data_cases import train_tokenizer, write_corpus
+from train_cases import read_log, train_cli
 
 BASE = ["--model", "qwen3_moe", "--preset", "tiny", "--batch", "2", "--seq", "32", "--lr", "1e-2", "--warmup", "2",
         "--quiet"]
 
 
-def cli(*args, env=None, check=True):
-    out = subprocess.run([sys.executable, "-m", "fmoe.train", *args], capture_output=True, text=True, timeout=900,
-                         env=None if env is None else {**os.environ, **env})
-    if check:
-        assert out.returncode == 0, out.stderr[-4000:]
-    return out
-
-
-def log(out_dir):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
+cli, log = train_cli, read_log
 
 
 def meta(out_dir, step):

@@ -20,13 +20,10 @@ def corpus():
 
 def model_and_cfg(name, tp=8):
     """The model and the config the CLI uses for ``--preset tiny`` (valid up to tp=8)."""
-    import dataclasses
-
+    from fmoe.model import model_of
     from fmoe.train.cli import _preset
     model = importlib.import_module(f"fmoe.models.{name}")
-    cfg = _preset(model, "tiny", tp)
-    if hasattr(cfg, "output_router_logits"):       # train with the global load-balance loss on
-        cfg = dataclasses.replace(cfg, output_router_logits=True, router_aux_loss_coef=0.05)
+    cfg = model_of(model).with_aux_loss(_preset(model, "tiny", tp), 0.05)   # global load-balance loss on
     return model, cfg
 
 
@@ -70,3 +67,25 @@ def train(name, mesh, steps=STEPS, num_batches=None, cfg=None):
         norms.append(m["grad_norm"])
     return losses, norms, {k: v.detach() for k, v in fmoe.tree.flatten(fmoe.gather(params)).items()}
 
+
+def train_cli(*args, env=None, check=True, timeout=900):
+    """``python -m fmoe.train *args`` in a subprocess (``env`` added to the environment); with
+    ``check`` the run must succeed."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fmoe.train", *args], capture_output=True, text=True,
+                         timeout=timeout, env=None if env is None else {**os.environ, **env})
+    if check:
+        assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def read_log(out_dir):
+    """The rows of ``OUT/log.jsonl``."""
+    import json
+    import os
+
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
