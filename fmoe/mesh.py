@@ -151,6 +151,8 @@ class RankLayout:
     def __init__(self, world: int, rank: int = 0, tp: int = 1, ep: Optional[int] = None,
                  fsdp: Optional[int] = None, dp_replicate: int = 1, names: Optional[Mapping[str, str]] = None):
         layout = check_layout(world, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, names=names)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"rank must be an int in [0, {world}) for {world} ranks, got {rank!r}")
         self.world, self.rank = world, rank
         self.tp, self.ep, self.fsdp, self.dp_replicate = layout.tp, layout.ep, layout.fsdp, layout.dp_replicate
         self.efsdp = layout.efsdp

@@ -58,6 +58,7 @@ def test_check_layout_is_the_one_set_of_rules():
         with pytest.raises(kind) as e:
             check_layout(kw.pop("world"), **kw)
         assert match in str(e.value), (kw, str(e.value))
+
     # the same rule, spelled as the caller's user spells the fields
     flags = {"world": "--nproc", "tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate"}
     with pytest.raises(ValueError, match=r"^--ep 3 must be a multiple of --tp 2 .*; valid --ep: 2, 4$"):
@@ -70,6 +71,18 @@ def test_check_layout_is_the_one_set_of_rules():
     with pytest.raises(ValueError) as want:
         check_layout(1, tp=2)
     assert str(e.value) == f"Mesh: {want.value}"
+
+
+def test_rank_layout_is_mesh_without_processes():
+    """``RankLayout``: one rank's sizes and coordinates (the memory plan's virtual mesh), the
+    same numbers as the reference picture in fmoe/mesh.py; a rank outside the world is refused."""
+    from fmoe.mesh import RankLayout
+    m = RankLayout(8, 5, tp=2, ep=4)
+    assert (m.fsdp, m.efsdp, m.rank_in("tp"), m.rank_in("fsdp"), m.rank_in("ep"), m.batch_index) == (4, 2, 1, 2, 1, 2)
+    assert m.ranks("ep") == [4, 5, 6, 7] and m.ranks("fsdp") == [1, 3, 5, 7] and m.expert_range(8) == range(2, 4)
+    for rank in (8, -1, 1.0):
+        with pytest.raises(ValueError, match=r"rank must be an int in \[0, 8\) for 8 ranks"):
+            RankLayout(8, rank, tp=2)
 
 
 def _eight_rank_layouts(rank, world):
