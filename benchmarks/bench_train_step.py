@@ -133,7 +133,7 @@ def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto", coale
     forward (``torch.compile(_fmoe_loss)`` for the compiled runner; its backward is compiled
     with it)."""
     from fmoe.fsdp import regather_in_backward
-    from fmoe.train.grads import reduce_grads
+    from fmoe.training.grads import reduce_grads
 
     leaves = fmoe.tree.leaves(params)
     with regather_in_backward():
@@ -155,7 +155,7 @@ def _reduce_grads_coalesced(grads, mesh) -> list:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     from fmoe.collectives import all_reduce_coalesced
-    from fmoe.train.grads import DATA_AXES
+    from fmoe.training.grads import DATA_AXES
 
     local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
     for axis in ("tp", "ep", "fsdp", "efsdp", "dp_replicate"):     # the same order on every rank

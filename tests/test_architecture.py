@@ -235,7 +235,7 @@ def test_a_submodule_import_counts_its_package():
 # ------------------------------------------------------------------------------- the model interface
 MODEL_FILES = sorted(n for n in MODULES if n.startswith("fmoe.models.") and not n.rpartition(".")[2].startswith("_"))
 GENERIC = [n for n in MODULES if n.startswith(("fmoe.models", "fmoe.train", "fmoe.checkpoint", "fmoe.generate"))
-           or n in ("fmoe.model", "fmoe.memory_plan", "fmoe.plan.__main__")]
+           or n in ("fmoe.model", "fmoe.memory_plan", "fmoe.plan.__main__") or n.startswith(("fmoe.training", "fmoe.memplan"))]
 
 
 def probes(tree: ast.AST) -> list[str]:
@@ -323,7 +323,7 @@ LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own 
     (3, ("fmoe.routing", "fmoe.ep", "fmoe.aux_losses")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
     (5, ("fmoe.model", "fmoe.train", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan", "fmoe.plan.__main__",
-         "fmoe.plot")),
+         "fmoe.plot", "fmoe.training", "fmoe.memplan")),
     (6, ("fmoe.models",)),
 ]
 

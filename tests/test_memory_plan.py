@@ -33,9 +33,9 @@ def _measure(rank, world, preset, tp, ep, dpr, batch, seq, dtype):
     from fmoe.models import qwen3_moe
     from fmoe.fsdp import _RECIPE, _root, data_parallel_plan, regather_in_backward
     from fmoe.train.cli import _preset
-    from fmoe.train.grads import reduce_grads
+    from fmoe.training.grads import reduce_grads
     from fmoe.train.optim import adamw_init
-    from fmoe.train.step import _aux_terms, autocast, forward_with_aux
+    from fmoe.training.step import _aux_terms, autocast, forward_with_aux
     cfg = dataclasses.replace(_preset(qwen3_moe, preset, tp), output_router_logits=True)
     mesh = fmoe.Mesh(tp=tp, ep=ep, dp_replicate=dpr)
     full = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(True), qwen3_moe.init(cfg, seed=0))

@@ -8,7 +8,7 @@ import torch
 import fmoe
 from fmoe import P
 from fmoe.testing import spawn
-from fmoe.train import step as step_module
+from fmoe.training import step as step_module
 from fmoe.train.optim import AdamWConfig, adamw_init, adamw_update, global_norm, lr_at
 from train_cases import train
 
@@ -55,7 +55,7 @@ def _norms(rank, world):
 
 def _reduce_inplace_ok(sh, mesh):
     """reduce_grads leaves its input alone by default; inplace=True gives the same result."""
-    from fmoe.train.grads import reduce_grads
+    from fmoe.training.grads import reduce_grads
 
     grads = fmoe.tree.map_with_path(lambda _, t: t + 1.0, sh)          # per-rank "gradients"
     before = {k: v.to_local().clone() for k, v in fmoe.tree.flatten(grads).items()}

@@ -8,7 +8,7 @@ import fmoe
 from fmoe.train.data import Corpus
 from fmoe.fsdp import data_parallel_plan
 from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
-from fmoe.train.step import StepConfig, train_step
+from fmoe.training.step import StepConfig, train_step
 
 B, S, STEPS, LR = 2, 16, 3, 3e-3
 STEP_CFG = StepConfig(opt=AdamWConfig(weight_decay=0.1, max_grad_norm=0.5))   # clipping active

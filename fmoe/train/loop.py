@@ -110,10 +110,10 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     import fmoe
     from fmoe.model import model_of
     from fmoe.train import ckpt
-    from fmoe.train.evaluate import evaluate
+    from fmoe.training.evaluate import evaluate
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
     from fmoe.train.outdir import check_room
-    from fmoe.train.step import StepConfig, train_step
+    from fmoe.training.step import StepConfig, train_step
 
     model = importlib.import_module(f"fmoe.models.{args.model}")
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)

@@ -47,7 +47,7 @@ from ..nn import cross_entropy
 from ..collectives import sum_over_world
 from ..fsdp import regather_in_backward
 from .grads import reduce_grads
-from .optim import AdamWConfig, adamw_update, global_norm
+from ..train.optim import AdamWConfig, adamw_update, global_norm
 
 __all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_dtype", "autocast", "DTYPES"]
 
