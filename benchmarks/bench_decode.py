@@ -33,8 +33,9 @@ def _rank(rank: int, world: int, tokens: int, batch: int) -> list[dict]:
         mesh = fmoe.Mesh(**kw)
         params = qwen3_moe.shard(full, cfg, mesh)
         seen = {"impl": set(), "rows": 0, "calls": 0}
-        for name in ("all_to_all", "all_reduce"):
-            impl = fmoe.ep.get(name)
+        saved = {name: fmoe.ep.declared(name) for name in ("all_to_all", "all_reduce")}
+        for name, d in saved.items():
+            impl = d.impl
 
             def spy(*a, _impl=impl, _name=name, **k):
                 seen["impl"].add(_name)
@@ -44,7 +45,7 @@ def _rank(rank: int, world: int, tokens: int, batch: int) -> list[dict]:
                 seen["calls"] += 1
                 return res
 
-            fmoe.ep.register(name, spy)
+            fmoe.ep.register(name, spy, **d.properties)      # the same declared properties
         with torch.no_grad():                       # one decode step first: warm-up and the prefill
             cache = qwen3_moe.init_cache(cfg, batch, 8 + tokens, mesh)
             logits, cache = qwen3_moe.forward(params, prompts, cfg, mesh, cache=cache)
@@ -54,8 +55,8 @@ def _rank(rank: int, world: int, tokens: int, batch: int) -> list[dict]:
                 ids = logits[:, -1].argmax(-1, keepdim=True)
                 logits, cache = qwen3_moe.forward(params, ids, cfg, mesh, cache=cache)
             dt = time.perf_counter() - t0
-        fmoe.ep.register("all_to_all", fmoe.ep.all_to_all_impl)
-        fmoe.ep.register("all_reduce", fmoe.ep.all_reduce_impl)
+        for name, d in saved.items():
+            fmoe.ep.register(name, d.impl, **d.properties)
         out.append({"mesh": kw, "impl": sorted(seen["impl"]), "rows_sent": seen["rows"],
                     "moe_calls": seen["calls"], "ms_per_token": 1000 * dt / tokens})
     return out

@@ -7,7 +7,7 @@ weights, token dispatch over ``ep`` for the experts) and by fmoe (``qwen3_moe.lo
 model plan plus :func:`fmoe.fsdp.data_parallel_plan`, i.e. the same FSDP split of the
 dense weights). A *step* is forward + backward of the same next-token cross-entropy on the same
 tokens, ending with gradients reduced over the data-parallel ranks (FSDP2's reduce-scatter in
-transformers' backward; ``fmoe.train.grads.reduce_grads`` in fmoe). No optimizer update.
+transformers' backward; ``fmoe.training.grads.reduce_grads`` in fmoe). No optimizer update.
 
 The two libraries are **alternated** step by step in one run (order swapped every step), each
 step between two barriers, so background load hits both alike; the report gives the median
@@ -129,7 +129,7 @@ def _fmoe_loss(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto") -> t
 def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto", coalesced: bool = False,
               loss_fn=_fmoe_loss) -> float:
     """Forward + backward of the same loss; gradients reduced over the data-parallel ranks
-    (``fmoe.train.grads.reduce_grads``, or the ``coalesced`` experiment). ``loss_fn``: the
+    (``fmoe.training.grads.reduce_grads``, or the ``coalesced`` experiment). ``loss_fn``: the
     forward (``torch.compile(_fmoe_loss)`` for the compiled runner; its backward is compiled
     with it)."""
     from fmoe.fsdp import regather_in_backward

@@ -19,9 +19,6 @@ reduce_scatter     sum, keep own slice        all-gather
 local_slice        keep own slice             all-gather of the slices' gradients
 =================  =========================  ==========================================
 
-(Former names, kept as aliases: ``copy_to`` = ``grad_sum``, ``gather_replicated`` =
-``gather_slices``, ``split_to`` = ``local_slice``.)
-
 Not differentiable (bookkeeping and buffers that autograd never sees): ``all_gather_rows``,
 ``reduce_scatter_rows``, ``all_to_all_rows`` (one equal row per rank, e.g. split sizes),
 ``all_gather_sizes``, ``all_reduce_coalesced``, ``broadcast_from``, and the world-level
@@ -51,7 +48,7 @@ import torch.distributed._functional_collectives as funcol
 from .transforms import apply, compiling, without_jvp
 
 __all__ = ["all_to_all", "all_reduce", "grad_sum", "all_gather", "gather_slices",
-           "reduce_scatter", "local_slice", "copy_to", "gather_replicated", "split_to", "group_size", "all_gather_sizes", "all_reduce_coalesced",
+           "reduce_scatter", "local_slice", "group_size", "all_gather_sizes", "all_reduce_coalesced",
            "all_gather_rows", "reduce_scatter_rows", "all_to_all_rows", "sum_over_world", "barrier",
            "broadcast_object", "broadcast_from", "all_gather_objects"]
 
@@ -483,8 +480,3 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[dist.P
             out[i] = piece.view(tensors[i].shape)
     return out  # type: ignore[return-value]
 
-
-# Former names (before the names said what the backward does).
-copy_to = grad_sum
-gather_replicated = gather_slices
-split_to = local_slice

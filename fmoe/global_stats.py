@@ -22,7 +22,7 @@ The all-reduce is ``fmoe.collectives.all_reduce`` (backward: identity) over the 
 same tensor-parallel index: the ``fsdp`` group, then the ``dp_replicate`` group (sizes 1 are
 skipped, so ``(dp_replicate, fsdp)`` needs no flattened group). Its backward gives each rank
 ``d finish / d sums`` times the derivative of *its own* sums: summed over the batches (one rank
-per batch), the gradient equals the single-process gradient. :mod:`fmoe.aux_losses` explains
+per batch), the gradient equals the single-process gradient. :mod:`fmoe.routing.aux_losses` explains
 what the trainer does with that.
 
 ``fmoe.moe`` adds, per layer: ``load`` (``[E]`` int64, routed assignments per expert over all

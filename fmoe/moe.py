@@ -98,21 +98,16 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _choose(impl: str, mesh, needs_grad: bool) -> str:
+    """The registered name to run, read from what the registry declares (``ep.Declared``)."""
     if not isinstance(impl, str):
         raise TypeError(f"moe: impl must be a string, got {type(impl).__name__}")
-    if impl != "auto":
-        _ep.get(impl)  # ValueError listing the registered names
-    single = mesh is None or mesh.ep == 1
-    if impl == "all_reduce" and not single and mesh.ep != mesh.tp:
-        raise ValueError(f"moe: impl='all_reduce' requires ep == tp (the expert group must share "
-                         f"one batch), got ep={mesh.ep}, tp={mesh.tp}; use 'all_to_all'")
-    if impl == "auto":
-        if single:
-            return "local"
-        return "all_reduce" if mesh.ep == mesh.tp and not needs_grad else "all_to_all"
-    if single and impl in ("all_to_all", "all_reduce"):
-        return "local"
-    return impl
+    name = _ep.auto(mesh, needs_grad) if impl == "auto" else impl
+    declared = _ep.declared(name)  # ValueError listing the registered names
+    one_rank = mesh is None or mesh.ep == 1
+    if declared.shared_batch and not one_rank and mesh.ep != mesh.tp:
+        raise ValueError(f"moe: impl={name!r} requires ep == tp (the expert group must share "
+                         f"one batch), got ep={mesh.ep}, tp={mesh.tp}; use impl='auto'")
+    return declared.one_rank if one_rank and declared.one_rank is not None else name
 
 
 def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> LocalExperts:

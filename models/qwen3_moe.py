@@ -181,7 +181,7 @@ def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, c
 def _router(router, cfg: Config):
     """With ``output_router_logits`` the router also returns the weighted Switch load-balance
     loss over the global batch (``aux["load_balance_loss"]``; per layer, summed by trainers)."""
-    return fmoe.aux_losses.with_losses(router, load_balance=cfg.router_aux_loss_coef) if cfg.output_router_logits else router
+    return fmoe.routing.aux_losses.with_losses(router, load_balance=cfg.router_aux_loss_coef) if cfg.output_router_logits else router
 
 
 def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str,

@@ -11,7 +11,7 @@ hand-written one.) Everything is a pure function of a parameter tree, built from
 
 with ``aux`` of each MoE layer returned beside the logits (load, imbalance, aux losses, drop
 rates: see :mod:`fmoe.global_stats`). :func:`train_lm` trains it in one process on the standard
-library's source (:class:`fmoe.train.data.Corpus`, byte tokens) with fmoe's functional AdamW,
+library's source (:class:`fmoe.data.TokenStream`, byte tokens) with fmoe's functional AdamW,
 adds every weighted ``*_loss`` aux term to the loss, and, for a router with an expert bias,
 moves the bias with :func:`fmoe.routing.update_bias` after each optimizer step (the bias is
 state, not a trained weight, so it stays out of the optimizer).
@@ -35,15 +35,15 @@ from einops import rearrange
 
 import fmoe
 from fmoe import nn
-from fmoe.aux_losses import total as aux_total
+from fmoe.data import TokenStream
+from fmoe.routing.aux_losses import total as aux_total
 from fmoe.global_stats import stack_layers
 from fmoe.routing import update_bias
-from fmoe.train.data import Corpus
 from fmoe.train.optim import AdamWConfig, adamw_init, adamw_update, lr_at
 
 __all__ = ["init_lm", "lm_forward", "train_lm", "show", "smooth"]
 
-_CORPUS: dict[int, Corpus] = {}
+_CORPUS: dict[int, TokenStream] = {}
 
 
 def init_lm(vocab: int = 256, dim: int = 32, layers: int = 2, experts: int = 8, hidden: int = 32,
@@ -118,9 +118,9 @@ def lm_forward(params: dict, tokens: torch.Tensor, router: Callable, *, mesh: Op
     return nn.linear(nn.rms_norm(x, params["norm"]), params["head"]), auxes        # [B, S, V]
 
 
-def _corpus(max_bytes: int) -> Corpus:
+def _corpus(max_bytes: int) -> TokenStream:
     if max_bytes not in _CORPUS:
-        _CORPUS[max_bytes] = Corpus.stdlib(max_bytes=max_bytes)
+        _CORPUS[max_bytes] = TokenStream.stdlib(max_bytes=max_bytes)
     return _CORPUS[max_bytes]
 
 

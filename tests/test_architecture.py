@@ -319,8 +319,8 @@ def test_no_module_level_mutable_state():
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
     (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.testing", "fmoe.transforms", "fmoe.activations")),
     (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding")),
-    (2, ("fmoe.experts", "fmoe.expert_blocks", "fmoe.grouped_mm", "fmoe.fsdp", "fmoe.global_stats", "fmoe.load_stats", "fmoe.remat")),
-    (3, ("fmoe.routing", "fmoe.ep", "fmoe.aux_losses")),
+    (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat")),
+    (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
     (5, ("fmoe.model", "fmoe.train", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan", "fmoe.plan.__main__",
          "fmoe.plot", "fmoe.training", "fmoe.memplan")),
@@ -344,18 +344,18 @@ def test_imports_point_down_the_layers():
     up = sorted(f"{n} (layer {layer_of(n)}) imports {m} (layer {layer_of(m)})"
                 for n in MODULES for m in _imports(n) if n != "fmoe" and layer_of(m) > layer_of(n))
     assert up == []
-    assert layer_of("fmoe.models.qwen3_moe") == 6 and layer_of("fmoe.expert_blocks") == 2
+    assert layer_of("fmoe.models.qwen3_moe") == 6 and layer_of("fmoe.experts.blocked") == 2
 
 
 # ------------------------------------------------------------------------------- explicit data, not identity
-BUILTIN_IMPLS = {"all_to_all_impl", "all_reduce_impl", "local", "ALL_TO_ALL", "ALL_REDUCE", "LOCAL",
+BUILTIN_IMPLS = {"ALL_TO_ALL", "ALL_REDUCE", "LOCAL",
                  "folds_stats", "_token_dispatch", "_exchange_splits"}
 
 
 def identity_dispatch(tree: ast.AST) -> list[str]:
     """``x is <name>`` / ``x is not <name>`` comparisons against a function or implementation
     object (a path chosen by object identity), and references to a built-in expert-parallel
-    implementation by attribute (``ep.all_to_all_impl``)."""
+    implementation by attribute (``ep.ALL_TO_ALL``)."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
@@ -374,5 +374,5 @@ def test_the_layer_treats_every_implementation_alike_and_paths_are_chosen_by_dat
     assert identity_dispatch(TREES["fmoe.moe"]) == []
     assert {n: f for n, t in TREES.items() if n.startswith(("fmoe.experts", "fmoe.ep", "fmoe.nn", "fmoe.shared_experts"))
             for f in [[x for x in identity_dispatch(t) if " is " in x]] if f} == {}
-    bad = ast.parse("def f(act, ep):\n    if act is swiglu:\n        pass\n    return ep.all_to_all_impl\n")
-    assert identity_dispatch(bad) == ["line 2: is swiglu", "line 4: ep.all_to_all_impl"]
+    bad = ast.parse("def f(act, ep):\n    if act is swiglu:\n        pass\n    return ep.ALL_TO_ALL\n")
+    assert identity_dispatch(bad) == ["line 2: is swiglu", "line 4: ep.ALL_TO_ALL"]

@@ -25,7 +25,7 @@ def _recording(pair: ep.ExpertParallel, log: list) -> ep.ExpertParallel:
 
 
 def _grads(p, x, impl, mesh):
-    y, aux = fmoe.moe(p, x, router=fmoe.aux_losses.with_losses(fmoe.routing.topk(2), load_balance=0.1),
+    y, aux = fmoe.moe(p, x, router=fmoe.routing.aux_losses.with_losses(fmoe.routing.topk(2), load_balance=0.1),
                       mesh=mesh, impl=impl)
     loss = y.square().sum() + aux["load_balance_loss"]
     leaves = [x] + [p[k] for k in ("router", "w_gate_up", "w_down")]
@@ -79,9 +79,8 @@ def test_pair_and_function_in_one_process():
     assert torch.equal(a.y, b.y) and int(a.sent_rows) == int(b.sent_rows) == 0
     assert a.stats_sum is None and b.extra == {}
     assert ep.takes_stats(ep.LOCAL, None) is False and ep.takes_stats(ep.as_function(ep.LOCAL), None) is False
-    # the former names are the built-in pairs themselves, still callable as whole-layer functions
-    assert ep.local is ep.LOCAL and ep.all_to_all_impl is ep.ALL_TO_ALL and ep.all_reduce_impl is ep.ALL_REDUCE
-    y, extra = ep.local(x, w, ids, experts, None)
+    # a built-in pair is callable as a whole-layer function
+    y, extra = ep.LOCAL(x, w, ids, experts, None)
     assert torch.equal(y, a.y) and int(extra["dispatch_rows"]) == 0
     # a whole-layer function's extra entries reach the aux; its dispatch_rows becomes sent_rows
     c = ep.run(lambda *args: (a.y, {"dispatch_rows": torch.tensor(7), "mine": 1}), x, w, ids, experts, None)
@@ -126,7 +125,7 @@ def _compiled_steps(rank, world):
 
     mesh = fmoe.Mesh(tp=1, ep=world)
     p = fmoe.shard(full_params(), Plan({"w_*": P("ep", None, None)}, default=P()), mesh)
-    router = fmoe.aux_losses.with_losses(fmoe.routing.topk(2), load_balance=0.1)
+    router = fmoe.routing.aux_losses.with_losses(fmoe.routing.topk(2), load_balance=0.1)
     layer = torch.compile(lambda p, x: fmoe.moe(p, x, router=router, mesh=mesh, impl="all_to_all"))
     torch._dynamo.reset()
     counters.clear()
@@ -144,3 +143,41 @@ def test_compiled_layer_stops_recompiling_after_warmup():
     Dynamo's recompile limit sent it back to eager)."""
     for graphs in spawn(_compiled_steps, 2, timeout=600):
         assert graphs[3] == graphs[-1], graphs
+
+
+def test_the_layer_chooses_by_declared_properties_not_by_name():
+    """A name registered again runs as registered on one process (it declares no ``one_rank``
+    stand-in), while the built-in under that name declares LOCAL as its one-rank equivalent;
+    ``shared_batch`` is what refuses an ``ep != tp`` mesh."""
+    p, (x, _) = full_params(), batch(0, 6)
+    router = fmoe.routing.topk(2)
+    builtin = ep.declared("all_to_all")
+    assert builtin.impl is ep.ALL_TO_ALL and builtin.one_rank == "local" and not builtin.shared_batch
+    assert ep.declared("all_reduce").shared_batch and ep.declared("local").properties == {
+        "shared_batch": False, "one_rank": None}
+    y_local, _ = fmoe.moe(p, x, router=router, mesh=None, impl="local")
+    calls = []
+
+    def mine(x, weights, expert_ids, experts, mesh):
+        calls.append(x.shape[0])
+        return ep.LOCAL(x, weights, expert_ids, experts, mesh)
+
+    try:
+        ep.register("all_to_all", mine)
+        y_mine, _ = fmoe.moe(p, x, router=router, mesh=None, impl="all_to_all")
+        assert calls == [6] and torch.equal(y_mine, y_local)       # the user's function ran
+        ep.register("all_to_all", mine, **builtin.properties)      # declared like the built-in
+        fmoe.moe(p, x, router=router, mesh=None, impl="all_to_all")
+        assert calls == [6]                                        # one rank: LOCAL stands in
+    finally:
+        ep.register("all_to_all", builtin.impl, **builtin.properties)
+    assert ep.declared("all_to_all") == builtin
+    for bad, err in ((lambda: ep.register("x", mine, one_rank="nope"), ValueError),
+                     (lambda: ep.register("x", mine, shared_batch=1), TypeError)):
+        try:
+            bad()
+        except err as e:
+            assert "ep.register" in str(e)
+        else:
+            raise AssertionError("register accepted a bad property")
+    assert "x" not in ep.registered()

@@ -27,7 +27,7 @@ def _moe_fault(rank, world, where):
     x, _ = batch(rank, 4)
 
     def exploding(x, w, ids, experts, mesh):          # raises on rank 1 after the first exchange
-        y = ep.all_to_all_impl(x, w, ids, experts, mesh)
+        y = ep.ALL_TO_ALL(x, w, ids, experts, mesh)
         if rank == 1:
             raise RuntimeError("expert rank 1 lost its weights mid-dispatch")
         return y

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import fmoe
-from fmoe import aux_losses, global_stats, routing
-from fmoe.routing import Routing
+from fmoe import global_stats, routing
+from fmoe.routing import Routing, aux_losses
 from moe_cases import D, E, batch, full_params, shared_params
 
 

@@ -5,7 +5,8 @@ summed over one rank per batch; x gradient per batch). One spawn runs all the ch
 import torch
 
 import fmoe
-from fmoe import P, Plan, aux_losses, routing
+from fmoe import P, Plan, routing
+from fmoe.routing import aux_losses
 from fmoe.testing import spawn
 from moe_cases import E, SHARED_TP_RULES, batch, check_router_case, full_params, shared_params
 

@@ -55,9 +55,9 @@ def _shard_gather(rank, world):
         fmoe.shard({"experts": torch.zeros(6, 2)}, {"experts": P("ep", None)}, mesh)
     except ValueError as err:
         uneven.append(str(err))
-    # materialize: fsdp-split weight gathered for compute, grad = sum over fsdp copies
+    # unshard: fsdp-split weight gathered for compute, grad = sum over fsdp copies
     w = fmoe.shard({"w": torch.arange(8.0).view(4, 2).requires_grad_(True)}, {"w": P("fsdp", "tp")}, mesh)["w"]
-    m = fmoe.materialize(w, keep=("tp",))
+    m = fmoe.unshard(w, keep=("tp",))
     mat_fwd = torch.equal(m, torch.arange(8.0).view(4, 2)[:, t:t + 1])
     (m * (f + 1)).sum().backward()
     mat_grad = fmoe.gather(w.grad)

@@ -5,7 +5,7 @@ import importlib
 import torch
 
 import fmoe
-from fmoe.train.data import Corpus
+from fmoe.data import TokenStream
 from fmoe.fsdp import data_parallel_plan
 from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
 from fmoe.training.step import StepConfig, train_step
@@ -15,7 +15,7 @@ STEP_CFG = StepConfig(opt=AdamWConfig(weight_decay=0.1, max_grad_norm=0.5))   # 
 
 
 def corpus():
-    return Corpus.stdlib(max_bytes=200_000)
+    return TokenStream.stdlib(max_bytes=200_000)
 
 
 def model_and_cfg(name, tp=8):

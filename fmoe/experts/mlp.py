@@ -209,8 +209,6 @@ def expert_mlp(
     act: Activation = swiglu,
     matmul: str = "auto",
     scale: Optional[torch.Tensor] = None,
-    *,
-    impl: Optional[str] = None,
 ) -> torch.Tensor:
     """Run each expert's MLP on its rows, optionally weighting each row's output.
 
@@ -222,7 +220,6 @@ def expert_mlp(
         act: ``act(gate, up) -> h``.
         matmul: ``"grouped"``, ``"loop"`` or ``"auto"`` (grouped where available and aligned).
         scale: optional ``[N]`` per-row weights (differentiable), same dtype as ``x``.
-        impl: former name of ``matmul`` (it meant two things: this and the MoE dispatch).
     Returns:
         ``[N, D]`` expert outputs (times ``scale``), in the same row order.
 
@@ -231,8 +228,6 @@ def expert_mlp(
         >>> expert_mlp(torch.randn(5, 4), [2, 3], w1, w2).shape
         torch.Size([5, 4])
     """
-    if impl is not None:
-        matmul = impl
     check_matmul("expert_mlp", "matmul", matmul)
     counts = check_groups("expert_mlp", counts, w_gate_up.shape[0], x.shape[0], "rows", scale)
     offs = torch.tensor(counts, dtype=torch.int64, device=x.device).cumsum(0).to(torch.int32)

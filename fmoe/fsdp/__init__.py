@@ -8,11 +8,10 @@ about those splits lives in this package, one job per module:
 
 - **the plan** (:mod:`fmoe.fsdp.plan`: :func:`data_parallel_plan`, :func:`add_data_axis`): the
   model plan plus one ``fsdp`` / ``efsdp`` split per leaf, so no rank stores a full copy;
-- **gathering** (:mod:`fmoe.fsdp.gather`): one weight (:func:`unshard`, the old
-  ``fmoe.materialize``: every data-parallel split all-gathered for the call, its backward a
-  reduce-scatter) or one layer (:func:`unshard_layer`, :func:`unsharded_layers`, the old
-  ``prefetch``: every FSDP-split leaf of a layer's subtree in ONE all-gather per process group
-  and dtype, and in backward ONE reduce-scatter of all their gradients). Gathered leaves are
+- **gathering** (:mod:`fmoe.fsdp.gather`): one weight (:func:`unshard`: every data-parallel
+  split all-gathered for the call, its backward a reduce-scatter) or one layer
+  (:func:`unshard_layer`, :func:`unsharded_layers`: every FSDP-split leaf of a layer's subtree
+  in ONE all-gather per process group and dtype, and in backward ONE reduce-scatter of all their gradients). Gathered leaves are
   DTensors replicated over the data-parallel axis (the split is part of the value's placement,
   not of a hidden registry). Model files iterate ``for layer in unsharded_layers(params["layers"])``;
 - **re-gathering in backward** (:mod:`fmoe.fsdp.regather`: :func:`regather_in_backward`,
@@ -23,7 +22,7 @@ about those splits lives in this package, one job per module:
 
 Import path: ``plan`` and ``regather`` import nothing of the package; ``gather`` imports
 ``regather`` (a gathered tensor records its recipe). Dividing gradients by the number of
-batches (the per-batch mean) is the trainer's business (:mod:`fmoe.train.grads`). The package
+batches (the per-batch mean) is the trainer's business (:mod:`fmoe.training.grads`). The package
 holds no mutable state.
 
 Example:

@@ -1,6 +1,6 @@
 """Gathering FSDP-split weights for compute: one weight, or a whole layer in one collective.
 
-- **one weight** (:func:`unshard`, the old ``fmoe.materialize``): this rank's compute tensor,
+- **one weight** (:func:`unshard`): this rank's compute tensor,
   every data-parallel split all-gathered for the call; the gather's backward is a
   reduce-scatter (the sum over the gathering ranks, each keeps its slice);
 - **one layer** (:func:`unshard_layer`, :func:`unsharded_layers`, the old ``prefetch``):

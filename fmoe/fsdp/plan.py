@@ -25,7 +25,7 @@ def add_data_axis(p: P, shape: tuple, mesh: Mesh) -> P:
     sizes, as DTensor's ``Shard``).
 
     A leaf with no such dim (a scalar, or shorter than the axis) stays replicated; its gradient
-    is all-reduced by :func:`fmoe.train.grads.reduce_grads`.
+    is all-reduced by :func:`fmoe.training.grads.reduce_grads`.
 
     Example:
         >>> import types

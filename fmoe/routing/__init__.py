@@ -29,7 +29,7 @@ The built-in schemes:
 ==========================  ===========================================================
 
 Aux losses (load balancing, sequence balance, z-loss) wrap any router:
-:func:`with_losses` (from :mod:`fmoe.aux_losses`). Shared experts are params, not a router
+:func:`with_losses` (from :mod:`fmoe.routing.aux_losses`). Shared experts are params, not a router
 (:mod:`fmoe.shared_experts`).
 
 Example:

@@ -25,12 +25,12 @@ already weighted by its coefficient (so a hand-written router can add ``aux["my_
 every trainer picks it up). :func:`with_losses` writes ``load_balance_loss``,
 ``seq_balance_loss`` and ``z_loss``; :func:`total` sums the ``*_loss`` entries of all layers.
 
-**What the trainer does.** ``fmoe.train.grads.reduce_grads`` sums gradients over the batches
+**What the trainer does.** ``fmoe.training.grads.reduce_grads`` sums gradients over the batches
 and divides by their number ``N = mesh.num_batches`` (the per-batch mean that makes the LM loss
 — a mean over each rank's batch — match one process). That division would shrink the aux loss
 gradient ``N`` times, so each rank backpropagates::
 
-    loss = lm_loss + mesh.num_batches * fmoe.aux_losses.total(aux_per_layer)
+    loss = lm_loss + mesh.num_batches * fmoe.routing.aux_losses.total(aux_per_layer)
 
 (a trainer that only sums gradients uses ``lm_loss / N + total``). In one process ``N = 1``.
 The functions below return unweighted GlobalStats for use inside any router.

@@ -4,7 +4,7 @@
 is already initialised): build or load the model (a ``--preset``, ``--init-hf`` or the config a
 ``--resume`` checkpoint recorded), compose its plan with the data-parallel splits, shard it,
 then for each step: the step's batch for this rank's data-parallel index, one
-:func:`fmoe.train.step.train_step`, an optional evaluation, one JSON line in ``OUT/log.jsonl``
+:func:`fmoe.training.step.train_step`, an optional evaluation, one JSON line in ``OUT/log.jsonl``
 (rank 0) and the progress bar; checkpoints every ``--save-every`` steps and at the end. A
 non-finite loss or gradient norm raises :class:`NonFiniteStep` (``--skip-nonfinite N`` skips up
 to N such steps first).

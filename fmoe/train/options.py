@@ -215,7 +215,7 @@ def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> 
 
 
 def step_options(args: argparse.Namespace) -> dict:
-    """Keyword arguments of :class:`fmoe.train.step.StepConfig` these flags set."""
+    """Keyword arguments of :class:`fmoe.training.step.StepConfig` these flags set."""
     return {"router": router_from_spec(args.router) if args.router else None, "dtype": args.dtype,
             "remat": args.remat, "grad_accum": args.grad_accum}
 

@@ -26,7 +26,7 @@ def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batc
     """``{"eval_loss": mean cross-entropy, "eval_ppl": exp(eval_loss)}`` on the held-out stream.
 
     Args:
-        model, cfg, params: as for :func:`fmoe.train.step.train_step`.
+        model, cfg, params: as for :func:`fmoe.training.step.train_step`.
         stream: the held-out :class:`fmoe.data.TokenStream`.
         mesh: the training mesh (``mesh.batch_index`` picks this rank's slice).
         batches: evaluation batches per data-parallel rank.

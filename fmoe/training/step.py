@@ -2,14 +2,14 @@
 
 Per rank: forward on this rank's batch (TP ranks share one), mean cross-entropy over its tokens
 plus the router aux losses, gradients by autograd, data-parallel reduction to the per-batch mean
-(:mod:`fmoe.train.grads`), AdamW with global-norm clipping (:mod:`fmoe.train.optim`), then the
+(:mod:`fmoe.training.grads`), AdamW with global-norm clipping (:mod:`fmoe.train.optim`), then the
 aux-loss-free bias update (``expert_bias`` leaves, moved against the global load). The result
 equals one process training on the union of all batches.
 
 Aux losses (every ``*_loss`` entry of a MoE layer's aux, already weighted and computed on global
 statistics by ``fmoe.moe``) enter as ``mesh.num_batches * total``: the gradient reduction divides
 by the number of batches, which is right for the per-batch-mean LM loss but would shrink the
-global aux loss (see :mod:`fmoe.aux_losses`). Leaves that do not require grad (``expert_bias``)
+global aux loss (see :mod:`fmoe.routing.aux_losses`). Leaves that do not require grad (``expert_bias``)
 get no gradient and no optimizer update.
 
 Token accounting counts each batch once, whatever ``tp`` is: a step processes
