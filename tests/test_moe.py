@@ -51,13 +51,13 @@ def test_grouped_and_loop_agree_forward_and_backward_with_biases():
     w = {"w_gate_up": torch.randn(4, 8, 8), "w_down": torch.randn(4, 8, 4), "b_gate_up": torch.randn(4, 8),
          "b_down": torch.randn(4, 8)}
     outs = {}
-    for impl in ("grouped", "loop"):
+    for matmul in ("grouped", "loop"):
         ws = {k: v.clone().requires_grad_(True) for k, v in w.items()}
         xi = x.detach().clone().requires_grad_(True)
         y = fmoe.experts.expert_mlp(xi, n_per, ws["w_gate_up"], ws["w_down"], ws["b_gate_up"], ws["b_down"],
-                                    act=fmoe.experts.clamped_swiglu(), impl=impl)
+                                    act=fmoe.experts.clamped_swiglu(), matmul=matmul)
         y.backward(torch.arange(y.numel(), dtype=torch.float32).view_as(y) / 10)
-        outs[impl] = (y, xi.grad, {k: v.grad for k, v in ws.items()})
+        outs[matmul] = (y, xi.grad, {k: v.grad for k, v in ws.items()})
     (yg, xg, wg), (yl, xl, wl) = outs["grouped"], outs["loop"]
     torch.testing.assert_close(yg, yl, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(xg, xl, rtol=1e-5, atol=1e-4)
