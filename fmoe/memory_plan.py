@@ -51,6 +51,7 @@ import torch
 
 from . import tree as _tree
 from .mesh import RankLayout
+from .model import Widths, model_of
 from .plan import local_shape
 
 __all__ = ["memory_plan", "format_plan", "VirtualMesh", "activation_estimate"]
@@ -79,24 +80,12 @@ def _numel(shape) -> int:
     return math.prod(shape) if shape else 1
 
 
-def _layer_widths(cfg: Any) -> dict:
-    g = lambda *names, default=0: next((getattr(cfg, n) for n in names if getattr(cfg, n, None)), default)  # noqa: E731
-    D = cfg.hidden_size
-    H = g("num_attention_heads", default=1)
-    hd = g("head_dim", default=D // H)
-    return {"D": D, "H": H, "G": g("num_key_value_heads", default=H), "hd": hd, "V": cfg.vocab_size,
-            "E": g("num_experts", "num_local_experts", "n_routed_experts"),
-            "K": g("num_experts_per_tok", "experts_per_token"),
-            "I": g("moe_intermediate_size", "intermediate_size"), "Id": g("intermediate_size"),
-            "L": cfg.num_hidden_layers}
-
-
-def activation_estimate(cfg: Any, *, tokens: int, tp: int, moe_layers: int, dense_layers: int,
+def activation_estimate(w: Widths, *, tokens: int, tp: int, moe_layers: int, dense_layers: int,
                         dtype: str = "fp32", remat: str = "none", weight_bytes: int = 0) -> int:
     """Bytes saved for backward on one rank (see the module docstring for the formula).
 
     Args:
-        cfg: model config (Hugging Face field names).
+        w: the model's layer widths (:meth:`fmoe.model.Model.widths` of its config).
         tokens: T, tokens per rank and micro-batch (``batch * seq``).
         tp: tensor-parallel size.
         moe_layers, dense_layers: layer counts by feed-forward kind.
@@ -105,15 +94,15 @@ def activation_estimate(cfg: Any, *, tokens: int, tp: int, moe_layers: int, dens
         weight_bytes: fp32 bytes of the dense (non-expert) weights one rank's matmuls use in a
             forward, after FSDP gathering (autocast saves a bf16 copy of each for backward).
     """
-    w, T = _layer_widths(cfg), tokens
-    q, kv = w["H"] * w["hd"] / tp, w["G"] * w["hd"] / tp
-    attn = 24 * T * w["D"] + 16 * T * (q + kv) + 6 * T * (w["H"] + w["G"]) / tp + 20 * T
-    R = T * w["K"] / tp
-    experts = R * (8 * w["D"] + 8 * w["I"])
-    moe = 4 * T * w["E"] + 40 * T * w["K"] + experts
-    dense = 12 * T * w["Id"] / tp
-    glob = 12 * T * w["D"] + 4 * T * w["V"]
-    layer_in = 4 * T * w["D"]
+    T = tokens
+    q, kv = w.H * w.hd / tp, w.G * w.hd / tp
+    attn = 24 * T * w.D + 16 * T * (q + kv) + 6 * T * (w.H + w.G) / tp + 20 * T
+    R = T * w.K / tp
+    experts = R * (8 * w.D + 8 * w.I)
+    moe = 4 * T * w.E + 40 * T * w.K + experts
+    dense = 12 * T * w.Id / tp
+    glob = 12 * T * w.D + 4 * T * w.V
+    layer_in = 4 * T * w.D
     if remat == "layer":
         per_layer = moe_layers * layer_in + dense_layers * layer_in
         per_layer += max(attn + moe if moe_layers else 0, attn + dense if dense_layers else 0)
@@ -123,15 +112,9 @@ def activation_estimate(cfg: Any, *, tokens: int, tp: int, moe_layers: int, dens
         per_layer = moe_layers * (attn + moe) + dense_layers * (attn + dense)
     if dtype == "bf16":                 # bf16 copies of dense matmul inputs / weights; q, k, v in bf16
         layers = moe_layers + dense_layers
-        per_layer += layers * (8 * T * w["D"] - 8 * T * (q + kv))
+        per_layer += layers * (8 * T * w.D - 8 * T * (q + kv))
         glob += weight_bytes // 2
     return int(per_layer + glob)
-
-
-def _default_plan(model: Any, cfg: Any, tp: int):
-    from .model import model_of
-
-    return model_of(model).build_plan(cfg, tp=tp)
 
 
 def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1,
@@ -140,7 +123,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
     """Per-rank memory and traffic of training ``model`` on ``nproc`` ranks (no process needed).
 
     Args:
-        model: a model module of :mod:`fmoe.models`; cfg: its Config.
+        model: a model of :mod:`fmoe.models` (its declared ``Model`` or its module); cfg: its Config.
         nproc, tp, ep, dp_replicate: the mesh (``fsdp = nproc / (tp * dp_replicate)``).
         batch, seq: sequences per data-parallel micro-batch and tokens per sequence.
         dtype: ``"fp32"`` or ``"bf16"`` compute (masters, grads, moments stay fp32).
@@ -159,11 +142,12 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
     if remat not in ("none", "layer", "moe"):
         raise ValueError(f"memory plan: remat must be 'none', 'layer' or 'moe', got {remat!r}")
     m0 = VirtualMesh(nproc, 0, tp, ep, dp_replicate)          # mesh errors first, before any model work
+    declared = model_of(model)
     with torch.device("meta"):
-        full = model.init(cfg)
+        full = declared.init(cfg)
     flat = _tree.flatten(full)
-    mp = model_plan if model_plan is not None else _default_plan(model, cfg, tp)
-    w = _layer_widths(cfg)
+    mp = model_plan if model_plan is not None else declared.build_plan(cfg, tp=tp)
+    w = declared.widths(cfg)
     moe_layers = sum(1 for p in flat if p.endswith("moe.router"))
     ranks = []
     for r in range(nproc):
@@ -185,18 +169,18 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
             if mesh.dp_replicate > 1:
                 collective += 2 * (mesh.dp_replicate - 1) / mesh.dp_replicate * n * _F32
         T = batch * seq
-        R = T * w["K"] / tp if moe_layers else 0
+        R = T * w.K / tp if moe_layers else 0
         act_bytes = 2 if dtype == "bf16" else 4
-        collective += grad_accum * moe_layers * 4 * R * (mesh.ep - tp) / mesh.ep * w["D"] * act_bytes
-        collective += grad_accum * w["L"] * 4 * 2 * (tp - 1) / tp * T * w["D"] * act_bytes
-        acts = activation_estimate(cfg, tokens=T, tp=tp, moe_layers=moe_layers,
-                                   dense_layers=w["L"] - moe_layers, dtype=dtype, remat=remat,
+        collective += grad_accum * moe_layers * 4 * R * (mesh.ep - tp) / mesh.ep * w.D * act_bytes
+        collective += grad_accum * w.L * 4 * 2 * (tp - 1) / tp * T * w.D * act_bytes
+        acts = activation_estimate(w, tokens=T, tp=tp, moe_layers=moe_layers,
+                                   dense_layers=w.L - moe_layers, dtype=dtype, remat=remat,
                                    weight_bytes=int(dense_mm))
         optimizer = 2 * params + _STEP
         ranks.append({"rank": r, "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
                       "activations_bytes": acts, "collective_bytes": int(collective),
                       "total_bytes": params + grads + optimizer + acts})
-    return {"model": getattr(model, "__name__", str(model)).rsplit(".", 1)[-1],
+    return {"model": declared.name,
             "mesh": {"nproc": nproc, "tp": tp, "ep": m0.ep, "fsdp": m0.fsdp, "efsdp": m0.efsdp,
                      "dp_replicate": dp_replicate},
             "batch": batch, "seq": seq, "dtype": dtype, "remat": remat, "grad_accum": grad_accum,

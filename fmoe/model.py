@@ -7,8 +7,10 @@ Each model module (``fmoe.models.qwen3_moe`` and friends) declares one :class:`M
     check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf
 
 so the wrappers every model needs are written once, here, and code that handles any model
-(the trainer, the CLI, the checkpoint loader) reads the declared object (:func:`model_of`)
-instead of probing a module. ``forward`` of a ``routed`` model (one with MoE layers) takes
+(the trainer, the CLI, the checkpoint loader, the memory plan) reads the declared object
+(:func:`model_of`, or the registry :func:`fmoe.models.get`) instead of probing a module: what a
+model offers is a field here (the blocks it marks for recomputation, the config fields holding
+its layer widths, its router-loss switch). ``forward`` of a ``routed`` model (one with MoE layers) takes
 ``impl=``, ``router=`` and ``return_aux=``; a dense model's takes neither.
 
 Plans are built in one place, :meth:`Model.build_plan`::
@@ -27,7 +29,7 @@ from __future__ import annotations
 import os
 import types
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
@@ -39,9 +41,35 @@ from .placement import check_fused_gate_up
 from .plan import Plan
 from .sharding import shard as _shard
 
-__all__ = ["Model", "model_of"]
+__all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS"]
 
 Rules = Union[Plan, Mapping, None]
+
+#: The preset sizes every model's ``Config`` offers as classmethods (``Config.tiny()``).
+PRESETS = ("tiny", "small")
+
+#: Shape letter -> the config field that holds it, transformers' names; a model declares in
+#: ``Model.width_fields`` only the letters its config names otherwise (None: it has none).
+WIDTH_FIELDS = {"D": "hidden_size", "H": "num_attention_heads", "G": "num_key_value_heads", "hd": "head_dim",
+                "V": "vocab_size", "L": "num_hidden_layers", "E": "num_experts", "K": "num_experts_per_tok",
+                "I": "moe_intermediate_size", "Id": "intermediate_size"}
+
+
+class Widths(NamedTuple):
+    """A model's layer widths (:meth:`Model.widths`): model dim D, query heads H, KV heads G
+    (H when the config has none), head dim hd (D // H when none), vocabulary V, layers L,
+    routed experts E, top-k K, expert hidden I, dense MLP hidden Id (0 when none)."""
+
+    D: int
+    H: int
+    G: int
+    hd: int
+    V: int
+    L: int
+    E: int
+    K: int
+    I: int  # noqa: E741  (the project's shape letter for the expert hidden size)
+    Id: int
 
 
 @dataclass(frozen=True)
@@ -65,6 +93,9 @@ class Model:
         aux_loss_fields: ``(switch, coefficient)``: the config fields that turn the router's
             load-balance loss on and weigh it (transformers' ``output_router_logits``,
             ``router_aux_loss_coef``), or None when the model has none (:meth:`with_aux_loss`).
+        remat_blocks: the blocks ``forward`` marks for :mod:`fmoe.remat` (``--remat`` choices
+            besides ``"none"``).
+        width_fields: shape letter -> config field, over :data:`WIDTH_FIELDS` (:meth:`widths`).
     """
 
     name: str
@@ -79,6 +110,14 @@ class Model:
     routed: bool = True
     init_cache: Optional[Callable] = None
     aux_loss_fields: Optional[tuple] = None
+    remat_blocks: tuple = ("layer", "moe")
+    width_fields: Mapping[str, Optional[str]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.width_fields) - set(WIDTH_FIELDS))
+        if unknown:
+            raise ValueError(f"Model {self.name!r}: width_fields has unknown letters {unknown}; "
+                             f"valid: {list(WIDTH_FIELDS)}")
 
     @property
     def __name__(self) -> str:       # the checkpoint loader's messages name the model
@@ -99,6 +138,52 @@ class Model:
             return cfg
         switch, coef = self.aux_loss_fields
         return replace(cfg, **{switch: weight > 0, coef: weight})
+
+    def widths(self, cfg: Any) -> Widths:
+        """The layer widths of ``cfg``, read from the declared :attr:`width_fields`.
+
+        Example:
+            >>> from fmoe.models import mixtral
+            >>> w = mixtral.MODEL.widths(mixtral.Config.tiny())
+            >>> (w.E, w.K) == (mixtral.Config.tiny().num_local_experts, mixtral.Config.tiny().num_experts_per_tok)
+            True
+        """
+        names = {**WIDTH_FIELDS, **self.width_fields}
+        v = {k: 0 if f is None else getattr(cfg, f) for k, f in names.items()}
+        H = v["H"] or 1
+        return Widths(**{**v, "H": H, "G": v["G"] or H, "hd": v["hd"] or v["D"] // H})
+
+    def widen_kv_heads(self, cfg: Any, tp: int) -> Any:
+        """``cfg`` with ``tp`` KV heads when ``tp`` divides the query heads but not the KV heads
+        (each KV head replicated, as the reference does), else ``cfg``; the one home of this rule.
+
+        Example:
+            >>> from fmoe.models import qwen3_moe
+            >>> qwen3_moe.MODEL.widen_kv_heads(qwen3_moe.Config.tiny(), 8).num_key_value_heads
+            8
+        """
+        names = {**WIDTH_FIELDS, **self.width_fields}
+        kv, heads = names["G"], names["H"]
+        if kv is None or getattr(cfg, kv) % tp == 0 or getattr(cfg, heads) % tp:
+            return cfg
+        return replace(cfg, **{kv: tp})
+
+    def preset(self, name: str, tp: int = 1) -> Any:
+        """The config ``Config.<name>()`` widened for a job on ``tp`` ranks: at least 256
+        vocabulary entries (byte tokens), KV heads by :meth:`widen_kv_heads`.
+
+        Example:
+            >>> from fmoe.models import llama
+            >>> llama.MODEL.preset("tiny").vocab_size >= 256
+            True
+        """
+        if name not in PRESETS:
+            raise ValueError(f"preset: name must be one of {PRESETS} (Config classmethods), got {name!r}")
+        cfg = getattr(self.Config, name)()
+        vocab = {**WIDTH_FIELDS, **self.width_fields}["V"]
+        if getattr(cfg, vocab) < 256:
+            cfg = replace(cfg, **{vocab: 256})
+        return self.widen_kv_heads(cfg, tp)
 
     # ---------------------------------------------------------------- plans, in one place
     def build_plan(self, cfg: Any, rules: Rules = None, mesh: Optional[Mesh] = None, params: Any = None, *,

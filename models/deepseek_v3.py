@@ -409,5 +409,6 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
 
 # ---------------------------------------------------------------------------- the declared interface
 MODEL = Model("deepseek_v3", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
-              tp_fields=_common.TP_FIELDS, init_cache=init_cache)
+              tp_fields=_common.TP_FIELDS, init_cache=init_cache,
+              width_fields={"E": "n_routed_experts", "G": None, "hd": None})
 check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

@@ -312,5 +312,6 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, ckp
 
 # ---------------------------------------------------------------------------- the declared interface
 MODEL = Model("llama", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
-              tp_fields=_common.TP_FIELDS, init_cache=init_cache, routed=False)
+              tp_fields=_common.TP_FIELDS, init_cache=init_cache, routed=False,
+              remat_blocks=("layer",), width_fields={"E": None, "K": None, "I": None})
 check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

@@ -316,15 +316,29 @@ def test_no_module_level_mutable_state():
 
 
 # ------------------------------------------------------------------------------- layers (ARCHITECTURE.md)
+#: The command-line programs: they parse, lock, launch and report, above the library and the
+#: models (a program's ``__main__`` inside a library package counts as a program).
+PROGRAMS = ("fmoe.train", "fmoe.memplan", "fmoe.plan.__main__", "fmoe.generate.__main__", "fmoe.data.__main__",
+            "fmoe.plot")
+#: Library modules still inside the CLI package, each moving out in parallel work of issue 23
+#: (``fmoe/train/optim.py`` to ``fmoe/optim/``, ``fmoe/train/ckpt.py`` to ``fmoe/checkpoint/``):
+#: layer 5; importing one also runs ``fmoe/train/__init__.py``, which may import only them.
+#: Delete an entry when its module has moved (``test_pending_moves_are_still_pending`` says so).
+PENDING_MOVES = ("fmoe.train.optim", "fmoe.train.ckpt")
+#: The modules of the CLI package ``fmoe/train/``: nothing else lives there.
+TRAIN_CLI = ("fmoe.train", "fmoe.train.__main__", "fmoe.train.cli", "fmoe.train.flags", "fmoe.train.parse",
+             "fmoe.train.loop", "fmoe.train.options", "fmoe.train.outdir", "fmoe.train.resume")
+
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
     (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.testing", "fmoe.transforms", "fmoe.activations")),
     (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding")),
     (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat")),
     (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
-    (5, ("fmoe.model", "fmoe.train", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan", "fmoe.plan.__main__",
-         "fmoe.plot", "fmoe.training", "fmoe.memplan")),
+    (5, ("fmoe.model", "fmoe.training", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan",
+         *PENDING_MOVES)),
     (6, ("fmoe.models",)),
+    (7, PROGRAMS),
 ]
 
 
@@ -340,11 +354,63 @@ def layer_of(name: str) -> int:
     return best[0]
 
 
+IMPORTS = {name: _imports(name) for name in MODULES}
+
+
+def upward_imports(modules) -> list[str]:
+    """Imports of a higher layer than the importer's (the namespace ``fmoe`` aside; the edge
+    ``n -> fmoe.train`` that importing a :data:`PENDING_MOVES` module implies, too)."""
+    return sorted(f"{n} (layer {layer_of(n)}) imports {m} (layer {layer_of(m)})"
+                  for n in modules for m in IMPORTS[n]
+                  if n != "fmoe" and layer_of(m) > layer_of(n)
+                  and not (m == "fmoe.train" and IMPORTS[n] & set(PENDING_MOVES)))
+
+
 def test_imports_point_down_the_layers():
-    up = sorted(f"{n} (layer {layer_of(n)}) imports {m} (layer {layer_of(m)})"
-                for n in MODULES for m in _imports(n) if n != "fmoe" and layer_of(m) > layer_of(n))
-    assert up == []
+    assert upward_imports(MODULES) == []
     assert layer_of("fmoe.models.qwen3_moe") == 6 and layer_of("fmoe.experts.blocked") == 2
+    assert layer_of("fmoe.plan.__main__") == 7 and layer_of("fmoe.plan") == 1 and layer_of("fmoe.training.step") == 5
+
+
+def test_the_library_and_the_models_import_no_program():
+    """Programs sit above the library (layer 5) and the models (6): nothing below imports one,
+    so the library is usable without any command line."""
+    below = [n for n in MODULES if n != "fmoe" and layer_of(n) < 7]
+    assert [u for u in upward_imports(below) if "(layer 7)" in u] == []
+    assert {n for n in MODULES if layer_of(n) == 7} >= {"fmoe.train.cli", "fmoe.memplan.cli", "fmoe.plan.__main__"}
+
+
+def test_pending_moves_are_still_pending():
+    for p in PENDING_MOVES:
+        assert p in MODULES, f"{p} has moved: delete it from PENDING_MOVES (and ARCHITECTURE.md's note)"
+    assert IMPORTS["fmoe.train"] <= set(PENDING_MOVES) | {m for m in MODULES if layer_of(m) < 5}, \
+        "fmoe/train/__init__.py imports a CLI module, so importing a pending library module loads the CLI"
+
+
+def cli_package_strays(modules) -> list[str]:
+    """Modules of ``fmoe/train/`` that are neither the CLI nor a pending move (library code
+    belongs in :mod:`fmoe.training`)."""
+    return sorted(n for n in modules if (n == "fmoe.train" or n.startswith("fmoe.train."))
+                  and n not in TRAIN_CLI and n not in PENDING_MOVES)
+
+
+def handover_only(tree: ast.AST, imports: set) -> list[str]:
+    """What keeps a program module inside a lower-layer package from being a handover: more
+    than 8 statements, or imports (``imports``: its package modules) of anything but the
+    program package it hands over to."""
+    problems = [f"{len(tree.body)} statements"] if len(tree.body) > 8 else []
+    return problems + [f"imports {m}" for m in sorted(imports) if not m.startswith("fmoe.memplan")]
+
+
+def test_programs_apart_from_the_library():
+    """The CLI package holds only the CLI; the memory-plan program is its own package and
+    ``python -m fmoe.plan`` a few lines inside the sharding package that hand over to it."""
+    assert cli_package_strays(MODULES) == []
+    assert handover_only(TREES["fmoe.plan.__main__"], IMPORTS["fmoe.plan.__main__"]) == []
+    assert IMPORTS["fmoe.plan"] <= {m for m in MODULES if layer_of(m) <= 1}
+    assert cli_package_strays(["fmoe.train.step", "fmoe.train.cli", "fmoe.train.optim"]) == ["fmoe.train.step"]
+    old = ast.parse("import sys\n" * 9)
+    assert handover_only(old, {"fmoe.memory_plan", "fmoe.memplan.cli"}) == ["9 statements", "imports fmoe.memory_plan"]
 
 
 # ------------------------------------------------------------------------------- explicit data, not identity
@@ -376,3 +442,137 @@ def test_the_layer_treats_every_implementation_alike_and_paths_are_chosen_by_dat
             for f in [[x for x in identity_dispatch(t) if " is " in x]] if f} == {}
     bad = ast.parse("def f(act, ep):\n    if act is swiglu:\n        pass\n    return ep.ALL_TO_ALL\n")
     assert identity_dispatch(bad) == ["line 2: is swiglu", "line 4: ep.ALL_TO_ALL"]
+
+
+# ------------------------------------------------------------------------------- no compat layer
+def _docstring_or_all(node: ast.stmt) -> bool:
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)) \
+        or (isinstance(node, ast.Assign) and [_dotted(t) for t in node.targets] == ["__all__"])
+
+
+def alias_module(tree: ast.AST) -> bool:
+    """A module (not a package ``__init__``) made only of imports, its docstring and
+    ``__all__`` aside: a second name for code that lives elsewhere."""
+    body = [n for n in tree.body if not _docstring_or_all(n)]
+    return bool(body) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in body)
+
+
+def name_aliases(tree: ast.AST) -> list[str]:
+    """Module-level ``new = old`` where ``old`` is a function, class or import of the module
+    (one object under two names), and a parameter that, when given, overwrites another one
+    (``if impl is not None: matmul = impl``)."""
+    bound = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    found = [f"{node.targets[0].id} = {node.value.id} (line {node.lineno})" for node in tree.body
+             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+             and isinstance(node.value, ast.Name) and node.value.id in bound]
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+        for node in ast.walk(fn):
+            test = node.test if isinstance(node, ast.If) else None
+            if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id in params
+                    and isinstance(test.ops[0], ast.IsNot) and _dotted(test.comparators[0]) == ""):
+                continue
+            for st in node.body:
+                if (isinstance(st, ast.Assign) and isinstance(st.value, ast.Name) and st.value.id == test.left.id
+                        and any(isinstance(t, ast.Name) and t.id in params for t in st.targets)):
+                    found.append(f"{fn.name}({test.left.id}=) overrides {st.targets[0].id} (line {st.lineno})")
+    return found
+
+
+def test_no_compatibility_aliases():
+    """No alias modules, no second names, no parameter aliases: a rename updates every caller."""
+    assert sorted(n for n, t in TREES.items() if not _is_package(n) and alias_module(t)) == []
+    assert {n: f for n, t in TREES.items() for f in [name_aliases(t)] if f} == {}
+    assert alias_module(ast.parse('"""Former home."""\nfrom .routing.aux_losses import *\n'
+                                  'from .routing.aux_losses import __all__\n'))
+    assert not alias_module(ast.parse("import sys\nfrom .cli import main\nsys.exit(main())\n"))
+    old = ast.parse("from .x import unshard\ndef grad_sum(x):\n    return x\ncopy_to = grad_sum\nmaterialize = unshard\n"
+                    "N = 3\ndef mlp(x, matmul='auto', *, impl=None):\n    if impl is not None:\n        matmul = impl\n")
+    assert name_aliases(old) == ["copy_to = grad_sum (line 4)", "materialize = unshard (line 5)",
+                                 "mlp(impl=) overrides matmul (line 9)"]
+
+
+# ------------------------------------------------------------------------------- one model registry
+MODEL_NAMES = {n.rpartition(".")[2] for n in MODEL_FILES}
+
+
+def model_lookups(tree: ast.AST) -> list[str]:
+    """Models found by name around the registry: ``import_module`` of an ``fmoe.models`` path,
+    and tables (tuple, list, set, dict keys) that list two or more models by name."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _dotted(node.func).endswith("import_module") and node.args:
+            arg = node.args[0]
+            head = arg.values[0] if isinstance(arg, ast.JoinedStr) and arg.values else arg
+            if isinstance(head, ast.Constant) and str(head.value).startswith("fmoe.models"):
+                found.append(f"import_module (line {node.lineno})")
+        items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
+        named = [i.value for i in items if isinstance(i, ast.Constant) and i.value in MODEL_NAMES]
+        if len(named) >= 2:
+            found.append(f"table of {len(named)} models (line {node.lineno})")
+    return found
+
+
+def test_one_model_registry():
+    """Every program finds a model through ``fmoe.models.get`` (models/__init__.py, the one
+    place that lists them); what a model offers is declared on its ``Model``."""
+    assert MODEL_NAMES >= {"qwen3_moe", "llama"}
+    assert {n: f for n, t in TREES.items() if n != "fmoe.models" for f in [model_lookups(t)] if f} == {}
+    assert IMPORTS["fmoe.models"] >= set(MODEL_FILES)                   # the registry holds every model
+    old = ast.parse('import importlib\nMODELS = ("qwen3_moe", "mixtral", "llama")\n'
+                    'REMAT = {"qwen3_moe": ("layer", "moe"), "llama": ("layer",)}\n'
+                    'def load(name):\n    return importlib.import_module(f"fmoe.models.{name}")\n')
+    assert sorted(model_lookups(old)) == ["import_module (line 5)", "table of 2 models (line 3)",
+                                          "table of 3 models (line 2)"]
+
+
+def guessed_fields(tree: ast.AST) -> list[str]:
+    """``getattr(cfg, name, default)`` on a config or model: a field guessed, not declared."""
+    return [f"getattr({_dotted(n.args[0])}, ...) (line {n.lineno})" for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and _dotted(n.func) == "getattr" and len(n.args) == 3
+            and _dotted(n.args[0]).rpartition(".")[2] in ("cfg", "config", "model")]
+
+
+def test_memory_plan_and_programs_read_declared_fields():
+    """The memory plan reads a model's widths from ``Model.widths`` (declared ``width_fields``),
+    the programs the preset widening from ``Model.preset``: no guessed field names."""
+    checked = [n for n in MODULES if n in ("fmoe.memory_plan", "fmoe.model") or layer_of(n) == 7]
+    assert {n: f for n in checked for f in [guessed_fields(TREES[n])] if f} == {}
+    old = ast.parse('g = lambda *names: next(getattr(cfg, n) for n in names if getattr(cfg, n, None))\n'
+                    'kv = getattr(cfg, "num_key_value_heads", None)\n')
+    assert sorted(guessed_fields(old)) == ["getattr(cfg, ...) (line 1)", "getattr(cfg, ...) (line 2)"]
+
+
+# ------------------------------------------------------------------------------- choice by declared properties
+def builtin_impl_names() -> set[str]:
+    """The names ``fmoe/ep/__init__.py`` registers at import (``register("all_to_all", ...)``)."""
+    return {node.value.args[0].value for node in TREES["fmoe.ep"].body
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and _dotted(node.value.func) == "register"
+            and node.value.args and isinstance(node.value.args[0], ast.Constant)}
+
+
+def named_impls(tree: ast.AST, names: set) -> list[str]:
+    """String constants (docstrings aside) equal to a built-in implementation's name: a choice
+    made by name."""
+    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body]
+    docs = {id(s.body[0].value) for s in scopes if isinstance(s.body[0], ast.Expr)}
+    return [f"{node.value!r} (line {node.lineno})" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in docs]
+
+
+def test_moe_chooses_the_implementation_by_declared_properties():
+    """``fmoe.moe`` reads what the registry declares (``ep.declared``, ``ep.auto``), so a name
+    registered again is never swapped for a built-in behind the user's back."""
+    names = builtin_impl_names()
+    assert names == {"local", "all_to_all", "all_reduce"}
+    assert named_impls(TREES["fmoe.moe"], names) == []
+    old = ast.parse('def _choose(impl, single):\n    """Pick "local"."""\n'
+                    '    if single and impl in ("all_to_all", "all_reduce"):\n        return "local"\n    return impl\n')
+    assert sorted(named_impls(old, names)) == ["'all_reduce' (line 3)", "'all_to_all' (line 3)", "'local' (line 4)"]

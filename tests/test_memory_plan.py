@@ -32,11 +32,10 @@ def _measure(rank, world, preset, tp, ep, dpr, batch, seq, dtype):
     from fmoe.memory_plan import memory_plan
     from fmoe.models import qwen3_moe
     from fmoe.fsdp import _RECIPE, _root, data_parallel_plan, regather_in_backward
-    from fmoe.train.cli import _preset
     from fmoe.training.grads import reduce_grads
     from fmoe.train.optim import adamw_init
     from fmoe.training.step import _aux_terms, autocast, forward_with_aux
-    cfg = dataclasses.replace(_preset(qwen3_moe, preset, tp), output_router_logits=True)
+    cfg = dataclasses.replace(qwen3_moe.MODEL.preset(preset, tp), output_router_logits=True)
     mesh = fmoe.Mesh(tp=tp, ep=ep, dp_replicate=dpr)
     full = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(True), qwen3_moe.init(cfg, seed=0))
     params = fmoe.shard(full, data_parallel_plan(qwen3_moe.check_plan(cfg, None, tp), full, mesh), mesh)
@@ -106,8 +105,7 @@ def test_plan_command_json_text_and_warning():
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     from fmoe.models import qwen3_moe
-    from fmoe.train.cli import _preset
-    want = memory_plan(qwen3_moe, _preset(qwen3_moe, "small", 2), nproc=4, tp=2, ep=4, batch=2, seq=64,
+    want = memory_plan(qwen3_moe, qwen3_moe.MODEL.preset("small", 2), nproc=4, tp=2, ep=4, batch=2, seq=64,
                        dtype="bf16", remat="layer")
     assert got["ranks"] == want["ranks"] and len(got["ranks"]) == 4 and got["fits"] is False
     assert set(got["ranks"][0]) >= {"params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes"}

@@ -26,11 +26,10 @@ STEPS_BF16, STEPS, B, S = 30, 4, 2, 16
 def _train(mesh, dtype="fp32", remat="none", grad_accum=1, steps=STEPS, aux=True, rows=B):
     from fmoe.data import TokenStream
     from fmoe.models import qwen3_moe
-    from fmoe.train.cli import _preset
     from fmoe.fsdp import data_parallel_plan
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
     from fmoe.training.step import StepConfig, train_step
-    cfg = dataclasses.replace(_preset(qwen3_moe, "tiny", mesh.tp), output_router_logits=aux, router_aux_loss_coef=0.01)
+    cfg = dataclasses.replace(qwen3_moe.MODEL.preset("tiny", mesh.tp), output_router_logits=aux, router_aux_loss_coef=0.01)
     full = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(True), qwen3_moe.init(cfg, seed=0))
     params = fmoe.shard(full, data_parallel_plan(qwen3_moe.check_plan(cfg, None, mesh.tp), full, mesh), mesh)
     state = adamw_init(params)

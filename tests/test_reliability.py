@@ -54,8 +54,8 @@ def load_trained(path):
     from fmoe.models import llama
     from fmoe.fsdp import data_parallel_plan
     from fmoe.train.optim import adamw_init
-    params = llama.init(cli._preset(llama, "tiny", 1), seed=5)
-    plan = data_parallel_plan(llama.plan(cli._preset(llama, "tiny", 1)), params, fmoe.Mesh())
+    params = llama.init(llama.MODEL.preset("tiny", 1), seed=5)
+    plan = data_parallel_plan(llama.plan(llama.MODEL.preset("tiny", 1)), params, fmoe.Mesh())
     return ckpt.load(path, params, adamw_init(params), ckpt.packed_layout(plan, params))
 
 
@@ -408,7 +408,7 @@ def test_a_real_full_disk_and_a_real_read_only_out(tmp_path):
     """The same one-liners on real filesystems: a tmpfs just too small for the checkpoint (the
     save fails mid-way; the partial save stays a hidden .step-N.tmp) and a read-only tmpfs."""
     from fmoe.models import llama
-    params = llama.init(cli._preset(llama, "tiny", 1))
+    params = llama.init(llama.MODEL.preset("tiny", 1))
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(params))
     full = tmp_path / "full"
     if not _mount_tmpfs(full, f"size={need + 12 * 1024}"):

@@ -26,10 +26,8 @@ log = read_log
 
 
 def load_params(path):
-    import importlib
-    from fmoe.train.cli import _preset
-    model = importlib.import_module(f"fmoe.models.{MODEL}")
-    cfg = _preset(model, "tiny", 1)                 # the config the CLI trained (vocab widened)
+    model = fmoe.models.get(MODEL)
+    cfg = model.preset("tiny", 1)                   # the config the CLI trained (vocab widened)
     params = model.init(cfg, seed=123)
     plan = data_parallel_plan(model.plan(cfg), params, fmoe.Mesh())
     ckpt.load(path, params, adamw_init(params), ckpt.packed_layout(plan, params))
@@ -66,8 +64,7 @@ def test_log_checkpoints_and_resume(tmp_path):
     assert [r["loss"] for r in log(b)] == [r["loss"] for r in rows[2:]]
     pa, pb = load_params(os.path.join(a, "step-12")), load_params(os.path.join(b, "step-12"))
     assert all(torch.equal(x, y) for x, y in zip(fmoe.tree.leaves(pa), fmoe.tree.leaves(pb)))
-    from fmoe.train.cli import _preset
-    fresh = fmoe.models.llama.init(_preset(fmoe.models.llama, "tiny", 1), seed=0)
+    fresh = fmoe.models.llama.init(fmoe.models.llama.MODEL.preset("tiny", 1), seed=0)
     assert not all(torch.equal(x, y) for x, y in zip(fmoe.tree.leaves(pa), fmoe.tree.leaves(fresh)))
     # another mesh (tp=2 on the same 2 ranks: one batch of twice the rows is NOT the same data,
     # so keep the batches: 2 ranks as fsdp=2 -> 4 ranks as tp=2, fsdp=2), resharded from the checkpoint

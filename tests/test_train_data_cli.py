@@ -89,10 +89,9 @@ def test_bf16_on_four_ranks_resumes_bitwise_with_fp32_masters(tmp_path):
     import fmoe
     from fmoe.models import qwen3_moe
     from fmoe.train import ckpt
-    from fmoe.train.cli import _preset
     from fmoe.fsdp import data_parallel_plan
     from fmoe.train.optim import adamw_init
-    cfg = _preset(qwen3_moe, "tiny", 1)
+    cfg = qwen3_moe.MODEL.preset("tiny", 1)
     params = qwen3_moe.init(cfg, seed=1)
     state = adamw_init(params)
     ckpt.load(os.path.join(a, "step-4"), params, state,

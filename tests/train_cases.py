@@ -1,6 +1,5 @@
 """Shared pieces of the training tests (imported by spawned ranks)."""
 
-import importlib
 
 import torch
 
@@ -20,10 +19,9 @@ def corpus():
 
 def model_and_cfg(name, tp=8):
     """The model and the config the CLI uses for ``--preset tiny`` (valid up to tp=8)."""
-    from fmoe.model import model_of
-    from fmoe.train.cli import _preset
-    model = importlib.import_module(f"fmoe.models.{name}")
-    cfg = model_of(model).with_aux_loss(_preset(model, "tiny", tp), 0.05)   # global load-balance loss on
+    from fmoe.models import get
+    model = get(name)                                                    # the declared Model
+    cfg = model.with_aux_loss(model.preset("tiny", tp), 0.05)           # global load-balance loss on
     return model, cfg
 
 

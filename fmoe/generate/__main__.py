@@ -15,14 +15,12 @@ ranks); every rank loads its own slices (``--tp``, ``--ep``) and decodes the sam
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 from typing import Any, Optional, Sequence
 
-MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss", "llama": "llama",
-               "deepseek_v3": "deepseek_v3"}
+from ..models import NAMES, get
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,13 +80,12 @@ def load(ckpt: str, mesh: Any) -> tuple[Any, Any, Any, Optional[str]]:
     if os.path.isfile(os.path.join(ckpt, "config.json")):
         with open(os.path.join(ckpt, "config.json")) as f:
             kind = json.load(f).get("model_type")
-        if kind not in MODEL_TYPES:
-            raise ValueError(f"--ckpt {ckpt!r}: model_type {kind!r} is not supported; supported: {sorted(MODEL_TYPES)}")
-        model = importlib.import_module(f"fmoe.models.{MODEL_TYPES[kind]}")
+        if kind not in NAMES:                       # a checkpoint's model_type is the registry name
+            raise ValueError(f"--ckpt {ckpt!r}: model_type {kind!r} is not supported; supported: {sorted(NAMES)}")
+        model = get(kind)
         params, cfg = model.load_hf(ckpt, mesh=mesh if mesh.world > 1 else None)
         return model, params, cfg, ckpt
     from fmoe.train import ckpt as tckpt
-    from fmoe.model import model_of
     from fmoe.train.optim import adamw_init
 
     step = tckpt.latest(ckpt)
@@ -96,10 +93,10 @@ def load(ckpt: str, mesh: Any) -> tuple[Any, Any, Any, Optional[str]]:
         raise ValueError(f"--ckpt {ckpt!r} holds neither config.json (HF checkpoint) nor a complete step-N "
                          "training checkpoint")
     meta = tckpt.read_meta(step)
-    model = importlib.import_module(f"fmoe.models.{meta['model']}")
+    model = get(meta["model"])
     cfg = model.Config(**{k: _tuples(v) for k, v in meta["config"].items()})
     full = model.init(cfg)
-    plan = model_of(model).build_plan(cfg, mesh=mesh, params=full, data_parallel=True)
+    plan = model.build_plan(cfg, mesh=mesh, params=full, data_parallel=True)
     params = fmoe.shard(full, plan, mesh)
     tckpt.load(step, params, adamw_init(params), tckpt.packed_layout(plan, full))
     return model, params, cfg, None

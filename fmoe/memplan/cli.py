@@ -1,8 +1,10 @@
 """``python -m fmoe.plan``: per-rank memory and traffic of a training job, before running it.
 
-The sharding :class:`fmoe.plan.Plan` lives in this package; the memory estimate lives in
-:mod:`fmoe.memory_plan`; this entry point builds the job's config (a ``--preset`` widened as the
-main job widens it, or a Hugging Face ``--config``) and prints the plan.
+The program only reads flags and reports: the model comes from the registry
+(:func:`fmoe.models.get`), the job's config is the model's preset widened as the main job widens
+it (:meth:`fmoe.model.Model.preset`) or a Hugging Face ``--config`` (KV heads widened by the same
+rule, :meth:`fmoe.model.Model.widen_kv_heads`), and the estimate is the library's
+:func:`fmoe.memory_plan.memory_plan`.
 
 Example:
     python -m fmoe.plan --model qwen3_moe --preset small --nproc 4 --ep 4 --batch 4 --seq 256 --dtype bf16
@@ -10,44 +12,38 @@ Example:
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from ..memory_plan import format_plan, memory_plan
+from ..model import PRESETS, Model
+from ..models import NAMES, get
+
+__all__ = ["main", "build_parser"]
 
 
-def _load_config(model: Any, args) -> Any:
-    import json
-
-    from ..train.cli import _preset                           # the main job's preset widening
-
+def _load_config(model: Model, args: argparse.Namespace) -> Any:
     if not args.config:
-        return _preset(model, args.preset, args.tp)
+        return model.preset(args.preset, args.tp)
     with open(args.config) as f:
         cfg = model.Config.from_hf(json.load(f))
-    kv, heads = getattr(cfg, "num_key_value_heads", None), getattr(cfg, "num_attention_heads", None)
-    if kv is not None and kv % args.tp and heads % args.tp == 0:    # replicate KV heads, as the reference does
-        import dataclasses
-        import sys
-
+    wide = model.widen_kv_heads(cfg, args.tp)
+    if wide != cfg:
+        kv = model.widths(cfg).G
         print(f"note: tp={args.tp} does not divide num_key_value_heads={kv}; planned with {args.tp} KV heads "
               "(each KV head replicated)", file=sys.stderr)
-        cfg = dataclasses.replace(cfg, num_key_value_heads=args.tp)
-    return cfg
+    return wide
 
 
-def main(argv=None) -> int:
-    """``python -m fmoe.plan``: print the per-rank memory plan of a training job (``--json``:
-    one JSON object). Exit code 0, or 2 for bad flags."""
-    import argparse
-    import importlib
-    import json
-
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``python -m fmoe.plan``."""
     ap = argparse.ArgumentParser(prog="python -m fmoe.plan",
                                  description="Per-rank memory and traffic of a training job, before running it.")
-    ap.add_argument("--model", default="qwen3_moe", help="a model of fmoe.models (qwen3_moe, mixtral, ...)")
+    ap.add_argument("--model", choices=NAMES, default="qwen3_moe", help="a model of fmoe.models")
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=("tiny", "small"), default="tiny")
+    src.add_argument("--preset", choices=PRESETS, default="tiny")
     src.add_argument("--config", default=None, help="a Hugging Face config.json")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
@@ -60,14 +56,18 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--memory-gb", type=float, default=None, help="warn when a rank needs more")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m fmoe.plan``: print the per-rank memory plan of a training job (``--json``:
+    one JSON object). Exit code 0, or 2 for bad flags."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     for name in ("nproc", "tp", "dp_replicate", "batch", "seq", "grad_accum") + (("ep",) if args.ep else ()):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    try:
-        model = importlib.import_module(f"fmoe.models.{args.model}")
-    except ImportError:
-        ap.error(f"--model {args.model!r} is not a model of fmoe.models")
+    model = get(args.model)
     try:
         cfg = _load_config(model, args)
         plan = memory_plan(model, cfg, nproc=args.nproc, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
@@ -80,7 +80,3 @@ def main(argv=None) -> int:
         plan["fits"] = plan["max_total_bytes"] <= args.memory_gb * 1e9
     print(json.dumps(plan) if args.json else format_plan(plan, args.memory_gb))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

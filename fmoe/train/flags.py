@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..model import PRESETS
+from ..models import NAMES
 from . import options
 
-MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama", "deepseek_v3")
 DEFAULT_OUT = "runs/fmoe"
 
-__all__ = ["MODELS", "DEFAULT_OUT", "EPILOG", "build_parser"]
+__all__ = ["DEFAULT_OUT", "EPILOG", "build_parser"]
 
 
 def _int_at_least(name: str, low: int):
@@ -99,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = {name: ap.add_argument_group(name) for name in
          ("model", "mesh", "data", "optimization", "checkpoints and output", "runtime")}
     m = g["model"]
-    m.add_argument("--model", choices=MODELS, default="qwen3_moe", help="model family")
-    m.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="model size preset")
+    m.add_argument("--model", choices=NAMES, default="qwen3_moe", help="model family (fmoe.models)")
+    m.add_argument("--preset", choices=PRESETS, default="tiny", help="model size preset")
     m.add_argument("--init-hf", default=None, metavar="DIR",
                    help="start from this Hugging Face checkpoint (config and weights; weights cast to "
                         "fp32 master weights) instead of a random --preset model (default: none)")

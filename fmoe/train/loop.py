@@ -13,8 +13,6 @@ to N such steps first).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib
 import json
 import math
 import os
@@ -47,20 +45,6 @@ class _Progress:
         elif step == self.total or step % max(1, self.total // 20) == 0:
             sys.stderr.write(text + "\n")
         sys.stderr.flush()
-
-
-def _preset(model, name: str, tp: int):
-    """The model's preset config, widened where a toy preset cannot serve this job: at least
-    256 vocabulary entries (byte tokens) and, when ``tp`` does not divide the KV heads but
-    divides the query heads, as many KV heads as ``tp`` (so every mesh in the README runs)."""
-    cfg = getattr(model.Config, name)()
-    changes = {}
-    if cfg.vocab_size < 256:
-        changes["vocab_size"] = 256
-    kv, heads = getattr(cfg, "num_key_value_heads", None), getattr(cfg, "num_attention_heads", None)
-    if kv is not None and kv % tp and heads % tp == 0:
-        changes["num_key_value_heads"] = tp
-    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def log_row(row: dict) -> str:
@@ -108,14 +92,14 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch
 
     import fmoe
-    from fmoe.model import model_of
+    from fmoe.models import get
     from fmoe.train import ckpt
     from fmoe.training.evaluate import evaluate
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
     from fmoe.train.outdir import check_room
     from fmoe.training.step import StepConfig, train_step
 
-    model = importlib.import_module(f"fmoe.models.{args.model}")
+    model = get(args.model)                            # the declared Model, from the registry
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
     device = options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))
     if args.init_hf:                                   # fp32 master weights whatever the file holds
@@ -127,16 +111,16 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         full = model.init(cfg, seed=args.seed)
     else:
         tokenizer = options.resolve_tokenizer(args)
-        cfg = options.fit_vocab(_preset(model, args.preset, args.tp), tokenizer, args.tp)
+        cfg = options.fit_vocab(model.preset(args.preset, args.tp), tokenizer, args.tp)
         full = model.init(cfg, seed=args.seed)
     train_data, held_out = options.open_streams(args, tokenizer)
     if cfg.vocab_size < max(256, train_data.vocab_size or 0):
         raise ValueError(f"model vocab_size {cfg.vocab_size} cannot hold the data's token ids "
                          f"(vocabulary {train_data.vocab_size} of {train_data.name})")
     full = fmoe.tree.map_with_path(lambda _, t: t.to(device), full)
-    cfg = model_of(model).with_aux_loss(cfg, args.aux_weight)      # declared switch, no probing
-    model_plan = model_of(model).build_plan(cfg, mesh=mesh)      # default plan, model checks
-    plan = model_of(model).build_plan(cfg, model_plan, mesh, full, data_parallel=True)
+    cfg = model.with_aux_loss(cfg, args.aux_weight)      # declared switch, no probing
+    model_plan = model.build_plan(cfg, mesh=mesh)      # default plan, model checks
+    plan = model.build_plan(cfg, model_plan, mesh, full, data_parallel=True)
     packed = ckpt.packed_layout(plan, full)
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(full))   # params + 2 moments
     ckpt.on_rank0(lambda: check_room(args.out, need), f"checking --out {args.out}")

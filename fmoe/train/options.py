@@ -25,11 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-#: Model -> the blocks its forward marks for :mod:`fmoe.remat` (dense llama has no MoE block).
-REMAT_MODELS = {"qwen3_moe": ("layer", "moe"), "mixtral": ("layer", "moe"), "gpt_oss": ("layer", "moe"),
-                "deepseek_v3": ("layer", "moe"), "llama": ("layer",)}
-
-__all__ = ["REMAT_MODELS", "add_arguments", "check", "parse_router", "router_from_spec", "resolve_device", "open_streams"]
+__all__ = ["add_arguments", "check", "parse_router", "router_from_spec", "resolve_device", "open_streams"]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -77,9 +73,12 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         from ..data import find_tokenizer_file
         if find_tokenizer_file(args.tokenizer) is None:
             ap.error(f"--tokenizer {args.tokenizer!r}: not 'bytes', a tokenizer.json, or a directory holding one")
-    if args.remat not in ("none",) + REMAT_MODELS.get(args.model, ()):
+    from ..models import get
+
+    blocks = ("none",) + get(args.model).remat_blocks      # declared on the model's Model
+    if args.remat not in blocks:
         ap.error(f"--remat {args.remat}: model {args.model} has no such block to recompute; it supports "
-                 f"--remat {' / '.join(('none',) + REMAT_MODELS.get(args.model, ()))}")
+                 f"--remat {' / '.join(blocks)}")
     if args.router is not None:
         try:
             router_from_spec(args.router)

@@ -16,8 +16,9 @@ import os
 from typing import Optional, Sequence
 
 from ..mesh import check_layout
+from ..models import NAMES
 from . import options
-from .flags import MODELS, build_parser
+from .flags import build_parser
 
 FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate"}   # mesh fields as flags
 
@@ -88,8 +89,8 @@ def _check_resume(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
         meta = ckpt.read_meta(path)
     except ValueError as e:
         ap.error(f"--resume: {e}")
-    if meta.get("model") not in MODELS:
-        ap.error(f"--resume {path}: meta.json names model {meta.get('model')!r}, not one of {MODELS}")
+    if meta.get("model") not in NAMES:
+        ap.error(f"--resume {path}: meta.json names model {meta.get('model')!r}, not one of {NAMES}")
     resume.apply(args, meta, path, ap.error)
     args.resume_path, args.resume_meta = path, meta
 
