@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fmoe
+import fmoe.models
 from fmoe.memory_plan import format_plan, memory_plan
 
 MESHES = [(1, 1, 1, 1), (4, 1, 4, 1), (4, 2, 4, 1), (4, 1, 2, 2)]   # nproc, tp, ep, dp_replicate
@@ -116,3 +117,34 @@ def test_plan_command_json_text_and_warning():
     r = run("--nproc", "4", "--tp", "3")
     assert r.returncode == 2 and "nproc=4 must be divisible by tp * dp_replicate = 3" in r.stderr
     assert format_plan(want).count("\n") >= 3
+
+
+@pytest.mark.parametrize("name", fmoe.models.NAMES)
+def test_declared_widths_remat_blocks_and_presets_agree_with_the_model(name):
+    """What a model declares on its ``Model`` (the memory plan's ``widths``, ``remat_blocks``,
+    the job's ``preset``) agrees with the parameters its ``init`` builds."""
+    model = fmoe.models.get(name)
+    cfg = model.preset("small", 1)
+    with torch.device("meta"):
+        flat = fmoe.tree.flatten(model.init(cfg))
+    w = model.widths(cfg)
+    layers = {int(p.split(".")[1]) for p in flat if p.startswith("layers.")}
+    assert (w.V, w.D, w.L) == (*flat["embed"].shape, len(layers))
+    routed = [p[: -len(".router")] for p in flat if p.endswith("moe.router")]
+    assert bool(routed) == model.routed == ("moe" in model.remat_blocks) and "layer" in model.remat_blocks
+    if routed:
+        assert (w.E, w.I) == (flat[routed[0] + ".router"].shape[0], flat[routed[0] + ".w_down"].shape[2])
+        assert 1 <= w.K <= w.E
+    else:
+        assert (w.E, w.K, w.I) == (0, 0, 0)
+    dense = [p for p in flat if p.endswith(".mlp.w_down")]
+    if dense:
+        assert w.Id == flat[dense[0]].shape[1]
+    if "layers.0.attn.wk" in flat:                                   # grouped-query attention
+        assert (w.H * w.hd, w.G * w.hd) == (flat["layers.0.attn.wq"].shape[0], flat["layers.0.attn.wk"].shape[0])
+    assert w.V >= 256 and model.preset("tiny").vocab_size >= 256      # byte tokens fit
+    for tp in (2, 4, 8):
+        if w.H % tp == 0:                                            # KV heads widened to split over tp
+            assert model.widths(model.preset("small", tp)).G % tp == 0
+    with pytest.raises(ValueError, match="preset: name must be one of"):
+        model.preset("huge")
