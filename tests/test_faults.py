@@ -90,7 +90,7 @@ def test_survivors_time_out_on_their_own():
 def _save_then_die(rank, world, out):
     import torch.distributed.checkpoint as dcp
 
-    from fmoe.train import ckpt
+    from fmoe.checkpoint import training as ckpt
     from fmoe.train.optim import adamw_init
     mesh = fmoe.Mesh(tp=2)
     params = fmoe.shard({"w": torch.arange(16.0).view(4, 4), "v": torch.ones(4)},
@@ -110,7 +110,7 @@ def _save_then_die(rank, world, out):
 
 
 def _load_latest(rank, world, out):
-    from fmoe.train import ckpt
+    from fmoe.checkpoint import training as ckpt
     from fmoe.train.optim import adamw_init
     path = ckpt.latest(out)
     params = {"w": torch.zeros(4, 4), "v": torch.zeros(4)}

@@ -15,7 +15,8 @@ import torch
 
 import fmoe
 from fmoe.testing import spawn
-from fmoe.train import ckpt, cli
+from fmoe.checkpoint import training as ckpt
+from fmoe.train import cli
 from fmoe.train.optim import lr_at
 from fmoe.train.outdir import OutLock
 

@@ -87,7 +87,7 @@ def load(ckpt: str, mesh: Any) -> tuple[Any, Any, Any, Optional[str]]:
         model = importlib.import_module(f"fmoe.models.{MODEL_TYPES[kind]}")
         params, cfg = model.load_hf(ckpt, mesh=mesh if mesh.world > 1 else None)
         return model, params, cfg, ckpt
-    from fmoe.train import ckpt as tckpt
+    from fmoe.checkpoint import training as tckpt
     from fmoe.model import model_of
     from fmoe.train.optim import adamw_init
 

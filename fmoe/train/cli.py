@@ -93,7 +93,7 @@ def _train(args: argparse.Namespace) -> Optional[dict]:
 
         import torch.distributed as dist
 
-        from fmoe.train import ckpt
+        from fmoe.checkpoint import training as ckpt
 
         if world > 1 and not dist.is_initialized():
             backend = "nccl" if options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0))).type == "cuda" \
@@ -132,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         last = _train(args)
     except Interrupted as e:
-        from fmoe.train import ckpt
+        from fmoe.checkpoint import training as ckpt
 
         good = ckpt.latest(args.out) if os.path.isdir(args.out) else None
         print(f"fmoe.train: error: stopped by {e}; every rank stopped (last complete checkpoint: "

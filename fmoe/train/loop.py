@@ -109,7 +109,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     import fmoe
     from fmoe.model import model_of
-    from fmoe.train import ckpt
+    from fmoe.checkpoint import training as ckpt
     from fmoe.train.evaluate import evaluate
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
     from fmoe.train.outdir import check_room

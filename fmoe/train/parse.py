@@ -77,7 +77,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def _check_resume(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from fmoe.train import ckpt, resume
+    from fmoe.checkpoint import training as ckpt
+    from fmoe.train import resume
 
     if not os.path.exists(args.resume):
         ap.error(f"--resume {args.resume!r} does not exist")

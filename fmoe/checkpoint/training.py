@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import tree as _tree
-from ..checkpoint.integrity import digests, verify
+from .integrity import digests, verify
 from ..collectives import all_gather_objects, barrier
 
 __all__ = ["save", "load", "latest", "read_meta", "packed_layout", "on_rank0", "FORMAT"]
