@@ -73,14 +73,22 @@ def _describe(e: BaseException) -> str:
 
 
 def _prepare_out(args: argparse.Namespace) -> None:
-    from fmoe.train.outdir import clear_run, drop_after
+    """With OUT's lock held: refuse links, remove what killed writes left, then make OUT hold
+    exactly the run this job continues (its log trimmed to the checkpoint's step)."""
+    from fmoe.train.outdir import clear_run, drop_after, links, remove_temporaries, trim_log
 
-    if not args.overwrite:
-        return
-    if args.resume_path and inside(args.resume_path, args.out):
+    linked = links(args.out)                           # checked again under the lock
+    if linked:
+        raise OSError(f"--out {args.out}: {linked[0]} is a symbolic link; fmoe.train never writes through a link")
+    remove_temporaries(args.out)
+    own = bool(args.resume_path) and inside(args.resume_path, args.out)
+    if args.overwrite and own:
         drop_after(args.out, args.resume_meta["step"])     # the run continues from there
-    else:
+    elif args.overwrite:
         clear_run(args.out)
+    if own:                                            # rows after the checkpoint are trained again
+        for note in trim_log(args.out, args.resume_meta["step"]):
+            print(f"fmoe.train: note: {note}", file=sys.stderr)
 
 
 def _train(args: argparse.Namespace) -> Optional[dict]:

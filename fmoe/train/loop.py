@@ -81,14 +81,6 @@ class NonFiniteStep(RuntimeError):
     """A step's loss or gradient norm was NaN/Inf (the update was not applied)."""
 
 
-def _append_log(path: str, line: str) -> None:
-    try:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror or e} writing {path}") from e
-
-
 def _job_meta(args: argparse.Namespace, model, cfg, mesh) -> dict:
     """What ``meta.json`` records about the job (read back by :mod:`fmoe.train.resume`)."""
     from fmoe.train import resume
@@ -112,7 +104,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from fmoe.checkpoint import training as ckpt
     from fmoe.train.evaluate import evaluate
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
-    from fmoe.train.outdir import check_room
+    from fmoe.train.outdir import append_row, check_room
     from fmoe.train.step import StepConfig, train_step
 
     model = importlib.import_module(f"fmoe.models.{args.model}")
@@ -168,7 +160,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
                               dtype=args.dtype, device=device))
         last = {"step": step, **m}
         if rank0:
-            _append_log(os.path.join(args.out, "log.jsonl"), log_row(last))
+            append_row(os.path.join(args.out, "log.jsonl"), log_row(last))   # one write, no link followed
         if m.get("skipped"):
             skipped += 1
             if skipped > args.skip_nonfinite:
