@@ -174,8 +174,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
-    if args.export_hf:
-        model.save_hf(params, cfg, args.export_hf, overwrite=args.overwrite)
-        if rank0:
-            options.export_tokenizer(tokenizer, args.export_hf)
+    if args.export_hf:                                 # the weights, the router and the tokenizer
+        from fmoe.train.export import export_hf
+
+        export_hf(model, params, cfg, args.export_hf, model_name=args.model, router=args.router,
+                  tokenizer=tokenizer, step=max(start, last.get("step", start)), overwrite=args.overwrite)
     return last
