@@ -47,7 +47,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
 __all__ = ["atomic_directory", "begin", "commit", "abort", "remove_stale", "replace_files", "check_target",
            "checkpoint_file", "foreign_files", "TEMP_MARK"]
@@ -159,7 +159,8 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: str = "save") -> str:
+def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: str = "save",
+                 own: Callable[[str], bool] = checkpoint_file) -> str:
     """The absolute ``path`` after checking a checkpoint may be written there.
 
     Args:
@@ -167,6 +168,7 @@ def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: s
         overwrite: allow a directory that also holds other files (only checkpoint files are
             then replaced, see :func:`replace_files`).
         what: how to name the caller in errors.
+        own: which file names the writer owns (may replace); default: Hugging Face checkpoint files.
     Returns:
         the absolute path.
     Raises:
@@ -181,7 +183,7 @@ def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: s
                          "through a link: remove it or pass the real directory")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{what}: path {path!r} exists and is not a directory; pass a directory path")
-    others = foreign_files(path)
+    others = foreign_files(path, own)
     if others and not overwrite:
         raise ValueError(
             f"{what}: {path!r} is not empty and is not a checkpoint directory: it holds "
@@ -191,11 +193,11 @@ def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: s
     return path
 
 
-def foreign_files(path: str) -> list[str]:
+def foreign_files(path: str, own: Callable[[str], bool] = checkpoint_file) -> list[str]:
     """Entries of directory ``path`` that are not checkpoint files (sorted; [] if none/absent)."""
     if not os.path.isdir(path):
         return []
-    return sorted(n for n in os.listdir(path) if not checkpoint_file(n))
+    return sorted(n for n in os.listdir(path) if not own(n))
 
 
 @contextlib.contextmanager
@@ -224,31 +226,33 @@ def replace_files(path: Union[str, os.PathLike]) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def begin(path: Union[str, os.PathLike]) -> str:
+def begin(path: Union[str, os.PathLike], own: Callable[[str], bool] = checkpoint_file) -> str:
     """Start writing directory ``path``: the new empty temporary directory beside it.
 
     Args:
         path: the final directory (checked by :func:`check_target`; may exist).
+        own: the file names a previous directory at ``path`` may hold (it is replaced whole).
     Returns:
         the temporary directory (``.<name>.tmp-<pid>-<random>``, same filesystem as ``path``).
     """
-    path = check_target(path)
+    path = check_target(path, own=own)
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     remove_stale(path)
     return tempfile.mkdtemp(prefix=f".{name}{TEMP_MARK}{os.getpid()}-", dir=parent)
 
 
-def commit(tmp: str, path: Union[str, os.PathLike]) -> None:
+def commit(tmp: str, path: Union[str, os.PathLike], own: Callable[[str], bool] = checkpoint_file) -> None:
     """Publish ``tmp`` (from :func:`begin`) as ``path``: fsync, usual modes, one atomic swap.
 
     Args:
         tmp: the written temporary directory.
         path: the final directory; a previous one there is replaced and removed.
+        own: as for :func:`begin`.
     Raises:
         ValueError: ``path`` became a symbolic link meanwhile (nothing is replaced).
     """
-    path = check_target(path)
+    path = check_target(path, own=own)
     parent = os.path.dirname(path)
     _publish_modes(tmp)
     _fsync_tree(tmp)

@@ -57,6 +57,11 @@ FORMAT = "fmoe-train-safetensors/1"   # meta.json "format" of this layout
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+def _own(name: str) -> bool:
+    """The files a training checkpoint consists of (a re-save of ``step-N`` replaces only those)."""
+    return name == "meta.json" or name.endswith(".safetensors")
+
+
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -213,7 +218,7 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
 
     def prepare() -> None:
         os.makedirs(out_dir, exist_ok=True)
-        box["tmp"] = atomic.begin(final)
+        box["tmp"] = atomic.begin(final, own=_own)
 
     on_rank0(prepare, what)
     tmp = broadcast_object(box.get("tmp"), src=0)
@@ -231,7 +236,7 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
             fd = os.open(os.path.join(tmp, "meta.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             with os.fdopen(fd, "w") as f:
                 json.dump({**meta, "step": step, "format": FORMAT, "files": files}, f, indent=2, sort_keys=True)
-            atomic.commit(tmp, final)
+            atomic.commit(tmp, final, own=_own)
 
         on_rank0(commit, what)
     except BaseException:
