@@ -234,9 +234,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import torch.distributed as dist
 
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-            if world > 1 and not dist.is_initialized():
+            owned = world > 1 and not dist.is_initialized()
+            if owned:
                 dist.init_process_group("gloo")
-            rows = run(rank, world, args)
+            try:
+                rows = run(rank, world, args)
+                if owned:
+                    dist.barrier()
+            finally:
+                if owned and dist.is_initialized():        # not left to the interpreter's teardown
+                    dist.destroy_process_group()
             if rank != 0:
                 return 0
         elif args.nproc == 1:

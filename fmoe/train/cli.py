@@ -91,6 +91,16 @@ def _prepare_out(args: argparse.Namespace) -> None:
             print(f"fmoe.train: note: {note}", file=sys.stderr)
 
 
+def _destroy_group() -> None:
+    """Tear the process group down before the interpreter does: a gloo group left alive at exit
+    can abort the process in its worker threads' teardown ("terminate called without an active
+    exception", exit 1 after the final line)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _train(args: argparse.Namespace) -> Optional[dict]:
     """Run the job (launcher side); returns rank 0's last metrics, None on other torchrun ranks."""
     from fmoe.train.outdir import OutLock
@@ -103,17 +113,24 @@ def _train(args: argparse.Namespace) -> Optional[dict]:
 
         from fmoe.checkpoint import training as ckpt
 
-        if world > 1 and not dist.is_initialized():
+        owned = world > 1 and not dist.is_initialized()
+        if owned:
             backend = "nccl" if options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0))).type == "cuda" \
                 else "gloo"
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
         rank = int(os.environ["RANK"])
-        lock = OutLock(args.out)
-        ckpt.on_rank0(lambda: (lock.acquire(), _prepare_out(args)), f"locking --out {args.out}")
         try:
-            last = run(rank, world, args)
+            lock = OutLock(args.out)
+            ckpt.on_rank0(lambda: (lock.acquire(), _prepare_out(args)), f"locking --out {args.out}")
+            try:
+                last = run(rank, world, args)
+            finally:
+                lock.release()
+            if owned:
+                dist.barrier()                         # every rank is done with every collective
         finally:
-            lock.release()
+            if owned:
+                _destroy_group()
         return last if rank == 0 else None
     with OutLock(args.out):
         _prepare_out(args)

@@ -142,7 +142,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     step_cfg = StepConfig(opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
                           impl=args.impl, **options.step_options(args))
     rank0 = rank == 0
-    if rank0 and not args.quiet:
+    if rank0:                                          # --quiet keeps only its warning
         options.print_memory_plan(args, model, cfg, model_plan, world)
     meta = {**_job_meta(args, model, cfg, mesh), **options.run_meta(args, tokenizer, device)}
     bar = _Progress(args.steps, rank0 and not args.quiet)

@@ -253,12 +253,19 @@ def should_eval(args: argparse.Namespace, step: int) -> bool:
 
 
 def print_memory_plan(args: argparse.Namespace, model: Any, cfg: Any, model_plan: Any, world: int) -> None:
-    """Rank 0 prints the job's memory plan (:mod:`fmoe.memory_plan`) to stderr at start."""
+    """Rank 0 prints the job's memory plan (:mod:`fmoe.memory_plan`) to stderr at start; with
+    ``--quiet`` only its warning (a plan over ``--memory-gb``), which ``--quiet`` never hides."""
     import sys
 
     from ..memory_plan import format_plan, memory_plan
 
+    if args.quiet and args.memory_gb is None:
+        return
     plan = memory_plan(model, cfg, nproc=world, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
                        batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,
                        grad_accum=args.grad_accum, model_plan=model_plan)
-    print(format_plan(plan, args.memory_gb), file=sys.stderr)
+    text = format_plan(plan, args.memory_gb)
+    if args.quiet:
+        text = "\n".join(line for line in text.splitlines() if line.startswith("WARNING"))
+    if text:
+        print(text, file=sys.stderr)
