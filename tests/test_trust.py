@@ -196,6 +196,21 @@ def test_stale_temporaries_torn_rows_and_rows_after_the_checkpoint(run, tmp_path
     assert not os.path.exists("runs/fmoe") or "step-3" not in os.listdir("runs/fmoe")
 
 
+def test_a_finished_checkpoint_exports_without_training_and_quiet_keeps_warnings(run, tmp_path, capsys):
+    out, hf = copy_run(run, tmp_path), str(tmp_path / "hf")
+    err = main(capsys, 0, "--resume", out, "--steps", "2", "--export-hf", hf, "--memory-gb", "0.000001")
+    assert "WARNING:" in err and "exceeds --memory-gb 1e-06" in err          # --quiet (kept) hides the table only
+    assert sorted(os.listdir(out)) == ["log.jsonl", "step-1", "step-2"]      # no step trained, nothing saved
+    with open(os.path.join(hf, "fmoe.json")) as f:
+        assert json.load(f)["step"] == 2
+    from fmoe.generate.__main__ import load as load_for_generate
+    from fmoe.models import qwen3_moe
+    exported, _ = qwen3_moe.load_hf(hf)
+    trained = load_for_generate(out, fmoe.Mesh())[1]                      # step-2's parameters
+    flat = fmoe.tree.flatten(trained)
+    assert all(torch.equal(t, flat[p]) for p, t in fmoe.tree.flatten(exported).items())
+
+
 def test_a_failed_save_removes_its_partial_directory_and_a_resave_replaces(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 

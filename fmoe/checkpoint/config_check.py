@@ -4,13 +4,14 @@ A ``config.json`` (Hugging Face), a training checkpoint's ``meta.json`` or a mem
 ``--config`` is data, not code: every field is checked against the type its config dataclass
 declares (an int field holds an int, a float field a finite number, sizes are not negative and
 below ``2**24``), in the raw dict before the config is even built (a config's own checks may
-allocate, e.g. its rotary table), then the parameter count is computed from the model's checkpoint specs
-(shapes only, no tensor) and must fit in this machine's memory. So a ``head_dim`` of ``4e9``
+allocate, e.g. its rotary table); for callers that build the full model, the parameter count
+is then computed from the model's checkpoint specs (shapes only, no tensor) and must fit in
+this machine's memory. So a ``head_dim`` of ``4e9``
 is one error line naming the file and the field, not a 16 GB allocation.
 
 Example:
     >>> from fmoe.models import llama
-    >>> cfg = config_from_dict(llama, llama.Config.tiny().to_hf(), "config.json")
+    >>> cfg = config_from_dict(llama, llama.Config.tiny().to_hf(), "config.json", fits=True)
     >>> param_bytes(llama, cfg) > 0
     True
     >>> config_from_dict(llama, [1, 2], "config.json")
@@ -46,6 +47,8 @@ def _check_fields(config_type: Any, values: dict, where: str) -> None:
         if f.name not in values:
             continue
         value, default = values[f.name], f.default
+        if value is None and ("Optional" in str(f.type) or "None" in str(f.type)):
+            continue                                    # a field the config declares optional
         if isinstance(default, bool):
             if not isinstance(value, bool):
                 raise ValueError(f"{where}: {f.name!r} must be true or false, got {value!r}")
@@ -74,9 +77,11 @@ def check_config(model: Any, cfg: Any, where: str) -> None:
 def param_bytes(model: Any, cfg: Any, itemsize: int = 4) -> int:
     """Bytes of the parameters of ``cfg`` at ``itemsize`` bytes per value, from the specs' shapes
     (no tensor is made)."""
-    from .hf import hf_specs_of
+    from ..tree import flatten
+    from .spec import Spec
 
-    _, flat = hf_specs_of(model, cfg, None)
+    specs = model.hf_specs(cfg, None)               # flat {path: Spec} or a nested tree of them
+    flat = specs if all(isinstance(v, Spec) for v in specs.values()) else flatten(specs)
     return itemsize * sum(math.prod(s.shape) for s in flat.values())
 
 
@@ -89,7 +94,7 @@ def check_fits(nbytes: int, what: str, where: str, limit: Optional[int] = None) 
                          f"{limit / 1e9:.3g} GB of memory; check the sizes")
 
 
-def config_from_dict(model: Any, d: Any, where: str, *, fits: bool = True) -> Any:
+def config_from_dict(model: Any, d: Any, where: str, *, fits: bool = False) -> Any:
     """The model config of a ``config.json``-style dict, checked (fields, then the size of one
     fp32 copy of the parameters against memory when ``fits``).
 
@@ -97,7 +102,9 @@ def config_from_dict(model: Any, d: Any, where: str, *, fits: bool = True) -> An
         model: the model module (``Config.from_hf``, ``hf_specs``).
         d: the dict read from disk.
         where: the file (for messages).
-        fits: also check the parameters fit in memory.
+        fits: also check that one full fp32 copy of the parameters fits in this machine's memory
+            (for callers that build one, e.g. a resumed job's ``init``; not for a sharded
+            ``load_hf`` or a memory plan of a larger machine).
     Returns:
         the config.
     Raises:
@@ -121,7 +128,7 @@ def config_from_dict(model: Any, d: Any, where: str, *, fits: bool = True) -> An
     return cfg
 
 
-def read_config(model: Any, path: str, *, fits: bool = True) -> Any:
+def read_config(model: Any, path: str, *, fits: bool = False) -> Any:
     """:func:`config_from_dict` of the JSON file ``path`` (one-line ``ValueError`` on unreadable
     or invalid JSON)."""
     try:

@@ -181,7 +181,7 @@ def load(ckpt: str, mesh: Any, args: Optional[argparse.Namespace] = None) -> tup
     model = importlib.import_module(f"fmoe.models.{meta['model']}")
     if "hf_config" not in meta:
         raise ValueError(f"{file}: no 'hf_config' (the model config); not written by fmoe.train")
-    cfg = config_from_dict(model, meta["hf_config"], f"{file} 'hf_config'")
+    cfg = config_from_dict(model, meta["hf_config"], f"{file} 'hf_config'", fits=True)
     router = _router(meta.get("router"), given_router, file)
     tok = _tokenizer(meta.get("tokenizer"), meta.get("tokenizer_digest"), given_tok, file)
     full = model.init(cfg)
@@ -240,7 +240,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 rows = run(rank, world, args)
                 if owned:
-                    dist.barrier()
+                    from fmoe.collectives import barrier
+
+                    barrier()
             finally:
                 if owned and dist.is_initialized():        # not left to the interpreter's teardown
                     dist.destroy_process_group()

@@ -127,7 +127,9 @@ def _train(args: argparse.Namespace) -> Optional[dict]:
             finally:
                 lock.release()
             if owned:
-                dist.barrier()                         # every rank is done with every collective
+                from fmoe.collectives import barrier
+
+                barrier()                              # every rank is done with every collective
         finally:
             if owned:
                 _destroy_group()

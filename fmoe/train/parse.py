@@ -130,7 +130,7 @@ def _check_resume(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
 
     model = importlib.import_module(f"fmoe.models.{args.model}")
     try:                                               # the kept model config, before any allocation
-        cfg = config_from_dict(model, meta.get("hf_config"), f"{file} 'hf_config'")
+        cfg = config_from_dict(model, meta.get("hf_config"), f"{file} 'hf_config'", fits=True)
     except ValueError as e:
         ap.error(f"--resume: {e}")
     _check_sizes(args, cfg.vocab_size, ap.error)
