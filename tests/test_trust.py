@@ -139,6 +139,15 @@ def test_a_crafted_model_config_is_refused_before_any_allocation(run, tmp_path, 
         read_config(qwen3_moe, str(bad))
     with pytest.raises(ValueError, match="'head_dim' must be an integer"):
         config_from_dict(qwen3_moe, {**hf, "head_dim": 4_000_000_000}, "config.json")
+    from fmoe.models import llama
+    export = str(tmp_path / "hf")
+    llama.save_hf(llama.init(llama.Config.tiny()), llama.Config.tiny(), export)
+    with open(os.path.join(export, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(export, "config.json"), "w") as f:
+        json.dump({**config, "head_dim": 4_000_000_000}, f)
+    with pytest.raises(ValueError, match=r"hf/config.json: 'head_dim' must be an integer in \[0, 2\*\*24\)"):
+        llama.load_hf(export)                          # (generate and plan read configs the same way)
 
 
 # --------------------------------------------------------------------------- no link followed
