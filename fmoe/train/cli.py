@@ -119,18 +119,16 @@ def _train(args: argparse.Namespace) -> Optional[dict]:
                 else "gloo"
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
         rank = int(os.environ["RANK"])
+        lock = OutLock(args.out)
         try:
-            lock = OutLock(args.out)
             ckpt.on_rank0(lambda: (lock.acquire(), _prepare_out(args)), f"locking --out {args.out}")
-            try:
-                last = run(rank, world, args)
-            finally:
-                lock.release()
+            last = run(rank, world, args)
             if owned:
                 from fmoe.collectives import barrier
 
                 barrier()                              # every rank is done with every collective
         finally:
+            lock.release()                             # (a no-op where it was not taken)
             if owned:
                 _destroy_group()
         return last if rank == 0 else None
