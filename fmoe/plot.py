@@ -3,8 +3,11 @@
 Reads each run directory's ``log.jsonl`` (one JSON object per step, written by the main job) and
 the ``meta.json`` of its latest checkpoint, and draws four panels against the step: training
 loss, held-out loss (``eval_loss``, where logged), load imbalance (max / mean expert load,
-averaged over MoE layers) and tokens per second. Each run is labelled by its ``meta.json``:
-model, router and mesh. Drawn with matplotlib's non-interactive Agg backend (no display needed).
+averaged over MoE layers) and tokens per second. Each run has one colour in every panel and
+one legend entry: its directory, then model, router and mesh from its ``meta.json``. Drawn with
+matplotlib's non-interactive Agg backend (no display needed). The image is written to a
+temporary file beside it and renamed into place (never through a link); the default
+``runs.png`` is never overwritten silently (pass ``--out``).
 
 Example:
     >>> # fig = plot_runs(["runs/a", "runs/b"], "runs.png")
@@ -20,7 +23,9 @@ import re
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["load_run", "label", "plot_runs", "main", "PANELS"]
+__all__ = ["load_run", "label", "plot_runs", "main", "PANELS", "DEFAULT_OUT"]
+
+DEFAULT_OUT = "runs.png"
 
 #: (metric key in log.jsonl, panel title)
 PANELS = (("loss", "training loss"), ("eval_loss", "held-out loss"), ("load_imbalance", "load imbalance (max/mean)"),
@@ -35,7 +40,7 @@ def load_run(out: str) -> dict:
     """
     path = os.path.join(out, "log.jsonl")
     if not os.path.isfile(path):
-        raise ValueError(f"fmoe.plot: {out!r} has no log.jsonl (not a run directory of python -m fmoe.train)")
+        raise ValueError(f"{out!r} has no log.jsonl (not a run directory of python -m fmoe.train)")
     series: dict[str, tuple[list, list]] = {k: ([], []) for k, _ in PANELS}
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -44,7 +49,7 @@ def load_run(out: str) -> dict:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"fmoe.plot: {path} line {n} is not JSON ({e.msg})") from None
+                raise ValueError(f"{path} line {n} is not JSON ({e.msg})") from None
             for key, _ in PANELS:
                 v = row.get(key)
                 if isinstance(v, list):                        # per MoE layer: the layers' mean
@@ -56,19 +61,23 @@ def load_run(out: str) -> dict:
     steps = sorted(glob.glob(os.path.join(out, "step-*", "meta.json")),
                    key=lambda p: int(re.findall(r"step-(\d+)", p)[-1]))
     if steps:
-        with open(steps[-1]) as f:
-            meta = json.load(f)
-    return {"steps": series, "meta": meta, "out": out}
+        try:
+            with open(steps[-1]) as f:
+                meta = json.load(f)
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{steps[-1]} is not readable JSON ({e})") from None
+    return {"steps": series, "meta": meta if isinstance(meta, dict) else {}, "out": out}
 
 
 def label(run: dict) -> str:
-    """``model, router, mesh`` from a run's meta.json (the directory name when there is none)."""
-    meta = run["meta"]
+    """``OUT: model, router, mesh`` from a run's directory and meta.json (the directory alone
+    when there is none)."""
+    meta, name = run["meta"], os.path.normpath(run["out"])
     if not meta:
-        return os.path.basename(os.path.normpath(run["out"]))
-    mesh = meta.get("mesh", {})
+        return name
+    mesh = meta.get("mesh") if isinstance(meta.get("mesh"), dict) else {}
     axes = " ".join(f"{k}={mesh[k]}" for k in ("tp", "ep", "fsdp", "dp_replicate") if k in mesh)
-    return f"{meta.get('model', '?')}, router {meta.get('router') or 'default'}, {axes}"
+    return f"{name}: {meta.get('model', '?')}, router {meta.get('router') or 'default'}, {axes}"
 
 
 def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
@@ -84,38 +93,82 @@ def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.lines import Line2D
+
+    _check_out(path)
     runs = [load_run(o) for o in outs]
+    colors = [f"C{i % 10}" for i in range(len(runs))]           # one colour per run, in every panel
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for ax, (key, name) in zip(axes.flat, PANELS):
-        for run in runs:
+        for run, color in zip(runs, colors):
             xs, ys = run["steps"][key]
             if xs:
-                ax.plot(xs, ys, marker="o" if key == "eval_loss" else None, markersize=3, label=label(run))
+                ax.plot(xs, ys, marker="o" if key == "eval_loss" else None, markersize=3, label=label(run),
+                        color=color)
         ax.set_title(name)
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("step")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=1, fontsize=8)
+    handles = [Line2D([], [], color=c) for c in colors]           # every run, whatever it logged
+    fig.legend(handles, [label(r) for r in runs], loc="lower center", ncol=1, fontsize=8)
     fig.suptitle(title or "fmoe training runs")
     fig.tight_layout(rect=(0, 0.04 + 0.03 * len(runs), 1, 1))
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return fig
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fmoe.plot", description="Plot training runs of python -m fmoe.train.")
-    ap.add_argument("outs", nargs="+", metavar="OUT", help="run directories (each with log.jsonl)")
-    ap.add_argument("--out", default="runs.png", help="image to write")
-    ap.add_argument("--title", default=None)
-    args = ap.parse_args(argv)
+def _check_out(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {path!r}: the directory {folder!r} does not exist")
+
+
+def _save(fig, path: str) -> None:
+    """PNG into a temporary file beside ``path``, then one rename (a link at ``path`` is replaced,
+    never written through)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
     try:
-        plot_runs(args.outs, args.out, args.title)
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, dpi=100, format="png")
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m fmoe.plot``; returns the exit code (2: a bad run or --out)."""
+    ap = argparse.ArgumentParser(prog="python -m fmoe.plot", description="Plot training runs of python -m fmoe.train.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("outs", nargs="+", metavar="OUT", help="run directories (each with log.jsonl)")
+    ap.add_argument("--out", default=None, help=f"image to write (default: {DEFAULT_OUT}, never overwritten: "
+                                                "an existing one needs --out)")
+    ap.add_argument("--title", default=None, help="figure title (default: fmoe training runs)")
+    args = ap.parse_args(argv)
+    path = args.out or DEFAULT_OUT
+    try:
+        if args.out is None and os.path.lexists(DEFAULT_OUT):
+            raise ValueError(f"{DEFAULT_OUT} exists; pass --out {DEFAULT_OUT} to replace it, or another --out")
+        plot_runs(args.outs, path, args.title)
     except ValueError as e:
         print(f"fmoe.plot: error: {e}", file=sys.stderr)
         return 2
-    print(args.out)
+    except OSError as e:
+        print(f"fmoe.plot: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 

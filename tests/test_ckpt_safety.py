@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import fmoe
 from fmoe.models import llama
-from fmoe.train import ckpt
+from fmoe.checkpoint import training as ckpt
 from fmoe.train.optim import adamw_init
 
 CFG = llama.Config.tiny()

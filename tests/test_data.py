@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -119,3 +120,33 @@ def test_prepare_command_writes_shards_with_a_progress_bar(corpus, tmp_path):
     r = subprocess.run([sys.executable, "-m", "fmoe.data", "prepare", "--out", str(out), d],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is not an empty directory" in r.stderr
+
+
+def test_prepare_is_all_or_nothing_and_headers_are_checked_field_by_field(corpus, tmp_path):
+    """A prepare that fails half-way leaves no directory (a rerun just works); every header
+    field read back is checked (types, ranges, file names inside the directory)."""
+    _, d, tok_dir = corpus
+    out = str(tmp_path / "sh")
+
+    def chunks():
+        yield np.arange(100, dtype=np.uint16)
+        raise OSError(28, "No space left on device")      # fault injection: the disk fills mid-way
+
+    with pytest.raises(OSError, match="No space left"):
+        write_shards(out, chunks(), vocab_size=256, shard_tokens=30)
+    assert not os.path.exists(out) and os.listdir(tmp_path) == []                 # nothing partial
+    write_shards(out, [np.arange(100, dtype=np.uint16)], vocab_size=256, shard_tokens=30)   # the rerun
+    assert open_shards(out).tokens().tolist() == list(range(100))
+    header = json.loads(open(os.path.join(out, "header.json")).read())
+    for change, match in (({"vocab_size": True}, "'vocab_size' must be an integer in"),
+                          ({"vocab_size": 70000}, r"'vocab_size' must be an integer in \[1, 256\]"),
+                          ({"eos_id": 999}, r"'eos_id' must be null or an integer in \[0, 256\)"),
+                          ({"tokenizer": 3}, "'tokenizer' must be a string"),
+                          ({"shards": [{"file": "../x.bin", "tokens": 1}]}, "must name a file inside"),
+                          ({"shards": [{"file": "shard-00000.bin", "tokens": "30"}]}, "integer 'tokens' >= 0")):
+        bad = str(tmp_path / f"bad{len(os.listdir(tmp_path))}")
+        shutil.copytree(out, bad)
+        with open(os.path.join(bad, "header.json"), "w") as f:
+            json.dump({**header, **change}, f)
+        with pytest.raises(ValueError, match=match):
+            open_shards(bad)

@@ -90,7 +90,7 @@ def test_survivors_time_out_on_their_own():
 def _save_then_die(rank, world, out):
     import torch.distributed.checkpoint as dcp
 
-    from fmoe.train import ckpt
+    from fmoe.checkpoint import training as ckpt
     from fmoe.train.optim import adamw_init
     mesh = fmoe.Mesh(tp=2)
     params = fmoe.shard({"w": torch.arange(16.0).view(4, 4), "v": torch.ones(4)},
@@ -110,7 +110,7 @@ def _save_then_die(rank, world, out):
 
 
 def _load_latest(rank, world, out):
-    from fmoe.train import ckpt
+    from fmoe.checkpoint import training as ckpt
     from fmoe.train.optim import adamw_init
     path = ckpt.latest(out)
     params = {"w": torch.zeros(4, 4), "v": torch.zeros(4)}
@@ -122,11 +122,18 @@ def test_killed_save_keeps_the_previous_checkpoint(tmp_path):
     out = str(tmp_path / "run")
     with pytest.raises(RuntimeError, match="died with exit code 9"):
         spawn(_save_then_die, 2, out, timeout=120)
-    assert os.path.isdir(os.path.join(out, ".step-2.tmp"))              # the partial save
+    partial = [n for n in os.listdir(out) if n.startswith(".step-2.tmp-")]
+    assert len(partial) == 1                                            # the partial save, hidden
     assert not os.path.exists(os.path.join(out, "step-2"))
     name, note, params = spawn(_load_latest, 1, out)[0]                 # --resume OUT picks step-1
     assert (name, note) == ("step-1", "good")
     assert torch.equal(params["w"], torch.arange(16.0).view(4, 4)) and torch.equal(params["v"], torch.ones(4))
+    from fmoe.checkpoint.atomic import remove_stale
+    from fmoe.train.outdir import remove_temporaries
+    assert remove_stale(os.path.join(out, "step-2")) == partial          # its process is gone: a new save cleans it
+    os.makedirs(os.path.join(out, ".step-2.tmp"))                       # the old layout's leftover
+    assert remove_temporaries(out) == [".step-2.tmp"]                   # what the next job does under the lock
+    assert sorted(os.listdir(out)) == ["step-1"]
 
 
 def test_same_seed_and_mesh_are_bitwise_reproducible(tmp_path):

@@ -32,8 +32,9 @@ def test_plot_writes_png_with_the_logged_curves(tmp_path):
     panels = {ax.get_title(): ax for ax in fig.axes}
     assert set(panels) == {name for _, name in PANELS}
     loss = panels["training loss"].lines
-    assert [ln.get_label() for ln in loss] == ["qwen3_moe, router sigmoid_topk:k=2, tp=1 ep=4 fsdp=4 dp_replicate=1",
-                                               "mixtral, router default, tp=1 ep=4 fsdp=4 dp_replicate=1"]
+    assert [ln.get_label() for ln in loss] == [f"{a}: qwen3_moe, router sigmoid_topk:k=2, tp=1 ep=4 fsdp=4 dp_replicate=1",
+                                               f"{b}: mixtral, router default, tp=1 ep=4 fsdp=4 dp_replicate=1"]
+    assert [ln.get_color() for ln in loss] == [ln.get_color() for ln in panels["held-out loss"].lines]
     assert list(loss[0].get_xdata()) == [1, 2, 3, 4, 5, 6] and loss[0].get_ydata()[2] == pytest.approx(2.0)
     ev = panels["held-out loss"].lines
     assert list(ev[0].get_xdata()) == [2, 4, 6] and list(ev[1].get_xdata()) == [3, 6]
@@ -51,3 +52,31 @@ def test_plot_command_and_bad_run(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fmoe.plot", str(tmp_path), "--out", str(tmp_path / "y.png")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "has no log.jsonl" in r.stderr
+
+
+def test_plot_keeps_one_colour_per_run_and_never_overwrites_silently(tmp_path, monkeypatch, capsys):
+    """A run without eval rows keeps its colour in every panel, the legend names every run
+    directory, the default runs.png is never replaced silently, a missing --out directory is one
+    line, and an image path that is a link is replaced, not written through."""
+    from fmoe.plot import main
+    a = _fake_run(tmp_path / "a", "qwen3_moe", None, 5.0, eval_every=100)      # no eval rows at all
+    b = _fake_run(tmp_path / "b", "mixtral", None, 3.0)
+    fig = plot_runs([a, b], str(tmp_path / "r.png"))
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    colors = [ln.get_color() for ln in panels["training loss"].lines]
+    assert len(set(colors)) == 2 and [ln.get_color() for ln in panels["held-out loss"].lines] == colors[1:]
+    assert [t.get_text().split(":")[0] for t in fig.legends[0].get_texts()] == [a, b]
+    monkeypatch.chdir(tmp_path)
+    assert main([a]) == 0 and (tmp_path / "runs.png").exists()
+    before = (tmp_path / "runs.png").read_bytes()
+    assert main([b]) == 2 and "runs.png exists; pass --out runs.png" in capsys.readouterr().err
+    assert (tmp_path / "runs.png").read_bytes() == before
+    assert main([a, "--out", str(tmp_path / "nope" / "x.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"fmoe.plot: error: --out {str(tmp_path / 'nope' / 'x.png')!r}: the directory " \
+                      f"{str(tmp_path / 'nope')!r} does not exist"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "link.png").symlink_to(victim)
+    assert main([a, "--out", "link.png"]) == 0
+    assert victim.read_text() == "precious" and not (tmp_path / "link.png").is_symlink()

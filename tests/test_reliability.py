@@ -15,7 +15,8 @@ import torch
 
 import fmoe
 from fmoe.testing import spawn
-from fmoe.train import ckpt, cli
+from fmoe.checkpoint import training as ckpt
+from fmoe.train import cli
 from fmoe.train.optim import lr_at
 from fmoe.train.outdir import OutLock
 
@@ -139,7 +140,8 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path, capsys):
     # --overwrite replaces the run's files only
     open(os.path.join(out, "notes.txt"), "w").write("mine")
     in_process(capsys, 0, *BASE, "--steps", "2", "--out", out, "--overwrite", "--export-hf", out)
-    assert sorted(os.listdir(out)) == ["config.json", "log.jsonl", "model.safetensors", "notes.txt", "step-2"]
+    assert sorted(os.listdir(out)) == ["config.json", "fmoe.json", "log.jsonl", "model.safetensors", "notes.txt",
+                                      "step-2"]
     assert [r["step"] for r in strict_log(out)] == [1, 2]
 
 
@@ -406,7 +408,8 @@ def _mount_tmpfs(path, options):
 
 def test_a_real_full_disk_and_a_real_read_only_out(tmp_path):
     """The same one-liners on real filesystems: a tmpfs just too small for the checkpoint (the
-    save fails mid-way; the partial save stays a hidden .step-N.tmp) and a read-only tmpfs."""
+    save fails mid-way and removes its partial directory, so the disk is usable again) and a
+    read-only tmpfs."""
     from fmoe.models import llama
     params = llama.init(llama.MODEL.preset("tiny", 1))
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(params))
@@ -417,7 +420,7 @@ def test_a_real_full_disk_and_a_real_read_only_out(tmp_path):
         out = str(full / "run")
         r = job(*BASE, "--steps", "2", "--out", out, check=1)
         assert one_line(r.stderr) == f"fmoe.train: error: no space left on device writing {out}/step-2"
-        assert sorted(os.listdir(out)) == [".step-2.tmp", "log.jsonl"]      # no step-2, no lock left
+        assert sorted(os.listdir(out)) == ["log.jsonl"]      # no step-2, no partial save, no lock left
     finally:
         subprocess.run(["umount", str(full)])
     ro = tmp_path / "ro"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.train import ckpt
+from fmoe.checkpoint import training as ckpt
 from fmoe.fsdp import data_parallel_plan
 from fmoe.train.optim import adamw_init
 import fmoe.models.llama

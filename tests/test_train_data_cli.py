@@ -88,7 +88,7 @@ def test_bf16_on_four_ranks_resumes_bitwise_with_fp32_masters(tmp_path):
 
     import fmoe
     from fmoe.models import qwen3_moe
-    from fmoe.train import ckpt
+    from fmoe.checkpoint import training as ckpt
     from fmoe.fsdp import data_parallel_plan
     from fmoe.train.optim import adamw_init
     cfg = qwen3_moe.MODEL.preset("tiny", 1)

@@ -28,7 +28,7 @@ def model_and_cfg(name, tp=8):
 def sharded_for_training(model, cfg, mesh, seed=0):
     """``(params, plan, packed)``: ``model.init(cfg, seed)`` placed by the trainer's plan (model
     plan + data-parallel splits), expert biases frozen, as the main job does."""
-    from fmoe.train.ckpt import packed_layout
+    from fmoe.checkpoint.training import packed_layout
 
     full = fmoe.tree.map_with_path(lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")),
                                    model.init(cfg, seed=seed))

@@ -5,8 +5,11 @@
   :class:`Deinterleave`), able to read only a requested block;
 - :mod:`~fmoe.checkpoint.safetensors_io`: the hub directory layout (:class:`Checkpoint` reader,
   :func:`write_checkpoint`);
-- :mod:`~fmoe.checkpoint.atomic`: :func:`atomic_directory`, a directory replaced only when complete;
-- :mod:`~fmoe.checkpoint.hf`: :func:`load_hf` / :func:`save_hf` for any model module.
+- :mod:`~fmoe.checkpoint.atomic`: :func:`atomic_directory`, a directory replaced only when complete
+  (the one mechanism for exports, training checkpoints and data shards; links refused);
+- :mod:`~fmoe.checkpoint.hf`: :func:`load_hf` / :func:`save_hf` for any model module;
+- :mod:`~fmoe.checkpoint.training`: sharded training checkpoints ``OUT/step-N`` (DCP, no pickle);
+- :mod:`~fmoe.checkpoint.config_check`: a model config read from disk, checked before allocation.
 """
 
 from .atomic import atomic_directory

@@ -15,6 +15,12 @@ On an exception the temporary directory is removed and ``path`` is untouched. A 
 mid-write leaves its hidden temporary directory behind (never anything at ``path``); the next
 ``atomic_directory`` for the same ``path`` removes such leftovers whose process is gone.
 
+The same steps are public for writers whose temporary directory is shared by several processes
+(the sharded training checkpoints of :mod:`fmoe.checkpoint.training`): :func:`begin` (one
+process makes the temporary directory), :func:`commit` (fsync, modes, the swap) and
+:func:`abort` (remove it). Nothing follows a symbolic link: a ``path`` that is a link is
+refused naming it (the swap would replace the link, and removing the old copy would follow it).
+
 Writes never destroy what they did not create: :func:`check_target` refuses a non-empty
 ``path`` holding files that are not checkpoint files (``config.json``, ``*.safetensors``, the
 index, ...). With ``overwrite=True`` such a directory is kept and :func:`replace_files` swaps
@@ -41,12 +47,16 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
-__all__ = ["atomic_directory", "replace_files", "check_target", "checkpoint_file", "foreign_files"]
+__all__ = ["atomic_directory", "begin", "commit", "abort", "remove_stale", "replace_files", "check_target",
+           "checkpoint_file", "foreign_files", "TEMP_MARK"]
+
+TEMP_MARK = ".tmp-"   # ``.<name>.tmp-<pid>-<random>``: the temporary directory of ``<name>``
 
 _CKPT_FILE = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors|"
-                        r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json)$")
+                        r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json|fmoe\.json|"
+                        r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json)$")
 
 
 def checkpoint_file(name: str) -> bool:
@@ -119,16 +129,38 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale(parent: str, prefix: str) -> None:
-    for name in os.listdir(parent):
-        if not name.startswith(prefix):
+def remove_stale(path: Union[str, os.PathLike]) -> list[str]:
+    """Remove the temporary directories of ``path`` left by processes that are gone.
+
+    Args:
+        path: the final directory whose ``.<name>.tmp-<pid>-*`` leftovers to remove.
+    Returns:
+        the removed names (sorted).
+    """
+    parent, name = os.path.split(os.path.abspath(os.fspath(path)))
+    prefix, gone = f".{name}{TEMP_MARK}", []
+    if not os.path.isdir(parent):
+        return gone
+    for entry in sorted(os.listdir(parent)):
+        if not entry.startswith(prefix):
             continue
-        pid = name[len(prefix):].split("-", 1)[0]
+        pid = entry[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            _remove(os.path.join(parent, entry))
+            gone.append(entry)
+    return gone
 
 
-def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: str = "save") -> str:
+def _remove(path: str) -> None:
+    """Remove a file, a link (not what it points to) or a directory tree."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: str = "save",
+                 own: Callable[[str], bool] = checkpoint_file) -> str:
     """The absolute ``path`` after checking a checkpoint may be written there.
 
     Args:
@@ -136,6 +168,7 @@ def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: s
         overwrite: allow a directory that also holds other files (only checkpoint files are
             then replaced, see :func:`replace_files`).
         what: how to name the caller in errors.
+        own: which file names the writer owns (may replace); default: Hugging Face checkpoint files.
     Returns:
         the absolute path.
     Raises:
@@ -145,9 +178,12 @@ def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: s
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{what}: path must be a str or os.PathLike, got {type(path).__name__}")
     path = os.path.abspath(os.fspath(path))
+    if os.path.islink(path):
+        raise ValueError(f"{what}: {path!r} is a symbolic link (to {os.readlink(path)!r}); fmoe never writes "
+                         "through a link: remove it or pass the real directory")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{what}: path {path!r} exists and is not a directory; pass a directory path")
-    others = foreign_files(path)
+    others = foreign_files(path, own)
     if others and not overwrite:
         raise ValueError(
             f"{what}: {path!r} is not empty and is not a checkpoint directory: it holds "
@@ -157,11 +193,11 @@ def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: s
     return path
 
 
-def foreign_files(path: str) -> list[str]:
+def foreign_files(path: str, own: Callable[[str], bool] = checkpoint_file) -> list[str]:
     """Entries of directory ``path`` that are not checkpoint files (sorted; [] if none/absent)."""
     if not os.path.isdir(path):
         return []
-    return sorted(n for n in os.listdir(path) if not checkpoint_file(n))
+    return sorted(n for n in os.listdir(path) if not own(n))
 
 
 @contextlib.contextmanager
@@ -190,6 +226,60 @@ def replace_files(path: Union[str, os.PathLike]) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def begin(path: Union[str, os.PathLike], own: Callable[[str], bool] = checkpoint_file) -> str:
+    """Start writing directory ``path``: the new empty temporary directory beside it.
+
+    Args:
+        path: the final directory (checked by :func:`check_target`; may exist).
+        own: the file names a previous directory at ``path`` may hold (it is replaced whole).
+    Returns:
+        the temporary directory (``.<name>.tmp-<pid>-<random>``, same filesystem as ``path``).
+    """
+    path = check_target(path, own=own)
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    remove_stale(path)
+    return tempfile.mkdtemp(prefix=f".{name}{TEMP_MARK}{os.getpid()}-", dir=parent)
+
+
+def commit(tmp: str, path: Union[str, os.PathLike], own: Callable[[str], bool] = checkpoint_file) -> None:
+    """Publish ``tmp`` (from :func:`begin`) as ``path``: fsync, usual modes, one atomic swap.
+
+    Args:
+        tmp: the written temporary directory.
+        path: the final directory; a previous one there is replaced and removed.
+        own: as for :func:`begin`.
+    Raises:
+        ValueError: ``path`` became a symbolic link meanwhile (nothing is replaced).
+    """
+    path = check_target(path, own=own)
+    parent = os.path.dirname(path)
+    _publish_modes(tmp)
+    _fsync_tree(tmp)
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+    elif _exchange(tmp, path):
+        if os.path.islink(tmp):             # a link slipped in after the check: put it back
+            _exchange(tmp, path)
+            raise ValueError(f"commit: {path!r} became a symbolic link; nothing was replaced")
+        shutil.rmtree(tmp)                  # tmp now holds the previous directory
+    else:
+        old = tmp + ".old"
+        os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)
+            raise
+        _remove(old)
+    _fsync_dir(parent)
+
+
+def abort(tmp: str) -> None:
+    """Remove a temporary directory from :func:`begin` (a failed or interrupted write)."""
+    _remove(tmp)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: Union[str, os.PathLike]) -> Iterator[str]:
     """Write a directory at ``path`` atomically (see the module docstring).
@@ -202,30 +292,10 @@ def atomic_directory(path: Union[str, os.PathLike]) -> Iterator[str]:
     Example:
         >>> # with atomic_directory("ckpt") as tmp: write_checkpoint(tmp, tensors, config)
     """
-    path = check_target(path)
-    parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
-    prefix = f".{name}.tmp-"
-    _remove_stale(parent, prefix)
-    tmp = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+    tmp = begin(path)
     try:
         yield tmp
-        _publish_modes(tmp)
-        _fsync_tree(tmp)
-        if not os.path.exists(path):
-            os.rename(tmp, path)
-        elif _exchange(tmp, path):
-            shutil.rmtree(tmp)          # tmp now holds the previous checkpoint
-        else:
-            old = tmp + ".old"
-            os.rename(path, old)
-            try:
-                os.rename(tmp, path)
-            except BaseException:
-                os.rename(old, path)
-                raise
-            shutil.rmtree(old)
-        _fsync_dir(parent)
+        commit(tmp, path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        abort(tmp)
         raise

@@ -48,7 +48,7 @@ from ..collectives import broadcast_object
 from ..mesh import Mesh
 from ..plan import Plan
 from ..sharding import from_local_slice, gather, rank_blocks
-from .atomic import atomic_directory, check_target, foreign_files, replace_files
+from .atomic import atomic_directory, check_target, checkpoint_file, foreign_files, replace_files
 from .integrity import verify_tensors
 from .safetensors_io import CONFIG, Checkpoint, write_checkpoint
 from .spec import Spec
@@ -218,11 +218,10 @@ def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 
 
 def _config(model: Any, ck: Checkpoint) -> Any:
+    from .config_check import config_from_dict
+
     file = os.path.join(ck.path, CONFIG)
-    try:
-        cfg = model.Config.from_hf(ck.config)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{file}: not a valid {_name(model)} config ({type(e).__name__}: {e})") from e
+    cfg = config_from_dict(model, ck.config, file)     # field types and sizes before any allocation
     want = cfg.to_hf().get("model_type")
     got = ck.config.get("model_type")
     if want is not None and got != want:
@@ -231,7 +230,8 @@ def _config(model: Any, ck: Checkpoint) -> Any:
 
 
 def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
-            max_shard_size: Union[int, str] = "50GB", overwrite: bool = False) -> None:
+            max_shard_size: Union[int, str] = "50GB", overwrite: bool = False,
+            files: Optional[Mapping[str, bytes]] = None, config_update: Optional[Mapping[str, Any]] = None) -> None:
     """Write ``params`` as a Hugging Face checkpoint directory, atomically (call on every rank).
 
     Args:
@@ -243,6 +243,10 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
             (transformers' default, 50GB).
         overwrite: ``path`` may hold other files; only checkpoint files are replaced (without
             it such a directory is refused: ``ValueError`` before anything is gathered).
+        files: more files of the checkpoint, ``{name: bytes}`` (the tokenizer's, ``fmoe.json``),
+            published with the weights in the same atomic step; names are checkpoint file names
+            (:func:`fmoe.checkpoint.atomic.checkpoint_file`).
+        config_update: fields merged into ``config.json`` (e.g. the trained router).
     Returns:
         None.
 
@@ -264,6 +268,14 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
     config = cfg.to_hf()
     if not isinstance(config, dict) or "model_type" not in config:
         raise ValueError(f"save_hf: cfg.to_hf() must return a dict with 'model_type', got {config!r}")
+    config = {**config, **(config_update or {})}
+    files = dict(files or {})
+    for name, data in files.items():
+        if not isinstance(name, str) or not checkpoint_file(name) or name == CONFIG or name.endswith(".safetensors"):
+            raise ValueError(f"save_hf: files: {name!r} is not a checkpoint file name fmoe writes beside the "
+                             "weights (tokenizer.json, tokenizer_config.json, special_tokens_map.json, fmoe.json)")
+        if not isinstance(data, bytes):
+            raise TypeError(f"save_hf: files[{name!r}] must be bytes, got {type(data).__name__}")
     check_target(path, overwrite=overwrite, what="save_hf")
     full = _tree.flatten(gather(params))
     distributed = dist.is_available() and dist.is_initialized()
@@ -276,6 +288,10 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
             place = replace_files if foreign_files(os.path.abspath(path)) else atomic_directory
             with place(path) as tmp:
                 write_checkpoint(tmp, tensors, config, max_shard_size)
+                for name, data in files.items():
+                    fd = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
         except BaseException as e:  # noqa: BLE001 - every rank must learn that the save failed
             error = e
     if distributed and dist.get_world_size() > 1:

@@ -41,8 +41,8 @@ def open_data(path: Optional[PathLike], tokenizer=None, *, max_bytes: Optional[i
 
     Args:
         path: None (standard library bytes), a text file or directory, or a shard directory.
-        tokenizer: for text (default: bytes); for shards, if given, its vocabulary must match the
-            header's.
+        tokenizer: for text (default: bytes); for shards, if given, it must be the one the header
+            records (the same ``digest``; the same vocabulary size for headers without one).
         max_bytes: cap on the standard library corpus.
     Returns:
         a :class:`TokenStream` whose ``vocab_size`` is set.
@@ -56,9 +56,15 @@ def open_data(path: Optional[PathLike], tokenizer=None, *, max_bytes: Optional[i
     path = os.fspath(path)
     if os.path.isdir(path) and is_shard_dir(path):
         stream = open_shards(path)
+        header = read_header(path)
         if tokenizer is not None and tokenizer.vocab_size != stream.vocab_size:
             raise ValueError(f"data {path!r}: shards have vocab_size={stream.vocab_size} but tokenizer "
                              f"{tokenizer.name!r} has {tokenizer.vocab_size}")
+        made_by = header.get("tokenizer_digest")
+        if tokenizer is not None and made_by is not None and getattr(tokenizer, "digest", None) != made_by:
+            raise ValueError(f"data {path!r}: the shards were tokenized with {header.get('tokenizer')!r} "
+                             f"({made_by}), not with tokenizer {tokenizer.name!r} ({getattr(tokenizer, 'digest', None)}); "
+                             "pass the tokenizer that made them (or leave --tokenizer out to use it)")
         return stream
     ids = tokenize((text for _, text in documents(path)), tok)
     return TokenStream([ids], f"text:{path}", vocab_size=tok.vocab_size)
@@ -74,7 +80,7 @@ def prepare(files: Sequence[PathLike], tokenizer, out: PathLike, *, shard_tokens
     Args:
         files: text files / directories, in order.
         tokenizer: from :func:`load_tokenizer`.
-        out: a new or empty directory.
+        out: a new or empty directory (written atomically: all shards or nothing).
         shard_tokens: ids per shard file.
         progress: show a progress bar over the files (stderr).
     Returns:
@@ -90,4 +96,5 @@ def prepare(files: Sequence[PathLike], tokenizer, out: PathLike, *, shard_tokens
 
     return write_shards(os.fspath(out), chunks(), vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
                         tokenizer=tokenizer.name, shard_tokens=shard_tokens,
-                        extra={"sources": [os.path.abspath(p) for p in paths]}).header
+                        extra={"sources": [os.path.abspath(p) for p in paths],
+                               "tokenizer_digest": tokenizer.digest}).header

@@ -15,12 +15,15 @@ from . import load_tokenizer, prepare
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fmoe.data")
+    ap = argparse.ArgumentParser(prog="python -m fmoe.data", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="tokenize text files into memmap shards")
+    p = sub.add_parser("prepare", help="tokenize text files into memmap shards",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Tokenize text files into a new shard directory, atomically: a failed run "
+                                   "leaves nothing behind.")
     p.add_argument("files", nargs="+", help=".txt / .jsonl files or directories of them")
     p.add_argument("--tokenizer", default="bytes", help="'bytes', a tokenizer.json, or a directory with one")
-    p.add_argument("--out", required=True, help="new or empty output directory")
+    p.add_argument("--out", required=True, help="new or empty output directory (written all or nothing)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="token ids per shard file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -30,6 +33,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"fmoe.data: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:                  # a full disk, permissions: one line, nothing left behind
+        print(f"fmoe.data: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
+        return 1
     print(json.dumps({k: header[k] for k in ("tokens", "dtype", "vocab_size", "eos_id")} |
                      {"shards": len(header["shards"]), "out": args.out}))
     return 0

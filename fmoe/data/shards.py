@@ -7,9 +7,11 @@ Layout of a shard directory (what ``python -m fmoe.data prepare`` writes)::
                             "shards": [{"file": "shard-00000.bin", "tokens": N0}, ...]}
     DIR/shard-00000.bin    N0 ids, little-endian ``dtype``, no header (as nanoGPT's train.bin)
 
-``header.json`` is written last, so a directory without it is an unfinished ``prepare``.
-:func:`open_shards` maps the files (nothing is read until a batch needs it) and checks each
-file's size against the header.
+:func:`write_shards` writes the whole directory atomically (:mod:`fmoe.checkpoint.atomic`): into
+a hidden temporary directory beside ``DIR`` that becomes ``DIR`` only when complete, so a failed
+or killed ``prepare`` leaves no partial shards (a rerun just works). :func:`open_shards` checks
+every header field (types, ranges, file names inside the directory) and each file's size
+against the header, then maps the files (nothing is read until a batch needs it).
 
 Example:
     >>> import tempfile, numpy as np
@@ -71,23 +73,39 @@ def write_shards(out: str, chunks: Iterable[np.ndarray], *, vocab_size: int, eos
 
     dtype = str(np.dtype(dtype)) if dtype else str(token_dtype(vocab_size))
     if dtype not in _DTYPES or np.iinfo(dtype).max + 1 < vocab_size:
-        raise ValueError(f"write_shards: dtype {dtype!r} cannot hold vocab_size={vocab_size}; use one of {_DTYPES}")
-    if shard_tokens < 1:
-        raise ValueError(f"write_shards: shard_tokens must be >= 1, got {shard_tokens}")
+        raise ValueError(f"shards: dtype {dtype!r} cannot hold vocab_size={vocab_size}; use one of {_DTYPES}")
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ValueError(f"shards: --shard-tokens must be an integer >= 1, got {shard_tokens!r}")
+    if os.path.islink(out):
+        raise ValueError(f"shards {out!r}: a symbolic link (to {os.readlink(out)!r}); pass a real directory")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ValueError(f"write_shards: {out!r} exists and is not an empty directory")
-    os.makedirs(out, exist_ok=True)
+        raise ValueError(f"shards {out!r}: exists and is not an empty directory (choose a new one)")
+    from ..checkpoint import atomic
+
+    final, out = out, atomic.begin(out)
+    try:
+        info = _write(out, chunks, vocab_size, eos_id, tokenizer, shard_tokens, dtype, extra)
+        atomic.commit(out, final)
+    except BaseException:
+        atomic.abort(out)
+        raise
+    info.path = final
+    return info
+
+
+def _write(out, chunks, vocab_size, eos_id, tokenizer, shard_tokens, dtype, extra) -> ShardInfo:
     info, f, n_in = ShardInfo(out), None, 0
 
     def open_next():
         info.shards.append(0)
-        return open(os.path.join(out, f"shard-{len(info.shards) - 1:05d}.bin"), "wb")
+        name = os.path.join(out, f"shard-{len(info.shards) - 1:05d}.bin")
+        return os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb")
 
     try:
         for chunk in chunks:
             chunk = np.asarray(chunk)
             if chunk.size and (chunk.min() < 0 or chunk.max() >= vocab_size):
-                raise ValueError(f"write_shards: token ids must be in [0, {vocab_size}), got "
+                raise ValueError(f"shards: token ids must be in [0, {vocab_size}), got "
                                  f"[{chunk.min()}, {chunk.max()}]")
             chunk = chunk.astype(dtype, copy=False)
             while chunk.size:
@@ -106,9 +124,9 @@ def write_shards(out: str, chunks: Iterable[np.ndarray], *, vocab_size: int, eos
                    "eos_id": eos_id, "tokenizer": tokenizer, "tokens": int(sum(info.shards)),
                    "shards": [{"file": f"shard-{i:05d}.bin", "tokens": n} for i, n in enumerate(info.shards)],
                    **(extra or {})}
-    with open(os.path.join(out, HEADER + ".tmp"), "w") as h:
+    with os.fdopen(os.open(os.path.join(out, HEADER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644),
+                   "w") as h:
         json.dump(info.header, h, indent=1)
-    os.replace(os.path.join(out, HEADER + ".tmp"), os.path.join(out, HEADER))
     return info
 
 
@@ -122,8 +140,26 @@ def read_header(path: str) -> dict:
     if not isinstance(h, dict) or h.get("format") != FORMAT or h.get("dtype") not in _DTYPES:
         raise ValueError(f"data {path!r}: {HEADER} is not an fmoe token header (format {FORMAT!r}, "
                          f"dtype one of {_DTYPES})")
-    if not isinstance(h.get("vocab_size"), int) or not isinstance(h.get("shards"), list):
-        raise ValueError(f"data {path!r}: {HEADER} needs an int 'vocab_size' and a list 'shards'")
+    file = os.path.join(path, HEADER)
+    v = h.get("vocab_size")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= np.iinfo(h["dtype"]).max + 1:
+        raise ValueError(f"{file}: 'vocab_size' must be an integer in [1, {np.iinfo(h['dtype']).max + 1}] "
+                         f"(dtype {h['dtype']}), got {v!r}")
+    if not isinstance(h.get("shards"), list):
+        raise ValueError(f"{file}: 'shards' must be a list, got {h.get('shards')!r}")
+    eos = h.get("eos_id")
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < v):
+        raise ValueError(f"{file}: 'eos_id' must be null or an integer in [0, {v}), got {eos!r}")
+    for key in ("tokenizer", "tokenizer_digest"):
+        if h.get(key) is not None and not isinstance(h[key], str):
+            raise ValueError(f"{file}: {key!r} must be a string, got {h[key]!r}")
+    for s in h["shards"]:
+        name = s.get("file") if isinstance(s, dict) else None
+        n = s.get("tokens") if isinstance(s, dict) else None
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ValueError(f"{file}: shard entry {s!r} must name a file inside the directory")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{file}: shard entry {s!r} must have an integer 'tokens' >= 0")
     return h
 
 
@@ -132,11 +168,7 @@ def open_shards(path: str) -> TokenStream:
     h = read_header(path)
     parts = []
     for s in h["shards"]:
-        name = s.get("file") if isinstance(s, dict) else None
-        if not isinstance(name, str) or os.path.basename(name) != name:
-            raise ValueError(f"data {path!r}: shard entry {s!r} must name a file inside the directory")
-        file = os.path.join(path, name)
-        n = int(s.get("tokens", -1))
+        file, n = os.path.join(path, s["file"]), s["tokens"]
         size = os.path.getsize(file) if os.path.isfile(file) else -1
         if size != n * np.dtype(h["dtype"]).itemsize:
             raise ValueError(f"data {file!r}: {size} bytes on disk, header says {n} {h['dtype']} tokens")

@@ -1,7 +1,10 @@
 """Tokenizers for the training data: raw bytes, or a Hugging Face ``tokenizer.json``.
 
 A tokenizer here is anything with ``name``, ``vocab_size``, ``eos_id`` (the id that separates
-documents in a token stream; None when it has none) and ``encode(text) -> list[int]``.
+documents in a token stream; None when it has none), ``digest`` (what identifies it: ``"bytes"``,
+or the SHA-256 of its ``tokenizer.json``; shard headers and checkpoints record it, so data
+tokenized with one tokenizer is never read with another of the same vocabulary size) and
+``encode(text) -> list[int]``.
 :func:`load_tokenizer` turns the ``--tokenizer`` flag into one:
 
 - ``"bytes"`` (the default when no tokenizer is given): UTF-8 bytes, ids 0..255, documents
@@ -19,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Optional, Protocol, Union
@@ -35,6 +39,7 @@ class Tokenizer(Protocol):
     name: str
     vocab_size: int
     eos_id: Optional[int]
+    digest: str
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -42,7 +47,7 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as token ids (0..255); NUL separates documents."""
 
-    name, vocab_size, eos_id = "bytes", 256, 0
+    name, vocab_size, eos_id, digest = "bytes", 256, 0, "bytes"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -60,7 +65,10 @@ class HFTokenizer:
 
         self.path = os.path.abspath(path)
         self.name = self.path
-        self._tok = _Tok.from_file(self.path)
+        with open(self.path, "rb") as f:
+            data = f.read()
+        self.digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        self._tok = _Tok.from_str(data.decode("utf-8"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._find_eos()
 
@@ -81,6 +89,14 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a generation prompt (with the tokenizer's special tokens, e.g. a BOS)."""
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``."""
+        return self._tok.decode(ids)
 
 
 def find_tokenizer_file(path: Union[str, os.PathLike]) -> Optional[str]:

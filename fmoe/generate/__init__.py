@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -37,7 +38,21 @@ from ..collectives import broadcast_from
 from ..model import model_of
 from ..tree import leaves
 
-__all__ = ["generate", "sample", "left_pad"]
+__all__ = ["generate", "sample", "left_pad", "cache_bytes"]
+
+
+def cache_bytes(model: Any, cfg: Any, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the whole decoding cache of ``batch`` rows of ``max_len`` slots, computed on the
+    meta device (nothing is allocated).
+
+    Example:
+        >>> from fmoe.models import qwen3_moe
+        >>> cache_bytes(qwen3_moe, qwen3_moe.Config.tiny(), 2, 16) > 0
+        True
+    """
+    with torch.device("meta"):
+        cache = model_of(model).init_cache(cfg, batch, max_len, None, dtype=dtype)
+    return sum(t.numel() * t.element_size() for t in leaves(cache))
 
 
 def left_pad(prompts: Union[torch.Tensor, Sequence[Sequence[int]]], pad_id: int = 0,
@@ -103,8 +118,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
 def _check(max_new_tokens, temperature, top_p, seed, eos_id, cfg) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"generate: temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"generate: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"generate: top_p must be a number in (0, 1], got {top_p!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -112,6 +127,12 @@ def _check(max_new_tokens, temperature, top_p, seed, eos_id, cfg) -> None:
     if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
                                or not 0 <= eos_id < cfg.vocab_size):
         raise ValueError(f"generate: eos_id must be None or an int in [0, {cfg.vocab_size}), got {eos_id!r}")
+
+
+def _memory() -> int:
+    from ..checkpoint.config_check import memory_bytes
+
+    return memory_bytes()
 
 
 def _same_on_tp(ids: torch.Tensor, mesh: Any) -> torch.Tensor:
@@ -123,7 +144,8 @@ def _same_on_tp(ids: torch.Tensor, mesh: Any) -> torch.Tensor:
 
 def generate(model: Any, params: Any, cfg: Any, prompts: Union[torch.Tensor, Sequence[Sequence[int]]],
              max_new_tokens: int, *, mesh: Any = None, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, eos_id: Optional[int] = None, pad_id: int = 0, impl: str = "auto") -> torch.Tensor:
+             seed: int = 0, eos_id: Optional[int] = None, pad_id: int = 0, impl: str = "auto",
+             router: Optional[Any] = None) -> torch.Tensor:
     """Continue ``prompts`` by up to ``max_new_tokens`` tokens (see the module docstring).
 
     Args:
@@ -139,6 +161,7 @@ def generate(model: Any, params: Any, cfg: Any, prompts: Union[torch.Tensor, Seq
         eos_id: stop a row at this id (None: never).
         pad_id: id of the left padding in the returned tensor.
         impl: MoE expert-parallel implementation (``"auto"``).
+        router: the router the model was trained with, when not its own (``--router``).
     Returns:
         ``[B, S + n]`` ids: the left-padded prompts and ``n <= max_new_tokens`` new tokens
         (fewer only when every row produced ``eos_id``).
@@ -153,8 +176,14 @@ def generate(model: Any, params: Any, cfg: Any, prompts: Union[torch.Tensor, Seq
     B, S = tokens.shape
     if max_new_tokens == 0:
         return tokens
-    kwargs = {"impl": impl} if declared.routed else {}
+    if router is not None and not declared.routed:
+        raise ValueError(f"generate: model {declared.name!r} has no MoE layers, so it takes no router")
+    kwargs = ({"impl": impl} | ({"router": router} if router is not None else {})) if declared.routed else {}
     dtype = next(t for t in leaves(params) if t.dtype.is_floating_point).dtype
+    need = cache_bytes(model, cfg, B, S + max_new_tokens, dtype)                     # before allocating it
+    if need > _memory():
+        raise ValueError(f"generate: the cache of {B} rows x {S + max_new_tokens} positions needs {need / 1e9:.3g} GB, "
+                         f"more than this machine's {_memory() / 1e9:.3g} GB; lower max_new_tokens")
     cache = declared.init_cache(cfg, B, S + max_new_tokens, mesh, dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
     out, done = [tokens], torch.zeros(B, dtype=torch.bool, device=device)

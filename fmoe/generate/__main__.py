@@ -3,9 +3,15 @@
 ``DIR`` is a Hugging Face checkpoint (``config.json`` + safetensors, e.g. written by
 ``python -m fmoe.train ... --export-hf DIR``; its ``model_type`` picks the model) or an fmoe
 training checkpoint (``OUT/step-N`` or ``OUT``, its latest; ``meta.json`` names the model).
-Prompts are text when the checkpoint directory holds a ``tokenizer.json`` (the output is decoded
-back to text), UTF-8 bytes with ``--bytes`` (models trained on fmoe's byte corpus), else
-whitespace-separated token ids (the output is printed as ids). Rank 0 prints one line per
+It decodes what was trained: the router recorded with the weights (``meta.json``'s ``router``,
+or ``config.json``'s ``fmoe_router`` of an ``--export-hf``) is the one used; a recorded
+``module:function`` router is code, which a checkpoint never chooses: pass it again as
+``--router``; a ``--router`` other than the recorded one is refused. Prompts are text with the
+checkpoint's tokenizer: its ``tokenizer.json``, or the one ``meta.json`` records (``--tokenizer
+T`` when it is not there any more; it must be the same tokenizer), UTF-8 bytes for byte-level
+runs (recorded as ``bytes``, or ``--bytes``), else whitespace-separated token ids (the output is
+printed as ids). Every value read from the checkpoint is checked before anything is allocated
+(config sizes, the cache for ``--max-new-tokens``), and non-finite weights are refused. Rank 0 prints one line per
 prompt (``--json``: one JSON object per prompt with ``prompt``, ``ids``, ``text``).
 
 With ``--nproc N`` it spawns N local gloo ranks (under ``torchrun`` it uses the launcher's
@@ -24,7 +30,9 @@ from ..models import NAMES, get
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m fmoe.generate", description="Generate text with an fmoe model.")
+    """The flag parser (``--help`` shows every default)."""
+    ap = argparse.ArgumentParser(prog="python -m fmoe.generate", description="Generate text with an fmoe model.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--ckpt", required=True, help="HF checkpoint dir, or a training checkpoint (OUT or OUT/step-N)")
     ap.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     ap.add_argument("--max-new-tokens", type=int, default=20)
@@ -38,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=None, help="default: tp")
     ap.add_argument("--impl", default="auto", help="MoE dispatch implementation")
+    ap.add_argument("--router", default=None, help="only to pass again a module:function router the checkpoint "
+                    "records (code is never imported from a checkpoint)")
+    ap.add_argument("--tokenizer", default=None, help="the checkpoint's tokenizer.json when the recorded one is "
+                    "not there any more (must be the same tokenizer)")
     return ap
 
 
@@ -52,8 +64,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--ep must be >= 1, got {args.ep}")
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.temperature < 0:
-        ap.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):
+        ap.error(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if args.max_new_tokens < 0:
         ap.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not os.path.isdir(args.ckpt):
@@ -69,23 +81,90 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _tuples(v: Any) -> Any:
-    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+def _read_json(file: str) -> Any:
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: cannot read it as JSON ({e})") from None
 
 
-def load(ckpt: str, mesh: Any) -> tuple[Any, Any, Any, Optional[str]]:
-    """``(model, params, cfg, tokenizer_dir)`` from an HF or a training checkpoint directory."""
+def _router(recorded: Any, given: Optional[str], file: str) -> Optional[Any]:
+    """The router to decode with: the recorded one (re-validated; code only when passed again)."""
+    from fmoe.train.options import parse_router, router_from_spec
+
+    if recorded is not None and not isinstance(recorded, str):
+        raise ValueError(f"{file}: the recorded router {recorded!r} is not a NAME[:k=v,...] string")
+    if given is not None and given != recorded:
+        raise ValueError(f"--router {given!r}: the checkpoint was trained with router {recorded or 'of the model'!r} "
+                         f"({file}); decoding with another router is another model. Drop --router")
+    if recorded is None:
+        return None
+    module, _, _ = parse_router(recorded)
+    if module != "fmoe.routing" and given is None:
+        raise ValueError(f"{file}: the recorded router {recorded!r} is code from module {module!r}; a checkpoint "
+                         f"never chooses code to run. If you trust it, pass --router {recorded}")
+    return router_from_spec(recorded)
+
+
+def _tokenizer(recorded: Optional[str], digest: Optional[str], given: Optional[str], file: str) -> Optional[Any]:
+    """The recorded tokenizer (``--tokenizer`` when it is gone; it must have the recorded digest)."""
+    from fmoe.data import load_tokenizer
+
+    if given is None and recorded is not None and recorded != "bytes" and not os.path.isfile(recorded):
+        raise ValueError(f"{file}: the run's tokenizer {recorded!r} is not there any more; pass --tokenizer T "
+                         "(the same tokenizer.json)")
+    spec = given if given is not None else recorded
+    if spec is None:
+        return None
+    tok = load_tokenizer(spec)
+    if digest is not None and tok.digest != digest:
+        raise ValueError(f"tokenizer {tok.name!r} ({tok.digest}) is not the one the run used ({recorded!r}, {digest}; "
+                         f"{file})")
+    return tok
+
+
+def _check_finite(params: Any, ckpt: str) -> None:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from fmoe.tree import flatten
+
+    for path, t in flatten(params).items():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            raise ValueError(f"--ckpt {ckpt!r}: parameter {path!r} holds NaN/Inf values; refusing to generate "
+                             "from broken weights")
+
+
+def load(ckpt: str, mesh: Any, args: Optional[argparse.Namespace] = None) -> tuple[Any, Any, Any, Any, Any]:
+    """``(model, params, cfg, router, tokenizer)`` from an HF or a training checkpoint directory
+    (router None: the model's own; tokenizer None: the checkpoint records none)."""
     import fmoe
+    from fmoe.checkpoint.config_check import config_from_dict
 
-    if os.path.isfile(os.path.join(ckpt, "config.json")):
-        with open(os.path.join(ckpt, "config.json")) as f:
-            kind = json.load(f).get("model_type")
+    given_router = getattr(args, "router", None)
+    given_tok = getattr(args, "tokenizer", None)
+    config_file = os.path.join(ckpt, "config.json")
+    if os.path.isfile(config_file):
+        config = _read_json(config_file)
+        kind = config.get("model_type") if isinstance(config, dict) else None
         if kind not in NAMES:                       # a checkpoint's model_type is the registry name
             raise ValueError(f"--ckpt {ckpt!r}: model_type {kind!r} is not supported; supported: {sorted(NAMES)}")
         model = get(kind)
         params, cfg = model.load_hf(ckpt, mesh=mesh if mesh.world > 1 else None)
-        return model, params, cfg, ckpt
-    from fmoe.train import ckpt as tckpt
+        _check_finite(params, ckpt)
+        record_file = os.path.join(ckpt, "fmoe.json")
+        record = _read_json(record_file) if os.path.isfile(record_file) else {}
+        record = record if isinstance(record, dict) else {}
+        router = _router(config.get("fmoe_router"), given_router, config_file)
+        if os.path.isfile(os.path.join(ckpt, "tokenizer.json")) and given_tok is None:
+            tok = _tokenizer(os.path.join(ckpt, "tokenizer.json"), record.get("tokenizer_digest"), None, record_file)
+        else:
+            tok = _tokenizer(record.get("tokenizer") if record.get("tokenizer") == "bytes" else None,
+                             record.get("tokenizer_digest"), given_tok, record_file)
+        return model, params, cfg, router, tok
+    from fmoe.checkpoint import training as tckpt
     from fmoe.train.optim import adamw_init
 
     step = tckpt.latest(ckpt)
@@ -93,31 +172,34 @@ def load(ckpt: str, mesh: Any) -> tuple[Any, Any, Any, Optional[str]]:
         raise ValueError(f"--ckpt {ckpt!r} holds neither config.json (HF checkpoint) nor a complete step-N "
                          "training checkpoint")
     meta = tckpt.read_meta(step)
+    file = os.path.join(step, "meta.json")
+    if meta.get("model") not in NAMES:
+        raise ValueError(f"{file}: 'model' is {meta.get('model')!r}, not one of {sorted(NAMES)}")
     model = get(meta["model"])
-    cfg = model.Config(**{k: _tuples(v) for k, v in meta["config"].items()})
+    if "hf_config" not in meta:
+        raise ValueError(f"{file}: no 'hf_config' (the model config); not written by fmoe.train")
+    cfg = config_from_dict(model, meta["hf_config"], f"{file} 'hf_config'", fits=True)
+    router = _router(meta.get("router"), given_router, file)
+    tok = _tokenizer(meta.get("tokenizer"), meta.get("tokenizer_digest"), given_tok, file)
     full = model.init(cfg)
     plan = model.build_plan(cfg, mesh=mesh, params=full, data_parallel=True)
     params = fmoe.shard(full, plan, mesh)
-    tckpt.load(step, params, adamw_init(params), tckpt.packed_layout(plan, full))
-    return model, params, cfg, None
+    tckpt.load(step, params, adamw_init(params), tckpt.packed_layout(plan, full))   # checksums, finite values
+    return model, params, cfg, router, tok
 
 
-def _codec(args: argparse.Namespace, tok_dir: Optional[str]):
+def _codec(args: argparse.Namespace, tok: Any):
     """``(encode(str) -> ids, decode(ids) -> str or None)``."""
-    if args.bytes:
+    if args.bytes or getattr(tok, "name", None) == "bytes":
         return (lambda s: list(s.encode("utf-8"))), (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace"))
-    path = os.path.join(tok_dir, "tokenizer.json") if tok_dir else None
-    if path and os.path.isfile(path):
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(path)
-        return (lambda s: tok.encode(s).ids), (lambda ids: tok.decode(ids))
+    if tok is not None:
+        return tok.encode_prompt, tok.decode
 
     def ids_of(s: str) -> list:
         try:
             return [int(t) for t in s.split()]
         except ValueError:
-            raise ValueError(f"--prompt {s!r}: the checkpoint has no tokenizer.json, so a prompt is whitespace-separated "
+            raise ValueError(f"--prompt {s!r}: the checkpoint has no tokenizer, so a prompt is whitespace-separated "
                              "token ids (or pass --bytes for a byte-level model)") from None
     return ids_of, (lambda ids: None)
 
@@ -127,12 +209,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     import fmoe
 
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep)
-    model, params, cfg, tok_dir = load(args.ckpt, mesh)
-    encode, decode = _codec(args, tok_dir)
+    model, params, cfg, router, tok = load(args.ckpt, mesh, args)
+    encode, decode = _codec(args, tok)
     prompts = [encode(p) for p in args.prompt]
     out = fmoe.generate(model, params, cfg, prompts, args.max_new_tokens, mesh=mesh if world > 1 else None,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos_id=args.eos_id,
-                        impl=args.impl)
+                        impl=args.impl, router=router)
     S = max(map(len, prompts))
     rows = []
     for p, ids, row in zip(args.prompt, prompts, out.tolist()):
@@ -149,9 +231,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import torch.distributed as dist
 
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-            if world > 1 and not dist.is_initialized():
+            owned = world > 1 and not dist.is_initialized()
+            if owned:
                 dist.init_process_group("gloo")
-            rows = run(rank, world, args)
+            try:
+                rows = run(rank, world, args)
+                if owned:
+                    from fmoe.collectives import barrier
+
+                    barrier()
+            finally:
+                if owned and dist.is_initialized():        # not left to the interpreter's teardown
+                    dist.destroy_process_group()
             if rank != 0:
                 return 0
         elif args.nproc == 1:
@@ -162,6 +253,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rows = spawn(run, args.nproc, args, timeout=1800)[0]
     except (ValueError, TypeError) as e:
         print(f"fmoe.generate: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"fmoe.generate: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
         return 1
     for r in rows:
         if args.json:

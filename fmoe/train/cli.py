@@ -72,14 +72,32 @@ def _describe(e: BaseException) -> str:
 
 
 def _prepare_out(args: argparse.Namespace) -> None:
-    from fmoe.train.outdir import clear_run, drop_after
+    """With OUT's lock held: refuse links, remove what killed writes left, then make OUT hold
+    exactly the run this job continues (its log trimmed to the checkpoint's step)."""
+    from fmoe.train.outdir import clear_run, drop_after, links, remove_temporaries, trim_log
 
-    if not args.overwrite:
-        return
-    if args.resume_path and inside(args.resume_path, args.out):
+    linked = links(args.out)                           # checked again under the lock
+    if linked:
+        raise OSError(f"--out {args.out}: {linked[0]} is a symbolic link; fmoe.train never writes through a link")
+    remove_temporaries(args.out)
+    own = bool(args.resume_path) and inside(args.resume_path, args.out)
+    if args.overwrite and own:
         drop_after(args.out, args.resume_meta["step"])     # the run continues from there
-    else:
+    elif args.overwrite:
         clear_run(args.out)
+    if own:                                            # rows after the checkpoint are trained again
+        for note in trim_log(args.out, args.resume_meta["step"]):
+            print(f"fmoe.train: note: {note}", file=sys.stderr)
+
+
+def _destroy_group() -> None:
+    """Tear the process group down before the interpreter does: a gloo group left alive at exit
+    can abort the process in its worker threads' teardown ("terminate called without an active
+    exception", exit 1 after the final line)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _train(args: argparse.Namespace) -> Optional[dict]:
@@ -92,19 +110,26 @@ def _train(args: argparse.Namespace) -> Optional[dict]:
 
         import torch.distributed as dist
 
-        from fmoe.train import ckpt
+        from fmoe.checkpoint import training as ckpt
 
-        if world > 1 and not dist.is_initialized():
+        owned = world > 1 and not dist.is_initialized()
+        if owned:
             backend = "nccl" if options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0))).type == "cuda" \
                 else "gloo"
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
         rank = int(os.environ["RANK"])
         lock = OutLock(args.out)
-        ckpt.on_rank0(lambda: (lock.acquire(), _prepare_out(args)), f"locking --out {args.out}")
         try:
+            ckpt.on_rank0(lambda: (lock.acquire(), _prepare_out(args)), f"locking --out {args.out}")
             last = run(rank, world, args)
+            if owned:
+                from fmoe.collectives import barrier
+
+                barrier()                              # every rank is done with every collective
         finally:
-            lock.release()
+            lock.release()                             # (a no-op where it was not taken)
+            if owned:
+                _destroy_group()
         return last if rank == 0 else None
     with OutLock(args.out):
         _prepare_out(args)
@@ -131,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         last = _train(args)
     except Interrupted as e:
-        from fmoe.train import ckpt
+        from fmoe.checkpoint import training as ckpt
 
         good = ckpt.latest(args.out) if os.path.isdir(args.out) else None
         print(f"fmoe.train: error: stopped by {e}; every rank stopped (last complete checkpoint: "

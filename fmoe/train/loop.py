@@ -65,14 +65,6 @@ class NonFiniteStep(RuntimeError):
     """A step's loss or gradient norm was NaN/Inf (the update was not applied)."""
 
 
-def _append_log(path: str, line: str) -> None:
-    try:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror or e} writing {path}") from e
-
-
 def _job_meta(args: argparse.Namespace, model, cfg, mesh) -> dict:
     """What ``meta.json`` records about the job (read back by :mod:`fmoe.train.resume`)."""
     from fmoe.train import resume
@@ -93,10 +85,10 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     import fmoe
     from fmoe.models import get
-    from fmoe.train import ckpt
+    from fmoe.checkpoint import training as ckpt
     from fmoe.training.evaluate import evaluate
     from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
-    from fmoe.train.outdir import check_room
+    from fmoe.train.outdir import append_row, check_room
     from fmoe.training.step import StepConfig, train_step
 
     model = get(args.model)                            # the declared Model, from the registry
@@ -134,7 +126,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     step_cfg = StepConfig(opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
                           impl=args.impl, **options.step_options(args))
     rank0 = rank == 0
-    if rank0 and not args.quiet:
+    if rank0:                                          # --quiet keeps only its warning
         options.print_memory_plan(args, model, cfg, model_plan, world)
     meta = {**_job_meta(args, model, cfg, mesh), **options.run_meta(args, tokenizer, device)}
     bar = _Progress(args.steps, rank0 and not args.quiet)
@@ -152,7 +144,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
                               dtype=args.dtype, device=device))
         last = {"step": step, **m}
         if rank0:
-            _append_log(os.path.join(args.out, "log.jsonl"), log_row(last))
+            append_row(os.path.join(args.out, "log.jsonl"), log_row(last))   # one write, no link followed
         if m.get("skipped"):
             skipped += 1
             if skipped > args.skip_nonfinite:
@@ -166,8 +158,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
-    if args.export_hf:
-        model.save_hf(params, cfg, args.export_hf, overwrite=args.overwrite)
-        if rank0:
-            options.export_tokenizer(tokenizer, args.export_hf)
+    if args.export_hf:                                 # the weights, the router and the tokenizer
+        from fmoe.train.export import export_hf
+
+        export_hf(model, params, cfg, args.export_hf, model_name=args.model, router=args.router,
+                  tokenizer=tokenizer, step=max(start, last.get("step", start)), overwrite=args.overwrite)
     return last

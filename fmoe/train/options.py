@@ -168,7 +168,8 @@ def open_streams(args: argparse.Namespace, tokenizer: Any):
 
 
 def resolve_tokenizer(args: argparse.Namespace, vocab_size: Optional[int] = None):
-    """The tokenizer of the job: ``--tokenizer``, else the one in ``--init-hf DIR``, else bytes.
+    """The tokenizer of the job: ``--tokenizer``, else the one a shard ``--data`` directory
+    records, else the one in ``--init-hf DIR``, else bytes.
 
     A Hugging Face checkpoint without a tokenizer trains on byte ids only with an explicit
     ``--tokenizer bytes`` (or when its vocabulary is exactly the 256 bytes): a real vocabulary
@@ -181,6 +182,8 @@ def resolve_tokenizer(args: argparse.Namespace, vocab_size: Optional[int] = None
 
     if args.tokenizer is not None:
         tok = load_tokenizer(args.tokenizer)
+    elif args.data is not None and shard_tokenizer(args.data) is not None:
+        tok = shard_tokenizer(args.data)
     elif getattr(args, "init_hf", None) and find_tokenizer_file(args.init_hf):
         tok = load_tokenizer(args.init_hf)
     elif getattr(args, "init_hf", None) and vocab_size not in (None, 256):
@@ -191,6 +194,29 @@ def resolve_tokenizer(args: argparse.Namespace, vocab_size: Optional[int] = None
         tok = load_tokenizer("bytes")
     if vocab_size is not None and tok.vocab_size > vocab_size:
         raise ValueError(f"--tokenizer {tok.name!r} has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}")
+    return tok
+
+
+def shard_tokenizer(data: str) -> Any:
+    """The tokenizer a shard directory's header records (None for other ``--data``).
+
+    Raises:
+        ValueError: the recorded tokenizer file is gone or is not the one that made the shards.
+    """
+    from ..data import is_shard_dir, load_tokenizer, read_header
+
+    if not os.path.isdir(data) or not is_shard_dir(data):
+        return None
+    header = read_header(data)
+    name = header.get("tokenizer") or "bytes"
+    if name != "bytes" and not os.path.isfile(name):
+        raise ValueError(f"data {data!r}: the shards were tokenized with {name!r}, which is not there any more; "
+                         "pass --tokenizer T (that tokenizer.json)")
+    tok = load_tokenizer(name)
+    digest = header.get("tokenizer_digest")
+    if digest is not None and tok.digest != digest:
+        raise ValueError(f"data {data!r}: {name!r} changed since it tokenized the shards ({tok.digest}, "
+                         f"header says {digest}); pass --tokenizer T (the tokenizer that made them)")
     return tok
 
 
@@ -210,6 +236,7 @@ def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> 
     """What ``meta.json`` records about these flags (the router spec as given)."""
     return {"router": args.router, "dtype": args.dtype, "remat": args.remat, "grad_accum": args.grad_accum,
             "data": args.data, "tokenizer_flag": args.tokenizer, "tokenizer": tokenizer.name,
+            "tokenizer_digest": tokenizer.digest,
             "device": device.type, "eval_fraction": args.eval_fraction}
 
 
@@ -224,31 +251,20 @@ def should_eval(args: argparse.Namespace, step: int) -> bool:
     return bool(args.eval_every) and (step % args.eval_every == 0 or step == args.steps)
 
 
-def export_tokenizer(tokenizer: Any, path: str) -> list[str]:
-    """Copy a Hugging Face tokenizer's files next to ``--export-hf``'s weights; returns the names."""
-    import shutil
-
-    from ..data import TOKENIZER_FILES
-
-    src = os.path.dirname(getattr(tokenizer, "path", "") or "")
-    copied = []
-    if not src:
-        return copied
-    for name in TOKENIZER_FILES:
-        f = os.path.join(src, name) if name != "tokenizer.json" else tokenizer.path
-        if os.path.isfile(f):
-            shutil.copyfile(f, os.path.join(path, name))
-            copied.append(name)
-    return copied
-
-
 def print_memory_plan(args: argparse.Namespace, model: Any, cfg: Any, model_plan: Any, world: int) -> None:
-    """Rank 0 prints the job's memory plan (:mod:`fmoe.memory_plan`) to stderr at start."""
+    """Rank 0 prints the job's memory plan (:mod:`fmoe.memory_plan`) to stderr at start; with
+    ``--quiet`` only its warning (a plan over ``--memory-gb``), which ``--quiet`` never hides."""
     import sys
 
     from ..memory_plan import format_plan, memory_plan
 
+    if args.quiet and args.memory_gb is None:
+        return
     plan = memory_plan(model, cfg, nproc=world, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
                        batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,
                        grad_accum=args.grad_accum, model_plan=model_plan)
-    print(format_plan(plan, args.memory_gb), file=sys.stderr)
+    text = format_plan(plan, args.memory_gb)
+    if args.quiet:
+        text = "\n".join(line for line in text.splitlines() if line.startswith("WARNING"))
+    if text:
+        print(text, file=sys.stderr)

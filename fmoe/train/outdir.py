@@ -12,7 +12,13 @@ A run owns what it writes into ``OUT``: ``log.jsonl``, ``step-N/`` checkpoints (
   checkpoint of OUT while newer ones exist is refused too; with ``--overwrite`` the newer
   checkpoints and their ``log.jsonl`` rows are removed first (:func:`drop_after`);
 - **fail before training**: the lock is taken and OUT is written once (read-only, permissions)
-  and checked for room for a checkpoint before the first step.
+  and checked for room for a checkpoint before the first step;
+- **no links, no torn rows**: nothing in OUT is written through a symbolic link (a run file
+  that is a link is refused naming it, :func:`links`; files are opened with ``O_NOFOLLOW``);
+  a log row is one ``O_APPEND`` write, cut back if the write fails (:func:`append_row`); the
+  temporaries of a killed save are removed by the next job (:func:`remove_temporaries`), and a
+  resumed run's log keeps only the rows up to its checkpoint (:func:`trim_log`: a row torn by
+  a crash is dropped and named, rows of steps that will be trained again are dropped too).
 
 Example:
     >>> import tempfile
@@ -32,12 +38,16 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 from typing import Optional
 
-__all__ = ["OutLock", "RunDirBusy", "holds_run", "clear_run", "newer_steps", "drop_after", "check_room"]
+__all__ = ["OutLock", "RunDirBusy", "holds_run", "clear_run", "newer_steps", "drop_after", "check_room",
+           "links", "remove_temporaries", "append_row", "trim_log"]
 
-LOCK = ".lock"
-_RUN_FILE = re.compile(r"^(log\.jsonl|step-\d+|\.step-\d+\.tmp)$")
+LOCK, LOG = ".lock", "log.jsonl"
+_RUN_FILE = re.compile(r"^(log\.jsonl|step-\d+|\.step-\d+\.tmp(-.*)?)$")
+_TEMPORARY = re.compile(r"^(\.step-\d+\.tmp(-.*)?|\.log\.jsonl\..*\.tmp)$")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class RunDirBusy(RuntimeError):
@@ -64,13 +74,36 @@ def clear_run(out: str) -> list[str]:
 
 
 def newer_steps(out: str, step: int) -> list[str]:
-    """The ``step-M`` checkpoints (and partial ``.step-M.tmp``) in ``out`` with ``M > step``."""
-    found = []
-    for name in holds_run(out):
-        m = re.match(r"^\.?step-(\d+)(\.tmp)?$", name)
-        if m and int(m.group(1)) > step:
-            found.append(name)
-    return sorted(found, key=lambda n: int(re.sub(r"\D", "", n)))
+    """The complete ``step-M`` checkpoints in ``out`` with ``M > step`` (temporaries of
+    unfinished saves are not checkpoints: :func:`remove_temporaries` removes them)."""
+    found = [n for n in holds_run(out) if (m := re.match(r"^step-(\d+)$", n)) and int(m.group(1)) > step]
+    return sorted(found, key=lambda n: int(n[5:]))
+
+
+def links(out: str) -> list[str]:
+    """``OUT``'s entries that a job would write or remove and that are symbolic links (sorted):
+    the run's files, ``.lock`` and the log's temporaries."""
+    if not os.path.isdir(out):
+        return []
+    return sorted(n for n in os.listdir(out) if (_RUN_FILE.match(n) or _TEMPORARY.match(n) or n == LOCK)
+                  and os.path.islink(os.path.join(out, n)))
+
+
+def remove_temporaries(out: str) -> list[str]:
+    """Remove what interrupted writes left in ``out`` (``.step-N.tmp*`` directories, log
+    temporaries); call while holding ``OUT``'s lock (then nobody else writes there). Links are
+    removed, never followed. Returns the removed names."""
+    gone = sorted(n for n in os.listdir(out) if _TEMPORARY.match(n)) if os.path.isdir(out) else []
+    for name in gone:
+        _remove(os.path.join(out, name))
+    return gone
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def drop_after(out: str, step: int) -> list[str]:
@@ -78,22 +111,84 @@ def drop_after(out: str, step: int) -> list[str]:
     (the log is rewritten atomically). Returns the removed checkpoint names."""
     gone = newer_steps(out, step)
     for name in gone:
-        shutil.rmtree(os.path.join(out, name))
-    log = os.path.join(out, "log.jsonl")
-    if os.path.isfile(log):
-        with open(log, encoding="utf-8") as f:
-            keep = [line for line in f if _row_step(line) <= step]
-        with open(log + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(keep)
-        os.replace(log + ".tmp", log)
+        _remove(os.path.join(out, name))
+    trim_log(out, step)
     return gone
 
 
-def _row_step(line: str) -> float:
+def append_row(path: str, line: str) -> None:
+    """Append one log row: a single ``O_APPEND`` write that never follows a link; a failed or
+    short write (a full disk) is cut back, so the file never ends in a torn row.
+
+    Raises:
+        OSError: naming ``path`` (``ELOOP`` when it is a symbolic link).
+    """
+    data = (line + "\n").encode("utf-8")
     try:
-        return float(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError):
-        return float("inf")                  # an unreadable row is dropped with the newer ones
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644)
+    except OSError as e:
+        raise OSError(e.errno, f"{os.strerror(e.errno)} opening {path}" +
+                      (" (a symbolic link: fmoe never writes through one)" if os.path.islink(path) else "")) from e
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            done = os.write(fd, data)
+            if done != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as e:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise OSError(e.errno, f"{e.strerror or e} writing {path}") from e
+    finally:
+        os.close(fd)
+
+
+def trim_log(out: str, step: int) -> list[str]:
+    """Keep the rows of ``OUT/log.jsonl`` up to ``step`` (rewritten atomically, never through a
+    link); a torn or unreadable row is dropped. Returns one line per kind of dropped row (for
+    the user; empty when nothing was dropped)."""
+    log = os.path.join(out, LOG)
+    if not os.path.isfile(log) or os.path.islink(log):
+        return []
+    with open(log, "rb") as f:
+        lines = f.read().split(b"\n")
+    keep, torn, later = [], [], []
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+            at = row["step"] if isinstance(row, dict) else None
+        except (ValueError, KeyError):
+            at = None
+        if isinstance(at, bool) or not isinstance(at, (int, float)):
+            torn.append(i + 1)
+        elif at <= step:
+            keep.append(raw + b"\n")
+        else:
+            later.append(at)
+    notes = []
+    if torn:
+        notes.append(f"{log}: dropped {len(torn)} unreadable row(s) (line(s) {torn[:5]}; torn by a crash or a "
+                     "full disk)")
+    if later:
+        notes.append(f"{log}: dropped {len(later)} row(s) of steps after the checkpoint's step {step} "
+                     f"(steps {int(min(later))}..{int(max(later))} are trained again)")
+    if notes:
+        fd, tmp = tempfile.mkstemp(prefix=".log.jsonl.", suffix=".tmp", dir=out)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.writelines(keep)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, log)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            raise
+    return notes
 
 
 def check_room(out: str, need: int) -> None:
@@ -122,8 +217,12 @@ class OutLock:
     def acquire(self) -> "OutLock":
         try:
             os.makedirs(self.out, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
         except OSError as e:
+            if os.path.islink(self.path):
+                raise OSError(e.errno, f"--out {self.out}: the lock {self.path} is a symbolic link (to "
+                                       f"{os.readlink(self.path)!r}); fmoe never writes through a link: "
+                                       "remove it") from e
             raise OSError(e.errno, f"cannot write --out {self.out}: {os.strerror(e.errno)}") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

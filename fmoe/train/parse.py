@@ -16,7 +16,7 @@ import os
 from typing import Optional, Sequence
 
 from ..mesh import check_layout
-from ..models import NAMES
+from ..models import NAMES, get
 from . import options
 from .flags import build_parser
 
@@ -56,10 +56,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(str(e))
     if args.init_hf and not os.path.isdir(args.init_hf):
         ap.error(f"--init-hf {args.init_hf!r} is not a directory")
-    if not math.isfinite(args.aux_weight) or args.aux_weight < 0:
-        ap.error(f"--aux-weight must be a finite number >= 0, got {args.aux_weight}")
-    if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
-        ap.error(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+    _check_numbers(args, ap.error)
     if args.impl != "auto":
         import fmoe.ep
         if args.impl not in fmoe.ep.registered():
@@ -73,12 +70,46 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.resume_path = None
     if args.resume:
         _check_resume(ap, args)
+    else:
+        _check_sizes(args, 256, ap.error)
     _check_out(ap, args)
     return args
 
 
+def _check_numbers(args: argparse.Namespace, error) -> None:
+    """The float flags argparse cannot range-check (also re-run on the values a resume keeps)."""
+    for name in ("aux_weight", "weight_decay"):
+        v = getattr(args, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v!r}")
+
+
+def _check_sizes(args: argparse.Namespace, vocab: int, error) -> None:
+    """The step's logits (``--batch * --seq`` rows of ``vocab`` fp32, with their gradient) fit
+    in this machine's memory: checked by arithmetic, before anything is allocated."""
+    from fmoe.checkpoint.config_check import memory_bytes
+
+    need = 2 * 4 * args.batch * args.seq * vocab
+    if need > memory_bytes():
+        error(f"--batch {args.batch} x --seq {args.seq} x vocabulary {vocab}: one step's logits and their gradient "
+              f"need {need / 1e9:.3g} GB, more than this machine's {memory_bytes() / 1e9:.3g} GB; lower --batch "
+              "or --seq (or use --grad-accum)")
+
+
+class _Prefixed:
+    """An ``error`` that names the checkpoint a kept value came from."""
+
+    def __init__(self, ap: argparse.ArgumentParser, where: str):
+        self.ap, self.where = ap, where
+
+    def error(self, message: str) -> None:
+        self.ap.error(f"--resume {self.where}: meta.json holds a value its flag refuses: {message}")
+
+
 def _check_resume(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from fmoe.train import ckpt, resume
+    from fmoe.checkpoint import training as ckpt
+    from fmoe.checkpoint.config_check import config_from_dict
+    from fmoe.train import resume
 
     if not os.path.exists(args.resume):
         ap.error(f"--resume {args.resume!r} does not exist")
@@ -89,9 +120,21 @@ def _check_resume(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
         meta = ckpt.read_meta(path)
     except ValueError as e:
         ap.error(f"--resume: {e}")
+    file = os.path.join(path, "meta.json")
     if meta.get("model") not in NAMES:
-        ap.error(f"--resume {path}: meta.json names model {meta.get('model')!r}, not one of {NAMES}")
+        ap.error(f"--resume: {file}: 'model' is {meta.get('model')!r}, not one of {list(NAMES)}")
     resume.apply(args, meta, path, ap.error)
+    shim = _Prefixed(ap, path)
+    _check_numbers(args, shim.error)                   # kept values, checked like their flags
+    options.check(args, shim)
+    model = get(args.model)
+    try:                                               # the kept model config, before any allocation
+        cfg = config_from_dict(model, meta.get("hf_config"), f"{file} 'hf_config'", fits=True)
+    except ValueError as e:
+        ap.error(f"--resume: {e}")
+    _check_sizes(args, cfg.vocab_size, ap.error)
+    if "out" not in args.explicit:                     # continue in the run's own directory
+        args.out = os.path.dirname(os.path.abspath(path))
     args.resume_path, args.resume_meta = path, meta
 
 
@@ -105,8 +148,16 @@ def _check_out(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from fmoe.checkpoint.atomic import check_target
     from fmoe.train.outdir import holds_run, newer_steps
 
+    from fmoe.train.outdir import links
+
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         ap.error(f"--out {args.out!r} exists and is not a directory")
+    linked = links(args.out)
+    if linked:
+        name = linked[0]
+        ap.error(f"--out {args.out!r}: {name} is a symbolic link (to {os.readlink(os.path.join(args.out, name))!r}); "
+                 "fmoe.train never writes, removes or resumes through a link in OUT: remove it "
+                 f"({len(linked)} link(s): {', '.join(linked[:6])})")
     previous = holds_run(args.out)
     own = bool(args.resume_path) and inside(args.resume_path, args.out)    # continues OUT's run
     if previous and not own and not args.overwrite:

@@ -8,8 +8,16 @@ A checkpoint's ``meta.json`` records the job that wrote it. Resuming continues *
   the checkpoint (``hf_config``), never from the flags;
 - **may change**: the mesh (``--nproc --tp --ep --dp-replicate``: the checkpoint is resharded)
   as long as the number of data-parallel batches per step stays the same (otherwise each step
-  would see other data); ``--steps`` (must be beyond the saved step), ``--out``,
+  would see other data); ``--steps`` (must be beyond the saved step; equal to it with
+  ``--export-hf``: export the checkpoint without training), ``--out`` (default: the
+  checkpoint's own run directory, so a resumed run continues there),
   ``--save-every``, ``--impl``, ``--timeout``, ``--quiet``, ``--debug``, ``--export-hf``;
+- **nothing from a checkpoint is run, and every kept value is checked like its flag**: a kept
+  value must pass the flag's own type and range check (``lr`` NaN or negative is refused naming
+  ``meta.json``, the field and the value); a recorded ``--router`` is only a *name* of
+  :mod:`fmoe.routing` with literal arguments, rebuilt and re-validated. A ``module:function``
+  router names code, which a checkpoint never chooses: it must be passed again as ``--router``
+  on the command line (:func:`check_router`);
 - **schedule rule**: the warmup + cosine schedule stays the one of the run that was started
   (its ``--steps``, recorded as ``schedule.total``); steps beyond that total train at the final
   learning rate (``0.1 * --lr``). So ``--steps 10`` then ``--resume --steps 20`` trains steps
@@ -23,9 +31,10 @@ Example:
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Optional
 
-__all__ = ["KEPT", "apply", "schedule_record"]
+__all__ = ["KEPT", "apply", "check_router", "check_kept_value", "schedule_record"]
 
 #: flag dest -> meta.json key of the settings a resumed run keeps (extend for new flags)
 KEPT: dict[str, str] = {
@@ -50,6 +59,58 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def check_kept_value(action: argparse.Action, key: str, value: Any, file: str) -> Optional[str]:
+    """Why ``meta.json``'s ``value`` for ``key`` is not one its flag (``action``) accepts, or None.
+
+    Example:
+        >>> from fmoe.train.flags import build_parser
+        >>> lr = next(a for a in build_parser()._actions if a.dest == "lr")
+        >>> check_kept_value(lr, "lr", float("nan"), "meta.json")
+        "meta.json: 'lr' is nan, not a value --lr accepts (--lr must be a number > 0, got nan)"
+    """
+    flag = _flag(action.dest)
+    if value is None:                # (a run started from --init-hf records no preset)
+        return None if action.default is None or key == "preset" else f"{file}: {key!r} is null; {flag} needs a value"
+    if action.choices is not None and value not in action.choices:
+        return f"{file}: {key!r} is {value!r}, not one of {flag}'s choices {list(action.choices)}"
+    if action.type is None:
+        return None if isinstance(value, str) else f"{file}: {key!r} is {value!r}; {flag} takes a string"
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"a number, not {type(value).__name__}")
+        got = action.type(repr(value) if isinstance(value, float) else str(value))
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+        return f"{file}: {key!r} is {value!r}, not a value {flag} accepts ({e})"
+    if got != value or type(got) is not type(value) and not isinstance(value, int):
+        return f"{file}: {key!r} is {value!r}, not a value {flag} accepts"
+    return None
+
+
+def check_router(saved: Any, args: argparse.Namespace, file: str) -> Optional[str]:
+    """Why the recorded router ``saved`` cannot be used as it is, or None (see the module
+    docstring: only ``fmoe.routing`` names with literal arguments; code must be passed again)."""
+    from .options import parse_router, router_from_spec
+
+    if saved is None:
+        return None
+    if not isinstance(saved, str):
+        return f"{file}: 'router' is {saved!r}; a router is recorded as a NAME[:k=v,...] string"
+    try:
+        module, _, _ = parse_router(saved)
+    except ValueError as e:
+        return f"{file}: 'router' {saved!r} is not a router name ({e})"
+    if module != "fmoe.routing":
+        if "router" in args.explicit and args.router == saved:
+            return None                              # the user names the code, not the checkpoint
+        return (f"{file}: 'router' is {saved!r}, code from module {module!r}; a checkpoint never chooses code "
+                f"to import and run. If you trust it, pass --router {saved} again")
+    try:
+        router_from_spec(saved)                      # a built-in name and its literal arguments
+    except (ValueError, TypeError) as e:
+        return f"{file}: 'router' {saved!r} is not a valid router ({e})"
+    return None
+
+
 def apply(args: argparse.Namespace, meta: dict, where: str, error: Callable[[str], Any]) -> None:
     """Check a resume against the checkpoint's ``meta`` and fill in the kept settings.
 
@@ -59,11 +120,18 @@ def apply(args: argparse.Namespace, meta: dict, where: str, error: Callable[[str
         where: the checkpoint path (for messages).
         error: called with the message of a mismatch (``ArgumentParser.error``: exit 2).
     """
+    from .flags import build_parser
+
+    file = os.path.join(where, "meta.json")
+    actions = {a.dest: a for a in build_parser()._actions}
     for dest, key in KEPT.items():
         if key not in meta:
             error(f"--resume {where}: meta.json has no {key!r}; it was not written by this version of "
                   "fmoe.train and cannot be checked")
         saved = meta[key]
+        problem = check_router(saved, args, file) if dest == "router" else check_kept_value(actions[dest], key, saved, file)
+        if problem:
+            error(f"--resume: {problem}")
         if dest in args.explicit and getattr(args, dest) != saved:
             error(f"--resume {where} was trained with {_flag(dest)} {saved!r}, this run has "
                   f"{_flag(dest)} {getattr(args, dest)!r}; a resumed run keeps it (drop the flag, or "
@@ -71,17 +139,20 @@ def apply(args: argparse.Namespace, meta: dict, where: str, error: Callable[[str
                   "batches), --steps, --out, --save-every, --impl, --timeout, --quiet, --export-hf")
         setattr(args, dest, saved)
     step = meta["step"]
-    if args.steps <= step:
+    if args.steps < step or (args.steps == step and not args.export_hf):
         error(f"--steps {args.steps} is not beyond the checkpoint's step {step} ({where}); pass "
-              f"--steps > {step} to train further")
-    mesh = meta.get("mesh", {})
+              f"--steps > {step} to train further (or --steps {step} --export-hf DIR to export it as it is)")
+    mesh = meta.get("mesh")
+    if not isinstance(mesh, dict):
+        error(f"--resume: {file}: 'mesh' is {mesh!r}, not the mesh record fmoe.train writes")
     batches = args.world // args.tp
     if mesh.get("num_batches") != batches:
         error(f"--resume {where} was trained with {mesh.get('num_batches')} data-parallel batches per step "
               f"(mesh {mesh}); this mesh (world {args.world}, --tp {args.tp}) has {batches}: every step "
               "would see other data. Choose --nproc/--tp with world / tp = "
               f"{mesh.get('num_batches')}")
-    total = meta.get("schedule", {}).get("total")
+    schedule = meta.get("schedule")
+    total = schedule.get("total") if isinstance(schedule, dict) else None
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
         error(f"--resume {where}: meta.json has no valid schedule.total ({total!r})")
     args.schedule_total = total

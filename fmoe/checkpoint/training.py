@@ -20,10 +20,13 @@ the full tensor, which DCP cannot describe; such a leaf is stored as one tensor 
 (``path.__block0``, ``path.__block1``), each a plain chunked shard, so it reshards like any other
 — also to and from a single process, where the same leaf is a plain tensor.
 
-Atomicity: all ranks write into ``OUT/.step-N.tmp``; after a barrier rank 0 writes
-``meta.json`` into it and renames the directory to ``OUT/step-N``. A crash at any point leaves
-either the previous checkpoints untouched or a ``.tmp`` directory, which :func:`latest` never
-picks (and the next save removes).
+Atomicity: the one mechanism of :mod:`fmoe.checkpoint.atomic`. Rank 0 makes the temporary
+directory ``OUT/.step-N.tmp-<pid>-<random>`` (:func:`~fmoe.checkpoint.atomic.begin`) and tells
+every rank its name; all ranks write into it; after a barrier rank 0 writes ``meta.json`` and
+swaps it into ``OUT/step-N`` (:func:`~fmoe.checkpoint.atomic.commit`: a rename, or an atomic
+exchange with a previous ``step-N``). A save that fails on any rank (a full disk, say) removes
+its temporary directory on the way out; a process killed mid-save leaves it behind, which
+:func:`latest` never picks and the next save (or the next job holding ``OUT``'s lock) removes.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import warnings
 from typing import Any, Callable, Optional
 
@@ -44,14 +46,20 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import tree as _tree
-from ..checkpoint.integrity import digests, verify
-from ..collectives import all_gather_objects, barrier
+from . import atomic
+from .integrity import digests, verify
+from ..collectives import all_gather_objects, barrier, broadcast_object
 
 __all__ = ["save", "load", "latest", "read_meta", "packed_layout", "on_rank0", "FORMAT"]
 
 FORMAT = "fmoe-train-safetensors/1"   # meta.json "format" of this layout
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _own(name: str) -> bool:
+    """The files a training checkpoint consists of (a re-save of ``step-N`` replaces only those)."""
+    return name == "meta.json" or name.endswith(".safetensors")
 
 
 def _dist() -> bool:
@@ -205,51 +213,49 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
     """
     packed = packed or {}
     final = os.path.join(out_dir, f"step-{step}")
-    tmp = os.path.join(out_dir, f".step-{step}.tmp")
     what = f"writing {final}"
+    box: dict = {}
 
     def prepare() -> None:
         os.makedirs(out_dir, exist_ok=True)
-        for name in os.listdir(out_dir):                 # leftovers of an interrupted save
-            if name.startswith(".step-") and name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-        os.makedirs(tmp)
+        box["tmp"] = atomic.begin(final, own=_own)
 
     on_rank0(prepare, what)
+    tmp = broadcast_object(box.get("tmp"), src=0)
     try:
-        writer = dcp.HuggingFaceStorageWriter(tmp, save_distributed=True)
-        with _single_process_ok():
-            dcp.save(_views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
-    except (Exception, dcp.api.CheckpointException) as e:
-        raise _io_error(e, what) from e
-    _barrier()
-    files = _split_digests(tmp)
+        try:
+            writer = dcp.HuggingFaceStorageWriter(tmp, save_distributed=True)
+            with _single_process_ok():
+                dcp.save(_views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
+        except (Exception, dcp.api.CheckpointException) as e:
+            raise _io_error(e, what) from e
+        _barrier()
+        files = _split_digests(tmp)
 
-    def commit() -> None:
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**meta, "step": step, "format": FORMAT, "files": files}, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):
-            old = final + ".old.tmp"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        def commit() -> None:
+            fd = os.open(os.path.join(tmp, "meta.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w") as f:
+                json.dump({**meta, "step": step, "format": FORMAT, "files": files}, f, indent=2, sort_keys=True)
+            atomic.commit(tmp, final, own=_own)
 
-    on_rank0(commit, what)
+        on_rank0(commit, what)
+    except BaseException:
+        if _rank() == 0:
+            atomic.abort(tmp)             # a failed save leaves nothing behind (the disk stays usable)
+        raise
     return final
 
 
 def latest(path: str) -> Optional[str]:
     """``path`` itself if it is a complete ``step-N`` checkpoint, else the complete ``step-N``
-    with the largest N inside it (None if there is none)."""
+    with the largest N inside it (None if there is none). Temporary directories of unfinished
+    saves and symbolic links are never picked."""
     if os.path.isfile(os.path.join(path, "meta.json")) and _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
         return path
     if not os.path.isdir(path):
         return None
     steps = [(int(m.group(1)), name) for name in os.listdir(path) if (m := _STEP_DIR.match(name))
+             and not os.path.islink(os.path.join(path, name))
              and os.path.isfile(os.path.join(path, name, "meta.json"))]
     return os.path.join(path, max(steps)[1]) if steps else None
 
