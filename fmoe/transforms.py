@@ -34,7 +34,7 @@ import torch
 from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-__all__ = ["vmapping", "compiling", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
+__all__ = ["vmapping", "compiling", "func_active", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
 
 
 def vmapping() -> bool:
@@ -45,6 +45,13 @@ def vmapping() -> bool:
 def compiling() -> bool:
     """Whether Dynamo is tracing (``torch.compile``)."""
     return torch.compiler.is_compiling()
+
+
+def func_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jvp``, ``vmap``) is active, eager or
+    while Dynamo traces (``torch.compile(torch.func.grad(f))``): Dynamo understands
+    ``peek_interpreter_stack``, not ``retrieve_all_functorch_interpreters``."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def active() -> bool:
