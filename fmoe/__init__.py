@@ -6,7 +6,7 @@ collectives those placements need. The public namespace is made of explicit re-e
 of the modules is ``ARCHITECTURE.md``.
 """
 
-from . import activations, aux_losses, collectives, ep, experts, fsdp, global_stats, load_stats, nn, remat, routing, shared_experts, testing, tree
+from . import activations, aux_losses, collectives, ep, experts, fsdp, global_stats, load_stats, nn, optim, remat, routing, shared_experts, testing, tree
 from .fsdp import unshard, unshard_layer, unsharded_layers
 from .generate import generate
 from .mesh import Mesh
@@ -20,5 +20,5 @@ prefetch_layers = unsharded_layers
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "unshard", "unshard_layer",
            "unsharded_layers", "materialize", "prefetch_layers", "moe", "generate", "nn", "routing", "aux_losses",
-           "global_stats", "load_stats", "shared_experts", "fsdp", "ep", "experts", "activations", "collectives", "testing", "tree", "remat"]
+           "global_stats", "load_stats", "shared_experts", "fsdp", "ep", "experts", "activations", "collectives", "testing", "tree", "remat", "optim"]
 __version__ = "0.1.0"

@@ -322,7 +322,7 @@ LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own 
     (2, ("fmoe.experts", "fmoe.expert_blocks", "fmoe.grouped_mm", "fmoe.fsdp", "fmoe.global_stats", "fmoe.load_stats", "fmoe.remat")),
     (3, ("fmoe.routing", "fmoe.ep", "fmoe.aux_losses")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
-    (5, ("fmoe.model", "fmoe.train", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan", "fmoe.plan.__main__",
+    (5, ("fmoe.model", "fmoe.optim", "fmoe.tree_io", "fmoe.train", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan", "fmoe.plan.__main__",
          "fmoe.plot")),
     (6, ("fmoe.models",)),
 ]

@@ -16,7 +16,7 @@ import torch
 import fmoe
 from fmoe.testing import spawn
 from fmoe.train import ckpt, cli
-from fmoe.train.optim import lr_at
+from fmoe.optim import lr_at
 from fmoe.train.outdir import OutLock
 
 BASE = ["--model", "llama", "--preset", "tiny", "--batch", "2", "--seq", "16", "--quiet"]
@@ -53,7 +53,7 @@ def load_trained(path):
     """Load a llama-tiny training checkpoint the way --resume does (ckpt.load checks finiteness)."""
     from fmoe.models import llama
     from fmoe.fsdp import data_parallel_plan
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
     params = llama.init(cli._preset(llama, "tiny", 1), seed=5)
     plan = data_parallel_plan(llama.plan(cli._preset(llama, "tiny", 1)), params, fmoe.Mesh())
     return ckpt.load(path, params, adamw_init(params), ckpt.packed_layout(plan, params))

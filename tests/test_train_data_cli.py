@@ -91,7 +91,7 @@ def test_bf16_on_four_ranks_resumes_bitwise_with_fp32_masters(tmp_path):
     from fmoe.train import ckpt
     from fmoe.train.cli import _preset
     from fmoe.fsdp import data_parallel_plan
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
     cfg = _preset(qwen3_moe, "tiny", 1)
     params = qwen3_moe.init(cfg, seed=1)
     state = adamw_init(params)

@@ -89,7 +89,7 @@ def load(ckpt: str, mesh: Any) -> tuple[Any, Any, Any, Optional[str]]:
         return model, params, cfg, ckpt
     from fmoe.train import ckpt as tckpt
     from fmoe.model import model_of
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
 
     step = tckpt.latest(ckpt)
     if step is None:

@@ -1,7 +1,6 @@
-"""Training: data-parallel sharding (FSDP/efsdp/HSDP), functional AdamW, the train step, the
-main job CLI (``python -m fmoe.train``) and resumable sharded checkpoints."""
+"""Training: data-parallel sharding (FSDP/efsdp/HSDP), the train step (AdamW from
+:mod:`fmoe.optim`), the main job CLI (``python -m fmoe.train``) and resumable sharded checkpoints."""
 
-from .optim import AdamWConfig, adamw_init, adamw_update, global_norm, lr_at
 from .step import StepConfig, train_step
 
-__all__ = ["AdamWConfig", "adamw_init", "adamw_update", "global_norm", "lr_at", "StepConfig", "train_step"]
+__all__ = ["StepConfig", "train_step"]

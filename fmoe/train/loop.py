@@ -111,7 +111,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from fmoe.model import model_of
     from fmoe.train import ckpt
     from fmoe.train.evaluate import evaluate
-    from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
+    from fmoe.optim import AdamWConfig, lr_at
+    from fmoe.optim.adamw import init as adamw_init
     from fmoe.train.outdir import check_room
     from fmoe.train.step import StepConfig, train_step
 
