@@ -317,7 +317,7 @@ def test_no_module_level_mutable_state():
 
 # ------------------------------------------------------------------------------- layers (ARCHITECTURE.md)
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
-    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.testing", "fmoe.transforms", "fmoe.activations")),
+    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.testing", "fmoe.transforms", "fmoe.activations", "fmoe.dtypes")),
     (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding")),
     (2, ("fmoe.experts", "fmoe.expert_blocks", "fmoe.grouped_mm", "fmoe.fsdp", "fmoe.global_stats", "fmoe.load_stats", "fmoe.remat")),
     (3, ("fmoe.routing", "fmoe.ep", "fmoe.aux_losses")),

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 
 from ..collectives import grad_sum
+from ..dtypes import at_least_f32
 from ..fsdp import unshard
 from ..sharding import placement_of
 from ._tp import check_tensor, tp_size_rank
@@ -162,7 +163,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ok = _mask(S, Sk, causal, window, key_mask, q.device)
     scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
     if sinks is None:
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.softmax(scores, dim=-1, dtype=at_least_f32(scores.dtype)).to(q.dtype)
     else:
         sl = unshard(sinks, keep=("tp",))
         if sl.shape[0] != q.shape[2]:
