@@ -120,8 +120,7 @@ def expert_choice(capacity_factor: float = 1.0, k: int = 1, max_experts: Optiona
         scores = torch.softmax(upcast(logits), dim=-1)                            # [T, E]
         C = min(T, capacity(T, E, k, capacity_factor))
         chosen_tok = scores.topk(C, dim=0).indices                                # [C, E]
-        chosen = torch.zeros(T, E, dtype=torch.bool, device=logits.device)
-        chosen.scatter_(0, chosen_tok, True)                                      # [T, E]
+        chosen = torch.zeros(T, E, dtype=torch.bool, device=logits.device).scatter(0, chosen_tok, True)  # [T, E]
         # per token: chosen experts first (best score first), then the rest (best first)
         rank_key = torch.where(chosen, scores.detach() + 2.0, scores.detach())
         ids = rank_key.topk(K, dim=-1).indices                                    # [T, K]
