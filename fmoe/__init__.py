@@ -14,11 +14,12 @@ from .moe import moe
 from .placement import P
 from .plan import STYLES, Plan
 from .sharding import gather, placement_of, shard, to_local
+from .tree_io import load, save
 
 materialize = unshard            # former names, kept working
 prefetch_layers = unsharded_layers
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "unshard", "unshard_layer",
            "unsharded_layers", "materialize", "prefetch_layers", "moe", "generate", "nn", "routing", "aux_losses",
-           "global_stats", "load_stats", "shared_experts", "fsdp", "ep", "experts", "activations", "collectives", "testing", "tree", "remat", "optim"]
+           "global_stats", "load_stats", "shared_experts", "fsdp", "ep", "experts", "activations", "collectives", "testing", "tree", "remat", "optim", "save", "load"]
 __version__ = "0.1.0"
