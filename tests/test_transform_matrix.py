@@ -44,10 +44,10 @@ def outcome(transform: str, setting: str, model: str) -> Any:
         return REMAT
     if setting == ONE:
         return "equal"
+    if transform in ("vmap(forward)", "vmap(grad)") and model != "llama" and setting == "tp1/ep4":
+        return VMAP_EP                       # the dispatch refuses first, before any communication
     if transform in ("vmap(grad)", "hvp rev-over-rev"):
         return NESTED
-    if transform == "vmap(forward)" and model != "llama" and setting == "tp1/ep4":
-        return VMAP_EP
     return "equal"
 
 

@@ -36,7 +36,7 @@ from ..collectives import grad_sum
 from ..dtypes import at_least_f32
 from ..fsdp import unshard
 from ..sharding import placement_of
-from ..transforms import forward_mode
+from ..transforms import higher_order
 from ._tp import check_tensor, tp_size_rank
 
 __all__ = ["attention", "visible", "shared_by_heads"]
@@ -150,7 +150,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     rep = q.shape[2] // k.shape[2]
     qh = rearrange(q, "b s h d -> b h s d")
     S, Sk = q.shape[1], k.shape[1]
-    if sinks is None and not forward_mode():  # fused kernel (no forward AD on CPU): no [S, Sk] probabilities kept
+    if sinks is None and not higher_order():  # fused kernel (no forward AD / double backward on CPU): no [S, Sk] probabilities kept
         kt, vt = rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d")
         plain_causal = causal and window is None and S == Sk and key_mask is None
         plain = plain_causal or (not causal and window is None and key_mask is None)
