@@ -44,8 +44,8 @@ def outcome(transform: str, setting: str, model: str) -> Any:
         return REMAT
     if setting == ONE:
         return "equal"
-    if transform in ("vmap(forward)", "vmap(grad)") and model != "llama" and setting == "tp1/ep4":
-        return VMAP_EP                       # the dispatch refuses first, before any communication
+    if model != "llama" and (transform == "vmap(grad)" or (transform == "vmap(forward)" and setting == "tp1/ep4")):
+        return VMAP_EP      # the all_to_all dispatch refuses first (tp2/ep2's forward runs all_reduce)
     if transform in ("vmap(grad)", "hvp rev-over-rev"):
         return NESTED
     return "equal"
