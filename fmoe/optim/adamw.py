@@ -168,8 +168,8 @@ def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], c
             pl = p0
             if _decays(path, p, cfg) and cfg.weight_decay:
                 pl = pl * (1 - lr * cfg.weight_decay)
-            denom = (v / bc2.to(v.dtype)).sqrt().add_(cfg.eps)
-            pl = pl - lr * (m / bc1.to(m.dtype)) / denom
+            denom = (v / bc2).sqrt().add_(cfg.eps)
+            pl = pl - lr * (m / bc1) / denom
             pl, m, v = torch.where(finite, pl, p0), torch.where(finite, m, m0), torch.where(finite, v, v0)
             new_p[path] = placed_like(pl, p).requires_grad_(p.requires_grad)
             new_m[path], new_v[path] = placed_like(m, flat_m[path]), placed_like(v, flat_v[path])
