@@ -6,7 +6,7 @@ collectives those placements need. The public namespace is made of explicit re-e
 of the modules is ``ARCHITECTURE.md``.
 """
 
-from . import activations, collectives, ep, experts, fsdp, global_stats, nn, remat, routing, shared_experts, testing, tree
+from . import activations, collectives, ep, experts, fsdp, global_stats, nn, optim, remat, routing, shared_experts, testing, tree
 from .fsdp import unshard, unshard_layer, unsharded_layers
 from .generate import generate
 from .mesh import Mesh
@@ -14,8 +14,9 @@ from .moe import moe
 from .placement import P
 from .plan import STYLES, Plan
 from .sharding import gather, placement_of, shard, to_local
+from .tree_io import load, save
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "unshard", "unshard_layer",
            "unsharded_layers", "moe", "generate", "nn", "routing",
-           "global_stats", "shared_experts", "fsdp", "ep", "experts", "activations", "collectives", "testing", "tree", "remat"]
+           "global_stats", "shared_experts", "fsdp", "ep", "experts", "activations", "collectives", "testing", "tree", "remat", "optim", "save", "load"]
 __version__ = "0.1.0"

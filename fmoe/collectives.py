@@ -84,6 +84,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, out_splits, in_splits, group):    # batch next to the rows: [N, B, ...]
+        if in_dims[0] is None:
+            return _AllToAll.apply(x, out_splits, in_splits, group), None
         return _AllToAll.apply(x.movedim(in_dims[0], 1), out_splits, in_splits, group), 1
 
 
@@ -272,6 +274,13 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return box[0]
 
 
+def _batch_first(x: torch.Tensor, bdim: int, dim: int) -> tuple[torch.Tensor, int]:
+    """For a vmap rule: ``x`` with its batch dim ``bdim`` moved first, and the physical index of
+    the per-example dim ``dim`` (negative dims count from the end of the per-example shape, so
+    ``dim=-1`` never lands on the batch dim)."""
+    return x.movedim(bdim, 0), dim % (x.ndim - 1) + 1
+
+
 def _gather(x: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
     xm = x.movedim(dim, 0).contiguous()
     m = max(sizes)
@@ -328,7 +337,9 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, dim, sizes, group, replicated):
-        return _AllGather.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group, replicated), 0
+        if in_dims[0] is None:
+            return _AllGather.apply(x, dim, sizes, group, replicated), None
+        return _AllGather.apply(*_batch_first(x, in_dims[0], dim), sizes, group, replicated), 0
 
 
 _AllGatherTraced = without_jvp(_AllGather)
@@ -384,7 +395,9 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, dim, sizes, group):
-        return _ReduceScatter.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group), 0
+        if in_dims[0] is None:
+            return _ReduceScatter.apply(x, dim, sizes, group), None
+        return _ReduceScatter.apply(*_batch_first(x, in_dims[0], dim), sizes, group), 0
 
 
 _ReduceScatterTraced = without_jvp(_ReduceScatter)
@@ -420,7 +433,9 @@ class _LocalSlice(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, dim, sizes, group):
-        return _LocalSlice.apply(x.movedim(in_dims[0], 0), dim + 1, sizes, group), 0
+        if in_dims[0] is None:
+            return _LocalSlice.apply(x, dim, sizes, group), None
+        return _LocalSlice.apply(*_batch_first(x, in_dims[0], dim), sizes, group), 0
 
 
 _LocalSliceTraced = without_jvp(_LocalSlice)

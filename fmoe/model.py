@@ -96,6 +96,9 @@ class Model:
         remat_blocks: the blocks ``forward`` marks for :mod:`fmoe.remat` (``--remat`` choices
             besides ``"none"``).
         width_fields: shape letter -> config field, over :data:`WIDTH_FIELDS` (:meth:`widths`).
+        hf_router: how the model's Hugging Face config states its router, for exports:
+            ``(fmoe.routing scheme, {scheme argument: config field}, {fixed argument: value})``,
+            or None when the config has no router fields.
     """
 
     name: str
@@ -112,6 +115,7 @@ class Model:
     aux_loss_fields: Optional[tuple] = None
     remat_blocks: tuple = ("layer", "moe")
     width_fields: Mapping[str, Optional[str]] = field(default_factory=dict)
+    hf_router: Optional[tuple] = None
 
     def __post_init__(self):
         unknown = sorted(set(self.width_fields) - set(WIDTH_FIELDS))

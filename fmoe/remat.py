@@ -6,6 +6,9 @@ A trainer picks a policy for a region of code; a model marks its blocks. Under
 recomputed when backward reaches the block — collectives included, which line up because every
 rank runs the same backward. Under ``"moe"`` only the MoE blocks are recomputed; under
 ``"none"`` (the default) :func:`call` is a plain call. Results and gradients are unchanged.
+Under a ``torch.func`` transform a recomputing policy raises ``NotImplementedError`` (saved-tensor
+hooks, which the checkpoint relies on, do not run under ``torch.func``): use
+``torch.autograd.grad`` there.
 
 The policy lives in a ``contextvars.ContextVar`` (per thread / task, restored on exit), so the
 model keeps its signature and a notebook may mark blocks of its own.
@@ -27,6 +30,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from .transforms import compiling, func_active
 
 __all__ = ["POLICIES", "policy", "call", "active"]
 
@@ -66,4 +71,10 @@ def call(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise ValueError(f"remat.call: kind must be one of {POLICIES[1:]}, got {kind!r}")
     if active() != kind or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if func_active() and not compiling():
+        raise NotImplementedError(
+            f"remat policy {kind!r} under a torch.func transform (grad, vjp, jvp, vmap) is not supported: "
+            "torch.utils.checkpoint recomputes through saved-tensor hooks, which torch.func does not run. "
+            "Instead differentiate with torch.autograd.grad / .backward() (remat works there), or use "
+            "remat.policy('none') inside torch.func")
     return checkpoint(fn, *args, use_reentrant=False, **kwargs)

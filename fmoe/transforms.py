@@ -34,7 +34,7 @@ import torch
 from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-__all__ = ["vmapping", "compiling", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
+__all__ = ["vmapping", "compiling", "forward_mode", "higher_order", "func_active", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
 
 
 def vmapping() -> bool:
@@ -45,6 +45,35 @@ def vmapping() -> bool:
 def compiling() -> bool:
     """Whether Dynamo is tracing (``torch.compile``)."""
     return torch.compiler.is_compiling()
+
+
+def forward_mode() -> bool:
+    """Whether forward-mode AD is active: a ``torch.func.jvp`` / ``jacfwd`` level (eager), or a
+    ``torch.autograd.forward_ad`` dual level. Kernels without a forward-AD formula (CPU SDPA's
+    flash attention) then take a plain-op path."""
+    if compiling():
+        return False
+    if torch.autograd.forward_ad._current_level >= 0:
+        return True
+    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+
+
+def higher_order() -> bool:
+    """Whether derivatives of derivatives are being taken: forward mode (:func:`forward_mode`),
+    or two ``torch.func.grad`` / ``vjp`` levels (``grad(grad(f))``). Kernels whose backward has no
+    derivative (CPU SDPA's flash attention) then take a plain-op path."""
+    if forward_mode():
+        return True
+    if compiling():
+        return False
+    return sum(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()) >= 2
+
+
+def func_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jvp``, ``vmap``) is active, eager or
+    while Dynamo traces (``torch.compile(torch.func.grad(f))``): Dynamo understands
+    ``peek_interpreter_stack``, not ``retrieve_all_functorch_interpreters``."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def active() -> bool:

@@ -410,5 +410,8 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
 # ---------------------------------------------------------------------------- the declared interface
 MODEL = Model("deepseek_v3", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
               tp_fields=_common.TP_FIELDS, init_cache=init_cache,
-              width_fields={"E": "n_routed_experts", "G": None, "hd": None})
+              width_fields={"E": "n_routed_experts", "G": None, "hd": None},
+              hf_router=("sigmoid_topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob",
+                                          "scale": "routed_scaling_factor", "num_groups": "n_group",
+                                          "topk_groups": "topk_group"}, {"group_top": 2}))
 check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

@@ -296,5 +296,6 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
 MODEL = Model("mixtral", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
               tp_fields=_common.TP_FIELDS, init_cache=init_cache,
               aux_loss_fields=_common.AUX_LOSS_FIELDS,
-              width_fields={"E": "num_local_experts", "I": "intermediate_size"})
+              width_fields={"E": "num_local_experts", "I": "intermediate_size"},
+              hf_router=("topk", {"k": "num_experts_per_tok"}, {"normalize": True}))
 check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

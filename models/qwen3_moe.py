@@ -322,5 +322,6 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
 # ---------------------------------------------------------------------------- the declared interface
 MODEL = Model("qwen3_moe", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
               tp_fields=_common.TP_FIELDS, init_cache=init_cache,
-              aux_loss_fields=_common.AUX_LOSS_FIELDS)
+              aux_loss_fields=_common.AUX_LOSS_FIELDS,
+              hf_router=("topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob"}, {}))
 check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

@@ -39,7 +39,9 @@ from fmoe.data import TokenStream
 from fmoe.routing.aux_losses import total as aux_total
 from fmoe.global_stats import stack_layers
 from fmoe.routing import update_bias
-from fmoe.train.optim import AdamWConfig, adamw_init, adamw_update, lr_at
+from fmoe.optim import AdamWConfig, lr_at
+from fmoe.optim.adamw import init as adamw_init
+from fmoe.optim.adamw import step as adamw_step
 
 __all__ = ["init_lm", "lm_forward", "train_lm", "show", "smooth"]
 
@@ -168,8 +170,8 @@ def train_lm(router: Callable, *, steps: int = 100, batch: int = 8, seq: int = 3
         lm_loss = nn.cross_entropy(logits, targets)
         extra = aux_total(auxes)
         grads = torch.autograd.grad(lm_loss + aux_weight * extra, list(trainable.values()))
-        trainable, opt, _ = adamw_update(trainable, dict(zip(trainable, grads)), opt, cfg,
-                                         lr_at(step, lr, warmup, steps))
+        trainable, opt, _ = adamw_step(dict(zip(trainable, grads)), opt, trainable,
+                                       lr_at(step, lr, warmup, steps), cfg)
         if bias_rate is not None:
             loads = {f"layers.{i}.moe": a["load"] for i, a in enumerate(auxes)}
             moved = fmoe.tree.flatten(update_bias(tree, loads, bias_rate))

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import fmoe
 from fmoe.models import llama
 from fmoe.checkpoint import training as ckpt
-from fmoe.train.optim import adamw_init
+from fmoe.optim.adamw import init as adamw_init
 
 CFG = llama.Config.tiny()
 

@@ -91,7 +91,7 @@ def _save_then_die(rank, world, out):
     import torch.distributed.checkpoint as dcp
 
     from fmoe.checkpoint import training as ckpt
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
     mesh = fmoe.Mesh(tp=2)
     params = fmoe.shard({"w": torch.arange(16.0).view(4, 4), "v": torch.ones(4)},
                         Plan({"w": P("tp", None, packed=2)}, default=P()), mesh)
@@ -111,7 +111,7 @@ def _save_then_die(rank, world, out):
 
 def _load_latest(rank, world, out):
     from fmoe.checkpoint import training as ckpt
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
     path = ckpt.latest(out)
     params = {"w": torch.zeros(4, 4), "v": torch.zeros(4)}
     meta = ckpt.load(path, params, adamw_init(params), {"w": (2, 0)})

@@ -34,7 +34,7 @@ def _measure(rank, world, preset, tp, ep, dpr, batch, seq, dtype):
     from fmoe.models import qwen3_moe
     from fmoe.fsdp import _RECIPE, _root, data_parallel_plan, regather_in_backward
     from fmoe.training.grads import reduce_grads
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
     from fmoe.training.step import _aux_terms, autocast, forward_with_aux
     cfg = dataclasses.replace(qwen3_moe.MODEL.preset(preset, tp), output_router_logits=True)
     mesh = fmoe.Mesh(tp=tp, ep=ep, dp_replicate=dpr)

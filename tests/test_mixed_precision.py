@@ -27,7 +27,8 @@ def _train(mesh, dtype="fp32", remat="none", grad_accum=1, steps=STEPS, aux=True
     from fmoe.data import TokenStream
     from fmoe.models import qwen3_moe
     from fmoe.fsdp import data_parallel_plan
-    from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
+    from fmoe.optim import AdamWConfig, lr_at
+    from fmoe.optim.adamw import init as adamw_init
     from fmoe.training.step import StepConfig, train_step
     cfg = dataclasses.replace(qwen3_moe.MODEL.preset("tiny", mesh.tp), output_router_logits=aux, router_aux_loss_coef=0.01)
     full = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(True), qwen3_moe.init(cfg, seed=0))

@@ -17,7 +17,7 @@ import fmoe
 from fmoe.testing import spawn
 from fmoe.checkpoint import training as ckpt
 from fmoe.train import cli
-from fmoe.train.optim import lr_at
+from fmoe.optim import lr_at
 from fmoe.train.outdir import OutLock
 
 BASE = ["--model", "llama", "--preset", "tiny", "--batch", "2", "--seq", "16", "--quiet"]
@@ -54,7 +54,7 @@ def load_trained(path):
     """Load a llama-tiny training checkpoint the way --resume does (ckpt.load checks finiteness)."""
     from fmoe.models import llama
     from fmoe.fsdp import data_parallel_plan
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
     params = llama.init(llama.MODEL.preset("tiny", 1), seed=5)
     plan = data_parallel_plan(llama.plan(llama.MODEL.preset("tiny", 1)), params, fmoe.Mesh())
     return ckpt.load(path, params, adamw_init(params), ckpt.packed_layout(plan, params))

@@ -9,7 +9,10 @@ import fmoe
 from fmoe import P
 from fmoe.testing import spawn
 from fmoe.training import step as step_module
-from fmoe.train.optim import AdamWConfig, adamw_init, adamw_update, global_norm, lr_at
+from fmoe.optim import AdamWConfig, lr_at
+from fmoe.optim.adamw import init as adamw_init
+from fmoe.optim.adamw import step as adamw_step
+from fmoe.optim.adamw import global_norm
 from train_cases import train
 
 
@@ -24,7 +27,7 @@ def test_adamw_matches_torch_adamw():
         g = torch.randn(4, 3, generator=torch.Generator().manual_seed(i))
         ref[0].grad = g.clone()
         opt.step()
-        params, state, _ = adamw_update(params, {"a": g}, state, AdamWConfig(max_grad_norm=None), lr=1e-2)
+        params, state, _ = adamw_step({"a": g}, state, params, lr=1e-2, cfg=AdamWConfig(max_grad_norm=None))
     torch.testing.assert_close(params["a"], ref[0].detach(), rtol=1e-6, atol=1e-7)
 
 
@@ -32,8 +35,8 @@ def test_lr_schedule_and_no_decay_for_vectors():
     assert lr_at(1, 1.0, 4, 10) == 0.25 and lr_at(4, 1.0, 4, 10) == 1.0
     assert abs(lr_at(10, 1.0, 4, 10) - 0.1) < 1e-12
     p = {"w": torch.ones(2, 2), "norm": torch.ones(2)}
-    out, _, _ = adamw_update(p, {"w": torch.zeros(2, 2), "norm": torch.zeros(2)}, adamw_init(p),
-                             AdamWConfig(weight_decay=0.5), lr=0.1)
+    out, _, _ = adamw_step({"w": torch.zeros(2, 2), "norm": torch.zeros(2)}, adamw_init(p), p,
+                           lr=0.1, cfg=AdamWConfig(weight_decay=0.5))
     assert torch.allclose(out["w"], torch.full((2, 2), 0.95)) and torch.equal(out["norm"], torch.ones(2))
 
 

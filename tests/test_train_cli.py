@@ -10,7 +10,7 @@ import torch
 import fmoe
 from fmoe.checkpoint import training as ckpt
 from fmoe.fsdp import data_parallel_plan
-from fmoe.train.optim import adamw_init
+from fmoe.optim.adamw import init as adamw_init
 import fmoe.models.llama
 from train_cases import read_log, train_cli
 

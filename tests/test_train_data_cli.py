@@ -90,7 +90,7 @@ def test_bf16_on_four_ranks_resumes_bitwise_with_fp32_masters(tmp_path):
     from fmoe.models import qwen3_moe
     from fmoe.checkpoint import training as ckpt
     from fmoe.fsdp import data_parallel_plan
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
     cfg = qwen3_moe.MODEL.preset("tiny", 1)
     params = qwen3_moe.init(cfg, seed=1)
     state = adamw_init(params)

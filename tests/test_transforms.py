@@ -155,8 +155,8 @@ def test_grouped_mm_ops_pass_opcheck():
 def test_compile_fullgraph_equals_eager(dtype):
     """fp32: 1e-5. bf16: inductor is asked to round like eager (``emulate_precision_casts``), so
     the logits are bitwise equal; the gradients differ only by the order of bf16 sums (autograd
-    vs the eager path's hand-written backward): within 1% of their norm, and no further from the
-    fp32 gradients than eager bf16 is."""
+    vs the eager path's hand-written backward): within ``2 eps sqrt(n)`` of their norm (bf16 eps,
+    n the longest reduction), and no further from the fp32 gradients than eager bf16 is."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
     torch._dynamo.reset()
@@ -181,9 +181,13 @@ def test_compile_fullgraph_equals_eager(dtype):
         return
     assert torch.equal(lc, le), "bf16 logits"
     _, g32 = run(fwd, torch.float32)
+    # two summation orders of n bf16 terms differ by ~sqrt(n) roundings of eps = 2^-8 each
+    # (random-walk rounding); n: the longest reduction of the backward, the vocab / model dim
+    n = max(cfg.vocab_size, cfg.hidden_size, B * S)
+    bound = 2 * torch.finfo(torch.bfloat16).eps * n ** 0.5
     for k in ge:
         rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-        assert rel(gc[k], ge[k]) < 1e-2, (k, rel(gc[k], ge[k]))
+        assert rel(gc[k], ge[k]) < bound, (k, rel(gc[k], ge[k]), bound)
         assert rel(gc[k], g32[k]) < 1.25 * rel(ge[k], g32[k]) + 1e-3, (k, rel(gc[k], g32[k]), rel(ge[k], g32[k]))
 
 

@@ -223,7 +223,7 @@ def test_a_finished_checkpoint_exports_without_training_and_quiet_keeps_warnings
 def test_a_failed_save_removes_its_partial_directory_and_a_resave_replaces(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
     params = {"w": torch.arange(6.0).view(2, 3)}
     out = str(tmp_path / "run")
     ckpt.save(out, 1, params, adamw_init(params), {"note": "first"})

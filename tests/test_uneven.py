@@ -103,7 +103,7 @@ def test_training_with_uneven_fsdp_and_vocab_matches_one_process():
 
 def _resume_ranks(rank, world, ck_dir):
     from fmoe.checkpoint import training as ckpt
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
     from train_cases import sharded_for_training
 
     out = {}
@@ -122,7 +122,7 @@ def _resume_ranks(rank, world, ck_dir):
 
 def test_checkpoint_of_uneven_shards_resumes_on_another_mesh(tmp_path):
     from fmoe.checkpoint import training as ckpt
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
 
     results = spawn(_resume_ranks, 4, str(tmp_path / "ck"), timeout=600)
     want = fmoe.tree.flatten(qwen3_moe.init(TRAIN_CFG, seed=0))

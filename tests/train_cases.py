@@ -6,7 +6,8 @@ import torch
 import fmoe
 from fmoe.data import TokenStream
 from fmoe.fsdp import data_parallel_plan
-from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
+from fmoe.optim import AdamWConfig, lr_at
+from fmoe.optim.adamw import init as adamw_init
 from fmoe.training.step import StepConfig, train_step
 
 B, S, STEPS, LR = 2, 16, 3, 3e-3

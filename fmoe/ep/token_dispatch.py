@@ -28,6 +28,7 @@ import torch
 
 from ..collectives import all_to_all, all_to_all_rows, gather_slices, local_slice
 from ..experts import LocalExperts
+from ..transforms import vmapping
 from .contract import Dispatch, ExpertParallel
 
 __all__ = ["ALL_TO_ALL", "folds_stats", "tp_slice_bounds", "pack_ids", "unpack_ids"]
@@ -108,6 +109,12 @@ def _token_dispatch(x, weights, expert_ids, experts: LocalExperts, mesh, stats=N
     T, D = x.shape
     ep_group, tp_group = mesh.group("ep"), mesh.group("tp")
     ep, tp, me = mesh.ep, mesh.tp, mesh.rank_in("ep")
+    if ep > 1 and vmapping():       # every rank of the mesh is vmapping alike: all raise, none waits
+        raise NotImplementedError(
+            f"torch.func.vmap over fmoe.moe with expert parallelism (ep={ep}, impl 'all_to_all') is not "
+            "supported: the dispatch exchanges per-example split sizes on the host, which a vmapped "
+            "batch does not have. Instead fold the vmapped dim into the tokens (x of shape [B*T, D]), "
+            "loop over the examples in Python, or run with ep=1 (tp-only meshes vmap)")
     e_local = experts.num_local
     # ---- this TP rank's disjoint slice of the rows
     sizes = [b - a for a, b in (tp_slice_bounds(T, tp, r) for r in range(tp))]
@@ -122,7 +129,7 @@ def _token_dispatch(x, weights, expert_ids, experts: LocalExperts, mesh, stats=N
         tok = torch.cat([x, weights.to(x.dtype), pack_ids(ids, x.dtype)], dim=1)
     # ---- (token, destination rank) pairs, once per rank, grouped by rank (no sort): one gather
     dest = torch.div(ids, e_local, rounding_mode="floor")                       # [Ts, K]
-    need = torch.zeros(Ts, ep, dtype=torch.bool, device=x.device).scatter_(1, dest, True)
+    need = torch.zeros(Ts, ep, dtype=torch.bool, device=x.device).scatter(1, dest, True)   # out of place: vmap
     flat = dest.reshape(-1)
     slots = torch.zeros(ep, dtype=torch.int64, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
     counts = torch.stack([need.sum(0), slots], dim=1)                           # [ep, 2]: rows, slots to each rank

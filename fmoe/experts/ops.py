@@ -26,7 +26,8 @@ with ``fullgraph=True``. Each is a ``torch.library.custom_op`` with
 operators with a backward (itself differentiable, for double backward and ``hessian``), a
 ``jvp`` (the product rule: both are bilinear) and ``generate_vmap_rule=True`` (their forward is
 one operator with a vmap rule). Dynamo cannot trace an autograd Function that defines ``jvp``,
-so under ``torch.compile`` their jvp-less twins are applied (:func:`fmoe.transforms.forward_mode`).
+so under ``torch.compile`` their jvp-less twins are applied (:func:`fmoe.transforms.apply`); under
+``torch.compile`` of a ``torch.func`` transform, plain masked matmuls (:func:`_grouped_mm_masked`).
 
 Example:
     >>> x, w = torch.randn(5, 4), torch.randn(2, 3, 4)
@@ -42,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ..transforms import apply, without_jvp
+from ..transforms import apply, compiling, func_active, without_jvp
 
 __all__ = ["grouped_mm", "grouped_wgrad", "offsets", "expert_mlp_offs", "check_matmul", "MATMULS"]
 
@@ -216,6 +217,31 @@ class _GroupedWGrad(torch.autograd.Function):
 _GroupedWGradTraced = without_jvp(_GroupedWGrad)
 
 
+def _group_of_rows(offs: torch.Tensor, n: int) -> torch.Tensor:
+    """``[N]`` group index of every row (rows past ``offs[-1]`` get ``G``)."""
+    return torch.searchsorted(offs, torch.arange(n, device=offs.device, dtype=offs.dtype), right=True)
+
+
+def _grouped_mm_masked(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool) -> torch.Tensor:
+    """``grouped_mm`` from plain torch ops (one masked matmul per group: ``G`` times the FLOPs),
+    for ``torch.compile`` of a ``torch.func`` transform: Dynamo runs a custom operator's autograd
+    kernel under the transform's wrappers, which fails (or, after a graph break inside
+    ``torch.func.grad``, silently drops the weights' gradient), so this path uses none."""
+    group = _group_of_rows(offs, x.shape[0])                                    # [N]
+    out = None
+    for g in range(w.shape[0]):
+        y = x @ (w[g].t() if trans else w[g])                                   # [N, n]
+        y = torch.where((group == g).unsqueeze(-1), y, 0)
+        out = y if out is None else out + y
+    return out
+
+
+def _grouped_wgrad_masked(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grouped_wgrad`` from plain torch ops (see :func:`_grouped_mm_masked`)."""
+    group = _group_of_rows(offs, a.shape[0])                                    # [N]
+    return torch.stack([torch.where((group == g).unsqueeze(-1), a, 0).t() @ b for g in range(offs.shape[0])])
+
+
 def check_matmul(fn: str, name: str, value: object) -> None:
     """ValueError naming ``fn``'s argument ``name`` unless ``value`` is an expert matmul path."""
     if value not in MATMULS:
@@ -236,6 +262,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool
         ``[N, n]``.
     """
     check_matmul("grouped_mm", "matmul", matmul)
+    if compiling() and func_active():
+        return _grouped_mm_masked(x, w, offs, trans)
     return apply(_GroupedMM, _GroupedMMTraced, x, w, offs, trans, matmul)
 
 
@@ -255,6 +283,8 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: 
                 [2., 2., 2., 2.]])
     """
     check_matmul("grouped_wgrad", "matmul", matmul)
+    if compiling() and func_active():
+        return _grouped_wgrad_masked(a, b, offs)
     return apply(_GroupedWGrad, _GroupedWGradTraced, a, b, offs, matmul)
 
 

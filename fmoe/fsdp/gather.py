@@ -115,6 +115,13 @@ class _GatherLayer(torch.autograd.Function):
         return tuple(placed_like(f, t, spec=s) for f, s, t in zip(fulls, specs, leaves))
 
     @staticmethod
+    def vmap(info, in_dims, group, dims, specs, *leaves):   # vmap over activations: weights unbatched
+        if any(d is not None for d in in_dims[3:]):
+            raise NotImplementedError("torch.func.vmap over stacked FSDP-split parameters is not supported; "
+                                      "vmap over the inputs, or stack plain (unsharded) parameter trees")
+        return _GatherLayer.apply(group, dims, specs, *leaves), (None,) * len(leaves)
+
+    @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.group, ctx.dims = inputs[0], inputs[1]
         leaves = inputs[3:]

@@ -165,7 +165,7 @@ def load(ckpt: str, mesh: Any, args: Optional[argparse.Namespace] = None) -> tup
                              record.get("tokenizer_digest"), given_tok, record_file)
         return model, params, cfg, router, tok
     from fmoe.checkpoint import training as tckpt
-    from fmoe.train.optim import adamw_init
+    from fmoe.optim.adamw import init as adamw_init
 
     step = tckpt.latest(ckpt)
     if step is None:

@@ -33,8 +33,10 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 
 from ..collectives import grad_sum
+from ..dtypes import at_least_f32
 from ..fsdp import unshard
 from ..sharding import placement_of
+from ..transforms import higher_order
 from ._tp import check_tensor, tp_size_rank
 
 __all__ = ["attention", "visible", "shared_by_heads"]
@@ -148,7 +150,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     rep = q.shape[2] // k.shape[2]
     qh = rearrange(q, "b s h d -> b h s d")
     S, Sk = q.shape[1], k.shape[1]
-    if sinks is None:  # fused kernel: no [S, Sk] probabilities kept, no repeated KV heads
+    if sinks is None and not higher_order():  # fused kernel (no forward AD / double backward on CPU): no [S, Sk] probabilities kept
         kt, vt = rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d")
         plain_causal = causal and window is None and S == Sk and key_mask is None
         plain = plain_causal or (not causal and window is None and key_mask is None)
@@ -162,7 +164,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ok = _mask(S, Sk, causal, window, key_mask, q.device)
     scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
     if sinks is None:
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.softmax(scores, dim=-1, dtype=at_least_f32(scores.dtype)).to(q.dtype)
     else:
         sl = unshard(sinks, keep=("tp",))
         if sl.shape[0] != q.shape[2]:

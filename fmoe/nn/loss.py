@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import upcast
 from ..transforms import data_checks_enabled
 from ._tp import check_tensor
 
@@ -40,4 +41,4 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= logits.shape[-1]):
         raise ValueError(f"cross_entropy: targets must lie in [0, {logits.shape[-1]}) or equal "
                          f"ignore_index={ignore_index}, got min {int(kept.min())}, max {int(kept.max())}")
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=ignore_index)
+    return F.cross_entropy(upcast(logits.reshape(-1, logits.shape[-1])), flat, ignore_index=ignore_index)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import upcast
 from ..fsdp import unshard
 from ..sharding import placement_of
 from ._tp import check_tensor
@@ -27,7 +28,7 @@ __all__ = ["rms_norm", "head_rms_norm"]
 
 def _norm(x: torch.Tensor, wl: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
-    h = x.to(torch.float32)
+    h = upcast(x)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     return wl * h.to(dtype)

@@ -42,6 +42,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from ..dtypes import at_least_f32, upcast
 from ..global_stats import GlobalStat, weighted_sum
 from .core import Router, Routing, call
 
@@ -50,8 +51,8 @@ __all__ = ["load_balance_loss", "seq_balance_loss", "z_loss", "softmax_probs", "
 
 
 def softmax_probs(logits: torch.Tensor) -> torch.Tensor:
-    """``softmax(logits)`` in fp32 over experts (Switch/GShard/Mixtral probabilities)."""
-    return torch.softmax(logits.float(), dim=-1)
+    """``softmax(logits)`` at least in fp32 over experts (Switch/GShard/Mixtral probabilities)."""
+    return torch.softmax(upcast(logits), dim=-1)
 
 
 def normalized_sigmoid(logits: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ def normalized_sigmoid(logits: torch.Tensor) -> torch.Tensor:
         >>> normalized_sigmoid(torch.zeros(1, 4)).tolist()
         [[0.25, 0.25, 0.25, 0.25]]
     """
-    s = torch.sigmoid(logits.float())
+    s = torch.sigmoid(upcast(logits))
     return s / s.sum(dim=-1, keepdim=True)
 
 
@@ -85,8 +86,8 @@ def load_balance_loss(probs: torch.Tensor, expert_ids: torch.Tensor) -> GlobalSt
     """
     T, E = probs.shape
     K = expert_ids.shape[1]
-    sums = {"count": _counts(expert_ids, E), "prob": probs.float().sum(0),
-            "tokens": probs.new_tensor(float(T), dtype=torch.float32)}
+    sums = {"count": _counts(expert_ids, E), "prob": upcast(probs).sum(0),
+            "tokens": probs.new_tensor(float(T), dtype=at_least_f32(probs.dtype))}
 
     def finish(s: dict) -> torch.Tensor:
         t = s["tokens"].clamp(min=1)
@@ -122,10 +123,10 @@ def seq_balance_loss(probs: torch.Tensor, expert_ids: torch.Tensor, seq_ids: tor
     count = torch.zeros(S, E, device=probs.device)                               # [S, E]
     count.index_put_((seq.unsqueeze(1).expand(T, K).reshape(-1), expert_ids.reshape(-1)),
                      torch.ones(T * K, device=probs.device), accumulate=True)
-    prob = torch.zeros(S, E, device=probs.device).index_add(0, seq, probs.float())  # [S, E]
+    prob = torch.zeros(S, E, device=probs.device, dtype=at_least_f32(probs.dtype)).index_add(0, seq, upcast(probs))  # [S, E]
     length = torch.bincount(seq, minlength=S).float()                            # [S]
     per_seq = E / K * (count * prob).sum(-1) / length.square()                   # [S]
-    sums = {"loss": per_seq.sum(), "seqs": probs.new_tensor(float(S), dtype=torch.float32)}
+    sums = {"loss": per_seq.sum(), "seqs": probs.new_tensor(float(S), dtype=at_least_f32(probs.dtype))}
     return GlobalStat(sums, lambda s: s["loss"] / s["seqs"].clamp(min=1))
 
 
@@ -136,7 +137,7 @@ def z_loss(logits: torch.Tensor) -> GlobalStat:
         >>> round(z_loss(torch.zeros(3, 4)).local().item(), 4)      # log(4)^2
         1.9218
     """
-    lse = torch.logsumexp(logits.float(), dim=-1)                                 # [T]
+    lse = torch.logsumexp(upcast(logits), dim=-1)                                 # [T]
     sums = {"sq": lse.square().sum(), "tokens": lse.new_tensor(float(lse.shape[0]))}
     return GlobalStat(sums, lambda s: s["sq"] / s["tokens"].clamp(min=1))
 

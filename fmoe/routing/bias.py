@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from .. import tree as _tree
+from ..dtypes import upcast
 from ..sharding import local_part, placed_like, to_local
 from .core import Router, Routing, check_k, check_logits
 from .topk import group_mask
@@ -58,13 +59,13 @@ def sigmoid_topk(k: int, normalize: bool = True, scale: float = 1.0, num_groups:
     def router(logits: torch.Tensor, *, expert_bias: Optional[torch.Tensor] = None) -> Routing:
         check_logits(logits, k)
         E = logits.shape[1]
-        scores = torch.sigmoid(logits.float())                                    # [T, E]
+        scores = torch.sigmoid(upcast(logits))                                    # [T, E]
         choice = scores.detach()
         if expert_bias is not None:
             if not isinstance(expert_bias, torch.Tensor) or tuple(expert_bias.shape) != (E,):
                 raise ValueError(f"router: expert_bias must be a [E={E}] tensor, got "
                                  f"{getattr(expert_bias, 'shape', type(expert_bias).__name__)}")
-            choice = choice + expert_bias.detach().float()
+            choice = choice + expert_bias.detach().to(choice.dtype)
         if num_groups > 1:
             choice = torch.where(group_mask(choice, num_groups, topk_groups, group_top), choice, -torch.inf)
         ids = choice.topk(k, dim=-1).indices                                      # [T, K]

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import upcast
 from ..global_stats import GlobalStat
 from .core import Router, Routing, check_k, check_logits
 
@@ -76,7 +77,7 @@ def switch(capacity_factor: float = 1.25, k: int = 1, normalize: bool = False) -
     def router(logits: torch.Tensor) -> Routing:
         check_logits(logits, k)
         T, E = logits.shape
-        probs = torch.softmax(logits.float(), dim=-1)                             # [T, E]
+        probs = torch.softmax(upcast(logits), dim=-1)                             # [T, E]
         weights, ids = torch.topk(probs, k, dim=-1)                               # [T, K]
         if normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -116,11 +117,10 @@ def expert_choice(capacity_factor: float = 1.0, k: int = 1, max_experts: Optiona
         T, E = logits.shape if logits.ndim == 2 else (0, 0)
         K = E if max_experts is None else max_experts
         check_logits(logits, K)
-        scores = torch.softmax(logits.float(), dim=-1)                            # [T, E]
+        scores = torch.softmax(upcast(logits), dim=-1)                            # [T, E]
         C = min(T, capacity(T, E, k, capacity_factor))
         chosen_tok = scores.topk(C, dim=0).indices                                # [C, E]
-        chosen = torch.zeros(T, E, dtype=torch.bool, device=logits.device)
-        chosen.scatter_(0, chosen_tok, True)                                      # [T, E]
+        chosen = torch.zeros(T, E, dtype=torch.bool, device=logits.device).scatter(0, chosen_tok, True)  # [T, E]
         # per token: chosen experts first (best score first), then the rest (best first)
         rank_key = torch.where(chosen, scores.detach() + 2.0, scores.detach())
         ids = rank_key.topk(K, dim=-1).indices                                    # [T, K]

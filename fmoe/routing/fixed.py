@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import upcast
 from .core import Router, Routing, check_k, check_logits
 
 __all__ = ["hash_router", "token_hash", "balanced", "random_topk"]
@@ -45,7 +46,7 @@ def token_hash(token_ids: torch.Tensor, num_experts: int, salt: int = 0) -> torc
 
 def _constant_weights(logits: torch.Tensor, ids: torch.Tensor, value: float) -> torch.Tensor:
     """``value`` everywhere, with a zero gradient to the logits (keeps the router in the graph)."""
-    return logits.float().gather(1, ids) * 0.0 + value
+    return upcast(logits).gather(1, ids) * 0.0 + value
 
 
 def hash_router(k: int = 1, seed: int = 0, gate: bool = False) -> Router:
@@ -77,7 +78,7 @@ def hash_router(k: int = 1, seed: int = 0, gate: bool = False) -> Router:
         ids = torch.stack([token_hash(token_ids, E, seed * k + j) for j in range(k)], dim=-1)
         ids = ids.to(logits.device)                                               # [T, K]
         if gate:
-            return Routing(torch.softmax(logits.float().gather(1, ids), -1), ids, {})
+            return Routing(torch.softmax(upcast(logits).gather(1, ids), -1), ids, {})
         return Routing(_constant_weights(logits, ids, 1.0 / k), ids, {})
 
     return router
@@ -99,7 +100,7 @@ def balanced(k: int = 1) -> Router:
         T, E = logits.shape
         pos = torch.arange(T * k, device=logits.device).reshape(T, k)
         ids = pos % E                                                             # [T, K]
-        return Routing(torch.softmax(logits.float().gather(1, ids), -1), ids, {})
+        return Routing(torch.softmax(upcast(logits).gather(1, ids), -1), ids, {})
 
     return router
 
@@ -119,6 +120,6 @@ def random_topk(k: int = 1, seed: int = 0) -> Router:
         T, E = logits.shape
         g = torch.Generator().manual_seed(seed * 1_000_003 + T)
         ids = torch.rand(T, E, generator=g).topk(k, dim=-1).indices.to(logits.device)
-        return Routing(torch.softmax(logits.float().gather(1, ids), -1), ids, {})
+        return Routing(torch.softmax(upcast(logits).gather(1, ids), -1), ids, {})
 
     return router

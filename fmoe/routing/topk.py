@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange, repeat
 
+from ..dtypes import upcast
 from .core import Router, Routing, check_k, check_logits
 
 __all__ = ["topk", "topk_softmax", "group_topk", "group_mask"]
@@ -41,7 +42,7 @@ def topk(k: int, normalize: bool = True) -> Router:
 
     def router(logits: torch.Tensor) -> Routing:
         check_logits(logits, k)
-        probs = torch.softmax(logits.float(), dim=-1)                    # [T, E]
+        probs = torch.softmax(upcast(logits), dim=-1)                    # [T, E]
         weights, ids = torch.topk(probs, k, dim=-1)                      # [T, K]
         if normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -62,7 +63,7 @@ def topk_softmax(k: int) -> Router:
 
     def router(logits: torch.Tensor) -> Routing:
         check_logits(logits, k)
-        top, ids = torch.topk(logits.float(), k, dim=-1)                 # [T, K]
+        top, ids = torch.topk(upcast(logits), k, dim=-1)                 # [T, K]
         return Routing(torch.softmax(top, dim=-1), ids, {})
 
     return router
@@ -132,7 +133,7 @@ def group_topk(k: int, num_groups: int, topk_groups: int, group_top: int = 1,
         if E % num_groups == 0 and k > topk_groups * (E // num_groups):
             raise ValueError(f"router: k={k} exceeds the experts in {topk_groups} of {num_groups} "
                              f"groups ({topk_groups * (E // num_groups)})")
-        probs = torch.softmax(logits.float(), dim=-1)                              # [T, E]
+        probs = torch.softmax(upcast(logits), dim=-1)                              # [T, E]
         mask = group_mask(probs, num_groups, topk_groups, group_top)
         _, ids = torch.where(mask, probs, -1.0).topk(k, dim=-1)                     # [T, K]
         weights = probs.gather(1, ids)

@@ -1,7 +1,4 @@
-"""Training: data-parallel sharding (FSDP/efsdp/HSDP), functional AdamW, the main job CLI
-(``python -m fmoe.train``) and resumable sharded checkpoints. The train step, gradient
-reduction and evaluation are library modules of :mod:`fmoe.training`."""
-
-from .optim import AdamWConfig, adamw_init, adamw_update, global_norm, lr_at
-
-__all__ = ["AdamWConfig", "adamw_init", "adamw_update", "global_norm", "lr_at"]
+"""Training: data-parallel sharding (FSDP/efsdp/HSDP), the main job CLI
+(``python -m fmoe.train``). The train step, gradient reduction and evaluation are library
+modules of :mod:`fmoe.training`; AdamW is :mod:`fmoe.optim`; sharded training checkpoints are
+:mod:`fmoe.checkpoint.training`."""

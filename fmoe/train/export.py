@@ -2,7 +2,8 @@
 
 An export is the weights *and* what decodes them as they were trained:
 
-- the router: where the model's own Hugging Face config can say it (:data:`HF_ROUTERS`: the
+- the router: where the model's own Hugging Face config can say it (its declared
+  :attr:`fmoe.model.Model.hf_router`: the
   scheme the model's default router uses, with its arguments mapped onto config fields, e.g.
   ``topk:k=2,normalize=False`` on qwen3_moe is ``num_experts_per_tok=2, norm_topk_prob=false``),
   it is written there, so transformers runs the same routing; in every case ``config.json``
@@ -28,17 +29,8 @@ import json
 import os
 from typing import Any, Optional
 
-__all__ = ["HF_ROUTERS", "FMOE_RECORD", "hf_router_fields", "export_hf"]
+__all__ = ["FMOE_RECORD", "hf_router_fields", "export_hf"]
 
-#: model -> (the scheme of its own router, {scheme argument: config field}, fixed arguments)
-HF_ROUTERS: dict[str, tuple[str, dict[str, str], dict[str, Any]]] = {
-    "qwen3_moe": ("topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob"}, {}),
-    "mixtral": ("topk", {"k": "num_experts_per_tok"}, {"normalize": True}),
-    "gpt_oss": ("topk_softmax", {"k": "num_experts_per_tok"}, {}),
-    "deepseek_v3": ("sigmoid_topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob",
-                                     "scale": "routed_scaling_factor", "num_groups": "n_group",
-                                     "topk_groups": "topk_group"}, {"group_top": 2}),
-}
 FMOE_RECORD = "fmoe.json"
 
 
@@ -57,7 +49,9 @@ def hf_router_fields(model: str, spec: Optional[str]) -> Optional[dict]:
     if spec is None:
         return {}
     module, name, kwargs = parse_router(spec)
-    scheme, fields, fixed = HF_ROUTERS.get(model, (None, {}, {}))
+    from ..models import get
+
+    scheme, fields, fixed = get(model).hf_router or (None, {}, {})
     if module != "fmoe.routing" or name != scheme or "k" not in kwargs:
         return None
     if any(kwargs.get(k, v) != v for k, v in fixed.items()) or set(kwargs) - set(fields) - set(fixed):

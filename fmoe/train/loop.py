@@ -87,7 +87,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from fmoe.models import get
     from fmoe.checkpoint import training as ckpt
     from fmoe.training.evaluate import evaluate
-    from fmoe.train.optim import AdamWConfig, adamw_init, lr_at
+    from fmoe.optim import AdamWConfig, lr_at
+    from fmoe.optim.adamw import init as adamw_init
     from fmoe.train.outdir import append_row, check_room
     from fmoe.training.step import StepConfig, train_step
 

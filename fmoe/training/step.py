@@ -2,7 +2,7 @@
 
 Per rank: forward on this rank's batch (TP ranks share one), mean cross-entropy over its tokens
 plus the router aux losses, gradients by autograd, data-parallel reduction to the per-batch mean
-(:mod:`fmoe.training.grads`), AdamW with global-norm clipping (:mod:`fmoe.train.optim`), then the
+(:mod:`fmoe.training.grads`), AdamW with global-norm clipping (:mod:`fmoe.optim.adamw`), then the
 aux-loss-free bias update (``expert_bias`` leaves, moved against the global load). The result
 equals one process training on the union of all batches.
 
@@ -47,7 +47,7 @@ from ..nn import cross_entropy
 from ..collectives import sum_over_world
 from ..fsdp import regather_in_backward
 from .grads import reduce_grads
-from ..train.optim import AdamWConfig, adamw_update, global_norm
+from ..optim import AdamWConfig, adamw
 
 __all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_dtype", "autocast", "DTYPES"]
 
@@ -148,7 +148,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         model: a model module (``forward``) from :mod:`fmoe.models`.
         cfg: its Config.
         params: parameter tree (leaves require grad), as placed by ``fmoe.shard``.
-        opt_state: from :func:`fmoe.train.optim.adamw_init`.
+        opt_state: from :func:`fmoe.optim.adamw.init`.
         batch: ``(tokens [B, S], targets [B, S])`` of this rank's data-parallel batch.
         mesh: the training mesh.
         step_cfg: :class:`StepConfig`.
@@ -196,9 +196,9 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     grads = reduce_grads(dict(zip(train_paths, acc)), {p: flat[p] for p in train_paths}, mesh, inplace=True)
     mean_loss = _world_mean(loss)
     if bool(torch.isfinite(mean_loss)):            # a non-finite loss or grad norm: no update at all
-        params, opt_state, stats = adamw_update(params, grads, opt_state, step_cfg.opt, lr)
+        params, opt_state, stats = adamw.step(grads, opt_state, params, lr, step_cfg.opt)
     else:
-        stats = {"grad_norm": global_norm(grads), "skipped": True}
+        stats = {"grad_norm": adamw.global_norm(grads), "skipped": True}
     flat = _tree.flatten(params)
     moe_layers = aux.get("moe", [])
     biased = [p for p in _moe_paths(params) if p + ".expert_bias" in flat]

@@ -1,0 +1,198 @@
+"""AdamW as pure functions over parameter trees (optax-style), with global-norm clipping.
+
+``state = init(params)``; ``params, state = update(grads, state, params, lr=1e-3)``. The
+trainer calls :func:`step`, the same update that also returns its statistics (gradient norm,
+clip scale, whether it was skipped). Parameters, gradients and moments share placements
+(DTensors with identical placements, or plain tensors), so the elementwise math runs on local
+shards with no communication and no per-op DTensor dispatch.
+
+The one global quantity is the gradient norm. Each element must be counted exactly once,
+whatever the mesh: a shard replicated on ``n`` ranks contributes ``local_sq / n`` on each of
+them and one all-reduce over the world sums the result. (Counting expert shards once per efsdp
+copy, or TP-replicated norms once per TP rank, is the classic MoE grad-norm bug.)
+
+No host sync: the step counter is a tensor, bias corrections are tensor math and a non-finite
+gradient norm selects the old values with ``torch.where`` (nothing changes, the counter does
+not advance). So a whole step (``torch.func.grad_and_value`` + :func:`update`) compiles with
+``torch.compile(..., fullgraph=True)`` on one process (see the README's "Transforms").
+
+Weight decay is decoupled and masked by path globs: by default tensors with fewer than 2 dims
+(norm weights, biases) are not decayed. To freeze leaves, leave them out of ``grads``
+(:func:`fmoe.optim.masks.partition`) or pass ``mask``.
+
+Example:
+    >>> import torch
+    >>> p = {"w": torch.ones(2, 2)}
+    >>> s = init(p)
+    >>> p2, s2 = update({"w": torch.ones(2, 2)}, s, p, lr=0.1)
+    >>> round(p2["w"][0, 0].item(), 4), int(s2["step"])
+    (0.89, 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from .. import tree as _tree
+from ..collectives import sum_over_world
+from ..sharding import placed_like
+
+__all__ = ["AdamWConfig", "init", "update", "step", "global_norm"]
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """AdamW hyper-parameters.
+
+    Attributes:
+        betas, eps, weight_decay: as in ``torch.optim.AdamW``.
+        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        no_decay: path globs excluded from weight decay (None: every tensor with < 2 dims).
+    """
+
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: Optional[float] = 1.0
+    no_decay: Optional[Sequence[str]] = None
+
+
+def _local(t: Any) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def init(params: Any) -> dict:
+    """Optimizer state: a step counter and first/second moments shaped (and placed) like ``params``.
+
+    Args:
+        params: parameter tree (plain tensors or DTensors).
+    Returns:
+        ``{"step": int64 scalar, "m": tree, "v": tree}``.
+
+    Example:
+        >>> sorted(init({"w": torch.ones(2)}))
+        ['m', 'step', 'v']
+    """
+    zeros = lambda _, p: placed_like(torch.zeros_like(_local(p)), p)  # noqa: E731
+    return {"step": torch.zeros((), dtype=torch.int64),
+            "m": _tree.map_with_path(zeros, params), "v": _tree.map_with_path(zeros, params)}
+
+
+def _replicas(t: Any) -> int:
+    if not isinstance(t, DTensor):
+        return 1
+    n = 1
+    for size, pl in zip(t.device_mesh.shape, t.placements):
+        if isinstance(pl, Replicate):
+            n *= size
+    return n
+
+
+def global_norm(tree: Any) -> torch.Tensor:
+    """The L2 norm of all leaves together, each element counted once across the world.
+
+    Args:
+        tree: gradients (DTensors or plain tensors); Partial placements must be reduced first.
+    Returns:
+        a scalar, equal on every rank: float32, or float64 when a leaf is float64.
+
+    Example:
+        >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}).item()
+        5.0
+    """
+    leaves = _tree.leaves(tree)
+    total = torch.zeros((), dtype=torch.float64)
+    for leaf in leaves:
+        total = total + _local(leaf).double().square().sum() / _replicas(leaf)
+    out = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
+    return sum_over_world(total).sqrt().to(out)
+
+
+def _decays(path: str, p: Any, cfg: AdamWConfig) -> bool:
+    if cfg.no_decay is None:
+        return p.ndim >= 2
+    return not any(_tree.glob_match(g, path) for g in cfg.no_decay)
+
+
+def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], cfg: AdamWConfig = AdamWConfig(),
+         mask: Optional[Any] = None) -> tuple[Any, dict, dict]:
+    """One AdamW step with global-norm clipping, and its statistics (what the trainer logs).
+
+    Args:
+        grads: gradients (same structure and placements as ``params``, or a flat ``{path: grad}``
+            dict; already reduced over data-parallel ranks); leaves that do not require grad
+            may be absent and are then left unchanged.
+        state: from :func:`init` (or a previous step).
+        params: parameter tree.
+        lr: learning rate of this step (a float, or a scalar tensor: no recompile per value).
+        cfg: hyper-parameters.
+        mask: optional tree (or flat dict) of bools, True where a leaf is trained
+            (:func:`fmoe.optim.masks.mask`); False leaves are left as they are.
+    Returns:
+        ``(new_params, new_state, {"grad_norm", "clip_scale", "skipped"})`` (tensors); when the
+        norm is NaN/Inf nothing changes (``skipped`` True, the counter does not advance).
+    """
+    flat_p, flat_g = _tree.flatten(params), _tree.flatten(grads)
+    flat_m, flat_v = _tree.flatten(state["m"]), _tree.flatten(state["v"])
+    if mask is not None:
+        keep = _tree.flatten(mask)
+        flat_g = {k: g for k, g in flat_g.items() if keep.get(k, True)}
+    missing = sorted(k for k in set(flat_p) - set(flat_g) if flat_p[k].requires_grad and
+                     (mask is None or _tree.flatten(mask).get(k, True)))
+    if missing:
+        raise ValueError(f"adamw: no gradient for {missing[:5]} (freeze leaves with requires_grad=False, "
+                         "fmoe.optim.partition or mask=)")
+    norm = global_norm(flat_g)
+    finite = torch.isfinite(norm)
+    scale = torch.ones((), dtype=norm.dtype)
+    if cfg.max_grad_norm is not None:
+        scale = torch.clamp(cfg.max_grad_norm / (norm + 1e-6), max=1.0)
+    count = state["step"] + finite.to(state["step"].dtype)                  # advances only when applied
+    b1, b2 = cfg.betas
+    t = count.to(torch.float64).clamp(min=1)
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    new_p, new_m, new_v = {}, {}, {}
+    with torch.no_grad():
+        for path, p in flat_p.items():
+            if path not in flat_g:                   # frozen (e.g. expert_bias): left as it is
+                new_p[path], new_m[path], new_v[path] = p, flat_m[path], flat_v[path]
+                continue
+            g0, m0, v0, p0 = _local(flat_g[path]), _local(flat_m[path]), _local(flat_v[path]), _local(p)
+            g = g0 * scale.to(g0.dtype)
+            m = m0 * b1 + g * (1 - b1)
+            v = v0 * b2 + g.square() * (1 - b2)
+            pl = p0
+            if _decays(path, p, cfg) and cfg.weight_decay:
+                pl = pl * (1 - lr * cfg.weight_decay)
+            denom = (v / bc2).sqrt().add_(cfg.eps)
+            pl = pl - lr * (m / bc1) / denom
+            pl, m, v = torch.where(finite, pl, p0), torch.where(finite, m, m0), torch.where(finite, v, v0)
+            new_p[path] = placed_like(pl, p).requires_grad_(p.requires_grad)
+            new_m[path], new_v[path] = placed_like(m, flat_m[path]), placed_like(v, flat_v[path])
+    new_state = {"step": count, "m": _tree.unflatten(new_m, like=params), "v": _tree.unflatten(new_v, like=params)}
+    stats = {"grad_norm": norm, "clip_scale": torch.where(finite, scale, 0), "skipped": ~finite}
+    return _tree.unflatten(new_p, like=params), new_state, stats
+
+
+def update(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], cfg: AdamWConfig = AdamWConfig(),
+           mask: Optional[Any] = None) -> tuple[Any, dict]:
+    """One AdamW step: ``params, state = update(grads, state, params, lr=1e-3)`` (:func:`step`
+    without its statistics).
+
+    Args:
+        grads, state, params, lr, cfg, mask: as in :func:`step`.
+    Returns:
+        ``(new_params, new_state)``.
+
+    Example:
+        >>> p = {"w": torch.zeros(3)}
+        >>> p, s = update({"w": torch.ones(3)}, init(p), p, lr=0.5)
+        >>> p["w"].tolist()
+        [-0.5, -0.5, -0.5]
+    """
+    new_params, new_state, _ = step(grads, state, params, lr, cfg, mask)
+    return new_params, new_state
