@@ -75,7 +75,7 @@ def check_config(cfg: Any, *, kv_heads: Optional[str] = "num_key_value_heads", e
         v, hint, low = getattr(cfg, f.name), hints[f.name], 0 if f.name in at_least_zero else 1
         if hint is int or (hint == Optional[int] and v is not None):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"Config: {f.name} must be {'None or ' * (hint != int)}an int >= {low}, got {v!r}")
+                raise ValueError(f"Config: {f.name} must be {'None or ' * (hint is not int)}an int >= {low}, got {v!r}")
         elif hint is tuple and not isinstance(v, tuple):
             raise TypeError(f"Config: {f.name} must be a tuple, got {v!r}")
     if kv_heads is not None and cfg.num_attention_heads % getattr(cfg, kv_heads):

@@ -19,22 +19,10 @@ Numerics follow transformers' ``DeepseekV3ForCausalLM`` op for op:
 - **Shared experts** (``n_shared_experts`` of them, one SwiGLU MLP) added to every MoE layer;
   the first ``first_k_dense_replace`` layers are dense SwiGLU MLPs.
 
-Parameters (D hidden, H heads, C kv_lora_rank, Q q_lora_rank, n/r/v the nope/rope/value head
-dims, E experts, I expert hidden, Is = I * n_shared_experts)::
-
-    embed                     [V, D]
-    layers.N.attn_norm        [D]
-    layers.N.attn.wq          [H*(n+r), D]         (q_lora_rank None)
-    layers.N.attn.wq_a        [Q, D]   q_a_norm [Q]   wq_b [H*(n+r), Q]   (with q_lora_rank)
-    layers.N.attn.wkv_a       [C+r, D] kv_a_norm [C]  wkv_b [H*(n+v), C]
-    layers.N.attn.wo          [D, H*v]
-    layers.N.mlp_norm         [D]
-    layers.N.moe.router       [E, D]        expert_bias [E]
-    layers.N.moe.w_gate_up    [E, 2I, D]    w_down [E, D, I]
-    layers.N.moe.shared.w_gate_up [2Is, D]  shared.w_down [D, Is]
-    layers.N.mlp.w_gate_up    [2I', D]      mlp.w_down [D, I']   (dense layers; I' = intermediate_size)
-    norm                      [D]
-    lm_head                   [V, D]        (absent with tie_word_embeddings)
+The parameter tree is :func:`shapes` (D hidden, H heads, C kv_lora_rank, Q q_lora_rank,
+n/r/v the nope/rope/value head dims, E experts, I expert hidden, Is = I * n_shared_experts, I'
+dense hidden); the decoder around :func:`_attention` is the shared one
+(:func:`fmoe.models._common.decoder`).
 
 Parallelism lives in :func:`plan`: MLA split by heads (``wq``/``wq_b``/``wkv_b`` colwise, ``wo``
 rowwise; the low-rank and latent projections replicated), experts on ``ep``, shared experts
@@ -44,7 +32,7 @@ and dense MLPs packed colwise / rowwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from einops import rearrange
@@ -143,7 +131,7 @@ class Config:
             True
         """
         kw = _hf.from_hf_fields(cls, hf, {"model_type": "deepseek_v3", "hidden_act": "silu",
-                                              "attention_bias": False})
+                                          "attention_bias": False})
         heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
         if kv is not None and kv != heads:
             raise ValueError(f"Config.from_hf: num_key_value_heads={kv} must equal num_attention_heads={heads} "
@@ -155,8 +143,8 @@ class Config:
     def to_hf(self) -> dict:
         """The ``config.json`` fields transformers' ``DeepseekV3Config`` reads."""
         return _hf.to_hf_fields(self, {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
-                                           "hidden_act": "silu", "attention_bias": False,
-                                           "num_key_value_heads": self.num_attention_heads})
+                                       "hidden_act": "silu", "attention_bias": False,
+                                       "num_key_value_heads": self.num_attention_heads})
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:
@@ -167,15 +155,16 @@ def shapes(cfg: Config) -> dict[str, tuple]:
         (160, 32)
     """
     D, E, I, Id = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.intermediate_size
-    H, C, Q, r, Is = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, \
-        I * cfg.n_shared_experts
-    q = ({"attn.wq": (H * cfg.qk_head_dim, D)} if Q is None else
-         {"attn.wq_a": (Q, D), "attn.q_a_norm": (Q,), "attn.wq_b": (H * cfg.qk_head_dim, Q)})
-    attn = {**q, "attn.wkv_a": (C + r, D), "attn.kv_a_norm": (C,),
-            "attn.wkv_b": (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), C), "attn.wo": (D, H * cfg.v_head_dim)}
+    H, C, Q, r, n, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim,
+                        cfg.qk_nope_head_dim, cfg.v_head_dim)
+    Is = I * cfg.n_shared_experts
+    q = ({"attn.wq": (H * (n + r), D)} if Q is None else                                   # plain q projection
+         {"attn.wq_a": (Q, D), "attn.q_a_norm": (Q,), "attn.wq_b": (H * (n + r), Q)})      # low-rank q
+    attn = {**q, "attn.wkv_a": (C + r, D), "attn.kv_a_norm": (C,),                         # latent c, then k_rot
+            "attn.wkv_b": (H * (n + v), C), "attn.wo": (D, H * v)}                         # c -> per-head k_nope, v
     moe = {"moe.router": (E, D), "moe.expert_bias": (E,), "moe.w_gate_up": (E, 2 * I, D), "moe.w_down": (E, D, I),
-           "moe.shared.w_gate_up": (2 * Is, D), "moe.shared.w_down": (D, Is)}
-    mlp = {"mlp.w_gate_up": (2 * Id, D), "mlp.w_down": (D, Id)}
+           "moe.shared.w_gate_up": (2 * Is, D), "moe.shared.w_down": (D, Is)}             # shared experts: one MLP
+    mlp = {"mlp.w_gate_up": (2 * Id, D), "mlp.w_down": (D, Id)}                            # the first dense layers
     return _common.decoder_shapes(cfg, lambda i: {"attn_norm": (D,), **attn, "mlp_norm": (D,),
                                                   **(moe if cfg.is_sparse(i) else mlp)})
 
@@ -308,7 +297,8 @@ HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (a li
     "attn.wkv_b": "self_attn.kv_b_proj.weight", "attn.wo": "self_attn.o_proj.weight",
     "mlp.w_gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.w_down": "mlp.down_proj.weight",
     "moe.router": "mlp.gate.weight", "moe.expert_bias": "mlp.gate.e_score_correction_bias",
-    "moe.w_gate_up": Experts("mlp.experts.", "gate_proj", "up_proj"), "moe.w_down": Experts("mlp.experts.", "down_proj"),
+    "moe.w_gate_up": Experts("mlp.experts.", "gate_proj", "up_proj"),  # one key per expert, stacked
+    "moe.w_down": Experts("mlp.experts.", "down_proj"),
     "moe.shared.w_gate_up": ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
     "moe.shared.w_down": "mlp.shared_experts.down_proj.weight",
 }

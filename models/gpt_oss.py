@@ -101,15 +101,15 @@ class Config:
             True
         """
         kw = _hf.from_hf_fields(cls, hf, {"model_type": "gpt_oss"}, skip=("layer_types",),
-                                    rope_default=dict(_YARN), keep_none=False)  # no rope given: gpt-oss's YaRN
+                                rope_default=dict(_YARN), keep_none=False)  # no rope given: gpt-oss's YaRN
         kw["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         return cls(layer_types=tuple(hf.get("layer_types") or ()), **kw)
 
     def to_hf(self) -> dict:
         """The ``config.json`` fields transformers' ``GptOssConfig`` reads."""
         return _hf.to_hf_fields(self, {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
-                                           "hidden_act": "silu"}, skip=("layer_types",),
-                                    layer_types=list(self.layer_types))
+                                       "hidden_act": "silu"}, skip=("layer_types",),
+                                layer_types=list(self.layer_types))
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:

@@ -86,7 +86,7 @@ class Config:
     def to_hf(self) -> dict:
         """The ``config.json`` fields transformers' ``LlamaConfig`` reads."""
         return _hf.to_hf_fields(self, {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                                           "hidden_act": "silu"})
+                                       "hidden_act": "silu"})
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:

@@ -91,7 +91,7 @@ class Config:
     def to_hf(self) -> dict:
         """The ``config.json`` fields transformers' ``MixtralConfig`` reads."""
         return _hf.to_hf_fields(self, {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
-                                           "hidden_act": "silu"})
+                                       "hidden_act": "silu"})
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:
@@ -176,7 +176,8 @@ HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (the 
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     **{f"attn.w{x}": f"self_attn.{x}_proj.weight" for x in "qkvo"},
     "moe.router": "block_sparse_moe.gate.weight",
-    "moe.w_gate_up": Experts("block_sparse_moe.experts.", "w1", "w3"), "moe.w_down": Experts("block_sparse_moe.experts.", "w2"),
+    "moe.w_gate_up": Experts("block_sparse_moe.experts.", "w1", "w3"),  # gate, up: one key per expert, stacked
+    "moe.w_down": Experts("block_sparse_moe.experts.", "w2"),
 }
 HF_FUSED = {"moe.router": "mlp.gate.weight", "moe.w_gate_up": "mlp.experts.gate_up_proj",
             "moe.w_down": "mlp.experts.down_proj"}

@@ -89,7 +89,7 @@ class Config:
             True
         """
         kw = _hf.from_hf_fields(cls, hf, {"model_type": "qwen3_moe", "hidden_act": "silu", "attention_bias": False},
-                                    skip=("sliding_window", "mlp_only_layers", "num_experts"))
+                                skip=("sliding_window", "mlp_only_layers", "num_experts"))
         kw["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         kw["num_experts"] = hf.get("num_experts", hf.get("num_local_experts", cls.num_experts))
         return cls(sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window") else None,
@@ -98,10 +98,10 @@ class Config:
     def to_hf(self) -> dict:
         """The ``config.json`` fields transformers' ``Qwen3MoeConfig`` reads."""
         return _hf.to_hf_fields(self, {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-                                           "hidden_act": "silu", "attention_bias": False}, skip=("sliding_window",),
-                                    mlp_only_layers=list(self.mlp_only_layers),
-                                    use_sliding_window=self.sliding_window is not None,
-                                    sliding_window=self.sliding_window)
+                                       "hidden_act": "silu", "attention_bias": False}, skip=("sliding_window",),
+                                mlp_only_layers=list(self.mlp_only_layers),
+                                use_sliding_window=self.sliding_window is not None,
+                                sliding_window=self.sliding_window)
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:
@@ -196,7 +196,8 @@ HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (a li
     "attn.q_norm": "self_attn.q_norm.weight", "attn.k_norm": "self_attn.k_norm.weight",
     "mlp.w_gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.w_down": "mlp.down_proj.weight",
     "moe.router": "mlp.gate.weight",
-    "moe.w_gate_up": Experts("mlp.experts.", "gate_proj", "up_proj"), "moe.w_down": Experts("mlp.experts.", "down_proj"),
+    "moe.w_gate_up": Experts("mlp.experts.", "gate_proj", "up_proj"),  # one key per expert, stacked
+    "moe.w_down": Experts("mlp.experts.", "down_proj"),
 }
 HF_FUSED = {"moe.w_gate_up": "mlp.experts.gate_up_proj", "moe.w_down": "mlp.experts.down_proj"}
 
