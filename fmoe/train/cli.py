@@ -37,7 +37,7 @@ import traceback
 from typing import Optional, Sequence
 
 from . import options
-from .flags import DEFAULT_OUT, build_parser  # noqa: F401 - re-exported: fmoe.train.cli.build_parser
+from .flags import DEFAULT_OUT, build_parser  # re-exported: fmoe.train.cli.build_parser
 from .loop import _preset  # noqa: F401 - re-exported: the preset widening other programs reuse
 from .loop import NonFiniteStep, log_row, run
 from .parse import inside, launcher_world, parse_args
@@ -138,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"fmoe.train: error: stopped by {e}; every rank stopped (last complete checkpoint: "
               f"{good or 'none'}; a save cut short is never used)", file=sys.stderr)
         return 128 + e.signum
-    except BaseException as e:  # noqa: BLE001 - every failure is one line (CheckpointException too)
+    except BaseException as e:  # every failure is one line (CheckpointException too)
         if isinstance(e, SystemExit) and e.code in (0, None):
             raise
         if args.debug:
