@@ -217,7 +217,7 @@ def report(r: dict) -> None:
         print(f"  {name:<48} {ms:9.3f} ms  {tfl:8.1f} TFLOP/s")
     print(f"  expert MLP fwd+bwd = {r['expert_mlp_fraction_of_mm']:.2f} of the plain matmul rate; "
           f"MoE layer fmoe / transformers = {r['layer_ratio_median_of_pairs']:.3f} (median of alternated pairs)")
-    print(f"  layer max relative differences fmoe vs transformers: "
+    print("  layer max relative differences fmoe vs transformers: "
           + ", ".join(f"{k} {v:.1e}" for k, v in r["layer_max_rel_diff"].items()))
 
 

@@ -73,7 +73,7 @@ def hf_specs(cfg, keys=None):
         for n in "qkvo":
             specs[f"layers.{i}.attn.w{n}"] = Key(f"{L}.self_attn.{n}_proj.weight", (D, D))
         specs[f"layers.{i}.moe.router"] = Key(f"{L}.mlp.gate.weight", (E, D))
-        ex = lambda n, s: Stack([Key(f"{L}.mlp.experts.{e}.{n}.weight", s) for e in range(E)])
+        ex = lambda n, s: Stack([Key(f"{L}.mlp.experts.{e}.{n}.weight", s) for e in range(E)])  # noqa: E731
         specs[f"layers.{i}.moe.w_gate_up"] = Cat([ex("gate_proj", (I, D)), ex("up_proj", (I, D))], dim=1)
         specs[f"layers.{i}.moe.w_down"] = ex("down_proj", (D, I))
     return specs

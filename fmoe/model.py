@@ -128,7 +128,7 @@ class Model:
         return self.name
 
     @property
-    def HF_IGNORE(self) -> tuple:    # noqa: N802  (the checkpoint loader's protocol name)
+    def HF_IGNORE(self) -> tuple:    # upper case: the checkpoint loader's protocol name
         return self.hf_ignore
 
     def with_aux_loss(self, cfg: Any, weight: float) -> Any:

@@ -1,15 +1,42 @@
-"""What every model file shares: reading rope fields of a ``config.json``, and the config
-fields a tensor-parallel split must divide (:data:`TP_FIELDS`, checked by
-:meth:`fmoe.model.Model.build_plan`). The wrappers every model needs (``check_plan``, ``shard``,
-``load_hf``, ``save_hf``) are :class:`fmoe.model.Model` methods, declared once per model file
-as ``MODEL``.
+"""The model skeleton: what every model file shares, so that a model file is its ``Config``, its
+math (attention, routing), its plan and its checkpoint name map (read by :mod:`._hf`).
+
+Every model here is the same pre-norm decoder; :func:`decoder` runs it::
+
+    h = embed(tokens)                                   # [B, S, D]
+    for each layer (FSDP: gathered one at a time; remat kind "layer"):
+        h = h + attention(attn_norm(h))                 # the model's own function
+        h = h + (moe or mlp)(mlp_norm(h))               # fmoe.moe (remat kind "moe") or a SwiGLU MLP
+    logits = lm_head(norm(h))                           # [B, S, V], full on every rank
+
+A model's ``attention(a, x, i, ctx, entry) -> (y, entry)`` reads what the call shares from a
+:class:`Context` (config, rotary tables, cache step; mesh, implementation, router and expert
+activation for the MoE blocks), so ``mesh`` travels in one object, not through every function.
+
+Around it: the config checks read from the field annotations (:func:`check_config`), parameters
+from one shape table (:func:`decoder_shapes`, :func:`init_params`), the KV cache and the
+router-loss switch (:func:`with_aux_loss`). The wrappers every model needs (``check_plan``,
+``shard``, ``load_hf``, ``save_hf``) are :class:`fmoe.model.Model` methods, declared once per
+model file as ``MODEL``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import fnmatch
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-__all__ = ["rope_from_hf", "TP_FIELDS", "AUX_LOSS_FIELDS"]
+import torch
+from einops import rearrange
+
+import fmoe
+import fmoe.nn as nn
+from fmoe.activations import Activation, swiglu
+from fmoe.routing.aux_losses import with_losses
+
+__all__ = ["TP_FIELDS", "AUX_LOSS_FIELDS", "check_config", "rope", "decoder_shapes", "attention_shapes",
+           "init_params", "init_kv_cache", "Context", "decoder", "with_aux_loss"]
 
 #: (parameter name inside a layer, tensor dim) -> the config field tp must divide when that dim
 #: is split over tp: attention by whole heads, a dense MLP by its hidden size.
@@ -28,17 +55,222 @@ TP_FIELDS = {
 AUX_LOSS_FIELDS = ("output_router_logits", "router_aux_loss_coef")
 
 
-def rope_from_hf(hf: Mapping[str, Any], default_theta: float,
-                 default: Optional[Mapping[str, Any]] = None) -> tuple[float, tuple]:
-    """``(rope_theta, rope_scaling)`` from a ``config.json`` (transformers 4.x ``rope_scaling`` /
-    ``rope_theta`` or 5.x ``rope_parameters``); ``rope_scaling`` is ``()`` for the default rope,
-    else the sorted ``(key, value)`` pairs (hashable, for frozen configs).
+# ---------------------------------------------------------------------------- configs
+def check_config(cfg: Any, *, kv_heads: Optional[str] = "num_key_value_heads", experts: Optional[str] = None,
+                 at_least_zero: Sequence[str] = (), rope_dim: Optional[int] = None) -> None:
+    """The checks every ``Config.__post_init__`` shares, read from the field annotations, in field
+    order: an ``int`` field is an int >= 1 (>= 0 if named in ``at_least_zero``), an
+    ``Optional[int]`` None or that, a ``tuple`` a tuple; then query heads a multiple of
+    ``kv_heads``, top-k at most ``experts``, and the rope settings valid
+    (:func:`fmoe.nn.rope_frequencies` over ``rope_dim`` features, default ``cfg.head_dim``).
 
     Example:
-        >>> rope_from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, 1e4)
-        (1000000.0, ())
+        >>> from fmoe.models import mixtral
+        >>> mixtral.Config.tiny(num_experts_per_tok=9)
+        Traceback (most recent call last):
+        ValueError: Config: num_experts_per_tok=9 exceeds num_local_experts=8
     """
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or default or {})
-    theta = rope.pop("rope_theta", hf.get("rope_theta", default_theta))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    return float(theta), () if kind == "default" else tuple(sorted(rope.items()))
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):
+        v, hint, low = getattr(cfg, f.name), hints[f.name], 0 if f.name in at_least_zero else 1
+        if hint is int or (hint == Optional[int] and v is not None):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"Config: {f.name} must be {'None or ' * (hint is not int)}an int >= {low}, got {v!r}")
+        elif hint is tuple and not isinstance(v, tuple):
+            raise TypeError(f"Config: {f.name} must be a tuple, got {v!r}")
+    if kv_heads is not None and cfg.num_attention_heads % getattr(cfg, kv_heads):
+        raise ValueError(f"Config: num_attention_heads={cfg.num_attention_heads} must be a multiple of "
+                         f"{kv_heads}={getattr(cfg, kv_heads)}")
+    if experts is not None and cfg.num_experts_per_tok > getattr(cfg, experts):
+        raise ValueError(f"Config: num_experts_per_tok={cfg.num_experts_per_tok} exceeds "
+                         f"{experts}={getattr(cfg, experts)}")
+    rope(cfg, rope_dim)
+
+
+def rope(cfg: Any, dim: Optional[int] = None) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention scaling)`` of the config's rope over ``dim`` features (default ``head_dim``)."""
+    return nn.rope_frequencies(cfg.head_dim if dim is None else dim, cfg.rope_theta, dict(cfg.rope_scaling) or None,
+                               cfg.max_position_embeddings)
+
+
+# ---------------------------------------------------------------------------- parameters
+def decoder_shapes(cfg: Any, layer: Callable[[int], Mapping[str, tuple]]) -> dict[str, tuple]:
+    """Every parameter path -> shape, in init order: ``embed [V, D]``, ``layer(i)`` under
+    ``layers.i.`` for each layer, ``norm [D]``, ``lm_head [V, D]`` (absent with tied embeddings).
+
+    Example:
+        >>> from fmoe.models import llama
+        >>> list(decoder_shapes(llama.Config.tiny(), lambda i: {"attn_norm": (64,)}))
+        ['embed', 'layers.0.attn_norm', 'layers.1.attn_norm', 'norm', 'lm_head']
+    """
+    V, D = cfg.vocab_size, cfg.hidden_size
+    out = {"embed": (V, D)}
+    for i in range(cfg.num_hidden_layers):
+        out.update({f"layers.{i}.{name}": shape for name, shape in layer(i).items()})
+    out["norm"] = (D,)
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = (V, D)
+    return out
+
+
+def attention_shapes(cfg: Any, bias: bool = False) -> dict[str, tuple]:
+    """Grouped-query attention projections (H query heads, G KV heads, hd head dim): ``wq [H*hd, D]``,
+    ``wk, wv [G*hd, D]``, ``wo [D, H*hd]``, then with ``bias`` ``bq, bk, bv, bo``.
+
+    Example:
+        >>> from fmoe.models import llama
+        >>> attention_shapes(llama.Config.tiny())["attn.wk"]
+        (32, 64)
+    """
+    D, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = {"attn.wq": (q, D), "attn.wk": (kv, D), "attn.wv": (kv, D), "attn.wo": (D, q)}
+    return {**out, **({"attn.bq": (q,), "attn.bk": (kv,), "attn.bv": (kv,), "attn.bo": (D,)} if bias else {})}
+
+
+def init_params(shapes: Mapping[str, tuple], std: float, seed: int, dtype: torch.dtype,
+                zeros: Sequence[str] = ()) -> dict:
+    """Parameters of ``shapes``, drawn in table order from one seeded generator: names ending in
+    ``norm`` are ones, names matching a glob of ``zeros`` zeros, the rest normal(0, ``std``).
+
+    Example:
+        >>> init_params({"w": (2, 3), "b_w": (2,), "norm": (3,)}, 0.02, 0, torch.float32, zeros=("b_*",))["b_w"]
+        tensor([0., 0.])
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def make(path: str, shape: tuple) -> torch.Tensor:
+        name = path.rsplit(".", 1)[-1]
+        if name.endswith("norm"):
+            return torch.ones(shape)
+        if any(fnmatch.fnmatchcase(name, z) for z in zeros):
+            return torch.zeros(shape)
+        return torch.randn(shape, generator=g) * std
+
+    return fmoe.tree.unflatten({path: make(path, shape).to(dtype) for path, shape in shapes.items()})
+
+
+def init_kv_cache(cfg: Any, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] = None,
+                  dtype: torch.dtype = torch.float32) -> dict:
+    """An empty decoding cache (:mod:`fmoe.nn.cache`): per layer keys and values ``[B, L, G, hd]``
+    (G KV heads), split over tp like the KV heads; a sliding window is a mask over the slots.
+
+    Example:
+        >>> from fmoe.models import llama
+        >>> init_kv_cache(llama.Config.tiny(), 2, 16)["layers"][0]["k"].shape
+        torch.Size([2, 16, 2, 16])
+    """
+    return nn.cache.kv_cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, batch, max_len, mesh, dtype)
+
+
+# ---------------------------------------------------------------------------- forward
+@dataclass(frozen=True)
+class Context:
+    """What every layer of one forward call shares.
+
+    Attributes:
+        cfg: the config.
+        cos, sin: rotary tables of the new tokens' positions.
+        step: the cache step (:class:`fmoe.nn.cache.Step`: start slot, key mask).
+        mesh, impl, router, act: passed to every ``fmoe.moe`` block.
+    """
+
+    cfg: Any
+    cos: torch.Tensor
+    sin: torch.Tensor
+    step: nn.cache.Step
+    mesh: Optional[fmoe.Mesh] = None
+    impl: str = "auto"
+    router: Any = None
+    act: Activation = swiglu
+
+
+def with_aux_loss(router: Any, cfg: Any) -> Any:
+    """The router-loss switch (:data:`AUX_LOSS_FIELDS`): with ``output_router_logits`` the router
+    also returns the weighted Switch load-balance loss over the global batch
+    (``aux["load_balance_loss"]``, per layer, summed by trainers); else ``router`` itself.
+
+    Example:
+        >>> from fmoe.models import mixtral
+        >>> r = with_aux_loss(fmoe.routing.topk(2), mixtral.Config.tiny(output_router_logits=True))
+        >>> sorted(r(torch.zeros(3, 8)).aux)
+        ['load_balance_loss']
+    """
+    switch, coef = AUX_LOSS_FIELDS
+    return with_losses(router, load_balance=getattr(cfg, coef)) if getattr(cfg, switch) else router
+
+
+def _moe(m: dict, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict]:
+    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=ctx.router, mesh=ctx.mesh, impl=ctx.impl,
+                      act=ctx.act)  # [T, D]
+    return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
+
+
+def _layer(layer: dict, h: torch.Tensor, i: int, ctx: Context, entry: Optional[dict],
+           attention: Callable) -> tuple[torch.Tensor, Optional[dict], Any]:
+    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block or None, cache entry)``."""
+    eps = ctx.cfg.rms_norm_eps
+    y, entry = attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], eps), i, ctx, entry)
+    h = h + y
+    x = nn.rms_norm(h, layer["mlp_norm"], eps)
+    if "moe" not in layer:
+        m = layer["mlp"]
+        return h + nn.swiglu_mlp(x, m["w_gate_up"], m["w_down"], m.get("b_gate_up"), m.get("b_down")), None, entry
+    y, aux = fmoe.remat.call("moe", _moe, layer["moe"], x, ctx)
+    return h + y, aux, entry
+
+
+def decoder(attention: Callable, params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh] = None,
+            *, rope_dim: Optional[int] = None, impl: str = "auto", router: Any = None, act: Activation = swiglu,
+            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None,
+            return_aux: bool = False) -> Any:
+    """The decoder of the module docstring around the model's ``attention``: every model's ``forward``.
+
+    Args:
+        attention: ``attention(a, x [B, S, D], i, ctx, entry) -> (y [B, S, D], entry)``: layer
+            ``i``'s attention on its normed input, writing its cache ``entry`` when not None.
+        params: tree from the model's ``init`` / ``load_hf`` (plain, or sharded by a plan).
+        tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
+        cfg: the model's config.
+        mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep;
+            dense layers read their placements from the parameters).
+        rope_dim: rotary features (default ``cfg.head_dim``).
+        impl: expert-parallel implementation of every ``fmoe.moe`` (``"auto"``, ``"all_to_all"``, ...).
+        router: the router of every MoE block (a model's ``forward`` takes one to replace its own:
+            any ``fmoe.routing`` router or ``router(logits) -> Routing``, for routing research).
+        act: the experts' activation.
+        cache: a cache from the model's ``init_cache`` to decode with (:mod:`fmoe.nn.cache`).
+        positions: ``[S]`` or ``[B, S]`` rotary positions of the tokens, ``-1`` for left padding;
+            default: right after the cached tokens.
+        return_aux: also return ``{"moe": [aux of each MoE block, in order]}``.
+    Returns:
+        logits ``[B, S, V]``, full on every rank; ``(logits, cache)`` with a cache; aux last with
+        ``return_aux`` (:func:`fmoe.nn.cache.outputs`).
+
+    Example:
+        >>> from fmoe.models import llama
+        >>> cfg = llama.Config.tiny()
+        >>> decoder(llama._attention, llama.init(cfg), torch.zeros(1, 3, dtype=torch.long), cfg).shape
+        torch.Size([1, 3, 128])
+    """
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
+        raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
+                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+    if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
+                            for layer in params["layers"] if "moe" in layer):
+        raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
+    inv_freq, scaling = rope(cfg, rope_dim)
+    step = nn.cache.begin(tokens, cache, positions)
+    h = nn.embedding(tokens, params["embed"])  # [B, S, D]
+    cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
+    ctx = Context(cfg, cos, sin, step, mesh, impl, router, act)
+    auxes, entries = [], []
+    for i, layer in enumerate(fmoe.unsharded_layers(params["layers"])):  # FSDP: one gather per layer
+        h, aux, entry = fmoe.remat.call("layer", _layer, layer, h, i, ctx,
+                                        None if cache is None else cache["layers"][i], attention)
+        entries.append(entry)
+        auxes += [aux] if aux is not None else []
+    h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
+    logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
+    return nn.cache.outputs(logits, cache, step, entries, {"moe": auxes} if return_aux else None)
+
+

@@ -19,22 +19,10 @@ Numerics follow transformers' ``DeepseekV3ForCausalLM`` op for op:
 - **Shared experts** (``n_shared_experts`` of them, one SwiGLU MLP) added to every MoE layer;
   the first ``first_k_dense_replace`` layers are dense SwiGLU MLPs.
 
-Parameters (D hidden, H heads, C kv_lora_rank, Q q_lora_rank, n/r/v the nope/rope/value head
-dims, E experts, I expert hidden, Is = I * n_shared_experts)::
-
-    embed                     [V, D]
-    layers.N.attn_norm        [D]
-    layers.N.attn.wq          [H*(n+r), D]         (q_lora_rank None)
-    layers.N.attn.wq_a        [Q, D]   q_a_norm [Q]   wq_b [H*(n+r), Q]   (with q_lora_rank)
-    layers.N.attn.wkv_a       [C+r, D] kv_a_norm [C]  wkv_b [H*(n+v), C]
-    layers.N.attn.wo          [D, H*v]
-    layers.N.mlp_norm         [D]
-    layers.N.moe.router       [E, D]        expert_bias [E]
-    layers.N.moe.w_gate_up    [E, 2I, D]    w_down [E, D, I]
-    layers.N.moe.shared.w_gate_up [2Is, D]  shared.w_down [D, Is]
-    layers.N.mlp.w_gate_up    [2I', D]      mlp.w_down [D, I']   (dense layers; I' = intermediate_size)
-    norm                      [D]
-    lm_head                   [V, D]        (absent with tie_word_embeddings)
+The parameter tree is :func:`shapes` (D hidden, H heads, C kv_lora_rank, Q q_lora_rank,
+n/r/v the nope/rope/value head dims, E experts, I expert hidden, Is = I * n_shared_experts, I'
+dense hidden); the decoder around :func:`_attention` is the shared one
+(:func:`fmoe.models._common.decoder`).
 
 Parallelism lives in :func:`plan`: MLA split by heads (``wq``/``wq_b``/``wkv_b`` colwise, ``wo``
 rowwise; the low-rank and latent projections replicated), experts on ``ep``, shared experts
@@ -43,8 +31,8 @@ and dense MLPs packed colwise / rowwise.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from einops import rearrange
@@ -52,10 +40,11 @@ from einops import rearrange
 import fmoe
 import fmoe.nn as nn
 
-from . import _common
+from . import _common, _hf
+from ._hf import Experts
 from fmoe import P, Plan
 from fmoe.model import Model
-from fmoe.checkpoint import Cat, Key, Spec, Stack
+from fmoe.checkpoint import Spec
 
 LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm keep the default eps
 
@@ -100,17 +89,8 @@ class Config:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def __post_init__(self):
-        ints = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "n_shared_experts", "n_routed_experts", "kv_lora_rank", "qk_rope_head_dim",
-                "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
-                "max_position_embeddings")
-        for f in ints + (("q_lora_rank",) if self.q_lora_rank is not None else ()):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Config: {f} must be an int >= 1, got {v!r}")
-        if isinstance(self.first_k_dense_replace, bool) or not isinstance(self.first_k_dense_replace, int) \
-                or self.first_k_dense_replace < 0:
-            raise ValueError(f"Config: first_k_dense_replace must be an int >= 0, got {self.first_k_dense_replace!r}")
+        _common.check_config(self, kv_heads=None, at_least_zero=("first_k_dense_replace",),
+                             rope_dim=self.qk_rope_head_dim)
         E, G = self.n_routed_experts, self.n_group
         if E % G or E // G < 2:
             raise ValueError(f"Config: n_group={G} must divide n_routed_experts={E} into groups of >= 2 experts "
@@ -119,10 +99,6 @@ class Config:
             raise ValueError(f"Config: topk_group={self.topk_group} must be <= n_group={G} and num_experts_per_tok="
                              f"{self.num_experts_per_tok} <= topk_group * n_routed_experts / n_group = "
                              f"{self.topk_group * (E // G)}")
-        if not isinstance(self.rope_scaling, tuple):
-            raise TypeError(f"Config: rope_scaling must be a tuple of (key, value) pairs, got {self.rope_scaling!r}")
-        nn.rope_frequencies(self.qk_rope_head_dim, self.rope_theta, dict(self.rope_scaling) or None,
-                            self.max_position_embeddings)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer`` is a mixture of experts (the first ``first_k_dense_replace`` are dense)."""
@@ -154,46 +130,54 @@ class Config:
             >>> Config.from_hf(Config.tiny().to_hf()) == Config.tiny()
             True
         """
-        for key, want in (("model_type", "deepseek_v3"), ("hidden_act", "silu"), ("attention_bias", False)):
-            if hf.get(key, want) != want:
-                raise ValueError(f"Config.from_hf: {key} must be {want!r}, got {hf.get(key)!r}")
+        kw = _hf.from_hf_fields(cls, hf, {"model_type": "deepseek_v3", "hidden_act": "silu",
+                                          "attention_bias": False})
         heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
         if kv is not None and kv != heads:
             raise ValueError(f"Config.from_hf: num_key_value_heads={kv} must equal num_attention_heads={heads} "
                              "(MLA expands every head from the latent)")
-        theta, scaling = _common.rope_from_hf(hf, cls.rope_theta)
-        kw = {f.name: hf[f.name] for f in fields(cls) if f.name in hf and f.name not in ("rope_theta", "rope_scaling")}
         for f in ("n_group", "topk_group"):
             kw[f] = kw.get(f) or 1
-        return cls(rope_theta=theta, rope_scaling=scaling, **kw)
+        return cls(**kw)
 
     def to_hf(self) -> dict:
         """The ``config.json`` fields transformers' ``DeepseekV3Config`` reads."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("rope_theta", "rope_scaling")}
-        rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
-        return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_act": "silu",
-                "attention_bias": False, "num_key_value_heads": self.num_attention_heads, **out,
-                "rope_parameters": rope}
+        return _hf.to_hf_fields(self, {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                                       "hidden_act": "silu", "attention_bias": False,
+                                       "num_key_value_heads": self.num_attention_heads})
+
+
+def shapes(cfg: Config) -> dict[str, tuple]:
+    """Every parameter path -> its shape, in init order.
+
+    Example:
+        >>> shapes(Config.tiny())["layers.1.attn.wkv_b"]
+        (160, 32)
+    """
+    D, E, I, Id = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.intermediate_size
+    H, C, Q, r, n, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim,
+                        cfg.qk_nope_head_dim, cfg.v_head_dim)
+    Is = I * cfg.n_shared_experts
+    q = ({"attn.wq": (H * (n + r), D)} if Q is None else                                   # plain q projection
+         {"attn.wq_a": (Q, D), "attn.q_a_norm": (Q,), "attn.wq_b": (H * (n + r), Q)})      # low-rank q
+    attn = {**q, "attn.wkv_a": (C + r, D), "attn.kv_a_norm": (C,),                         # latent c, then k_rot
+            "attn.wkv_b": (H * (n + v), C), "attn.wo": (D, H * v)}                         # c -> per-head k_nope, v
+    moe = {"moe.router": (E, D), "moe.expert_bias": (E,), "moe.w_gate_up": (E, 2 * I, D), "moe.w_down": (E, D, I),
+           "moe.shared.w_gate_up": (2 * Is, D), "moe.shared.w_down": (D, Is)}             # shared experts: one MLP
+    mlp = {"mlp.w_gate_up": (2 * Id, D), "mlp.w_down": (D, Id)}                            # the first dense layers
+    return _common.decoder_shapes(cfg, lambda i: {"attn_norm": (D,), **attn, "mlp_norm": (D,),
+                                                  **(moe if cfg.is_sparse(i) else mlp)})
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Random parameters (normal(0, initializer_range) weights, unit norms, zero expert bias);
-    the same seed gives the same tree on every process.
+    """Random parameters of :func:`shapes` (normal(0, initializer_range) weights, unit norms, zero
+    expert bias); the same seed gives the same tree on every process.
 
     Example:
         >>> init(Config.tiny())["layers"][1]["moe"]["shared"]["w_down"].shape
         torch.Size([64, 32])
     """
-    g = torch.Generator().manual_seed(seed)
-
-    def make(path: str, shape: tuple) -> torch.Tensor:
-        if path.endswith("norm"):
-            return torch.ones(shape)
-        if path.endswith("expert_bias"):
-            return torch.zeros(shape)
-        return torch.randn(shape, generator=g) * cfg.initializer_range
-
-    return fmoe.tree.unflatten({path: make(path, s.shape).to(dtype) for path, s in hf_specs(cfg).items()})
+    return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("expert_bias",))
 
 
 def init_cache(cfg: Config, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] = None,
@@ -230,8 +214,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) ->
     return nn.apply_rope(x, cos, sin)
 
 
-def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
-               step: nn.cache.Step, entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
+               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+    """Multi-head latent attention: ``x [B, S, D] -> [B, S, D]``, caching the latent and the rope key."""
+    cfg, cos, sin, step = ctx.cfg, ctx.cos, ctx.sin, ctx.step
     n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     heads = lambda t, d: rearrange(t, "b s (h d) -> b s h d", d=d)  # noqa: E731
     if "wq" in a:
@@ -260,72 +246,22 @@ def default_router(cfg: Config):
                                      topk_groups=cfg.topk_group, group_top=2)
 
 
-def _moe(m: dict, x: torch.Tensor, route: Any, mesh: Optional[fmoe.Mesh], impl: str) -> tuple[torch.Tensor, dict]:
-    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=route, mesh=mesh, impl=impl)   # [T, D]
-    return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
-
-
-def _layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
-           mesh: Optional[fmoe.Mesh], impl: str, route: Any, step: Any,
-           layer_cache: Optional[dict]) -> tuple[torch.Tensor, Optional[dict], Any]:
-    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block or None, cache entry)``."""
-    y, entry = _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, step,
-                          layer_cache)
-    h = h + y
-    x = nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-    if "moe" not in layer:
-        return h + nn.swiglu_mlp(x, layer["mlp"]["w_gate_up"], layer["mlp"]["w_down"]), None, entry
-    y, aux = fmoe.remat.call("moe", _moe, layer["moe"], x, route, mesh, impl)
-    return h + y, aux, entry
-
-
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
             cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Any:
-    """Logits of the causal language model.
-
-    Args:
-        params: tree from :func:`init` / :func:`load_hf` (plain, or sharded by a plan).
-        tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
-        cfg: the config.
-        mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep).
-        impl: expert-parallel implementation for ``fmoe.moe``.
-        return_aux: also return ``{"moe": [aux of each MoE layer]}``.
-        router: replaces the model's router in every MoE layer (it receives ``expert_bias``).
-        cache: a cache from :func:`init_cache` to decode with (then ``(logits, cache)`` is returned).
-        positions: ``[S]`` or ``[B, S]`` rotary positions, ``-1`` for left padding (see
-            :mod:`fmoe.nn.cache`); default: after the cached tokens.
-    Returns:
-        logits ``[B, S, V]`` (full on every rank), then the new cache if given, then aux if asked.
+    """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
+    with a ``cache``; ``{"moe": [aux of each MoE layer]}`` last with ``return_aux``. Arguments as
+    :func:`fmoe.models._common.decoder` takes them; ``router`` replaces the model's
+    ``noaux_tc`` router (:func:`default_router`; it receives ``expert_bias``) in every MoE layer.
 
     Example:
         >>> cfg = Config.tiny()
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
-        raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
-                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
-    if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
-                            for layer in params["layers"] if "moe" in layer):
-        raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
-    step = nn.cache.begin(tokens, cache, positions)
-    inv_freq, scaling = nn.rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, dict(cfg.rope_scaling) or None,
-                                            cfg.max_position_embeddings)
-    h = nn.embedding(tokens, params["embed"])  # [B, S, D]
-    cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
-    route = router or default_router(cfg)
-    auxes, entries = [], []
-    for i, layer in enumerate(fmoe.unsharded_layers(params["layers"])):  # FSDP: one gather per layer
-        h, aux, entry = fmoe.remat.call("layer", _layer, layer, h, cos, sin, cfg, mesh, impl, route, step,
-                                        None if cache is None else cache["layers"][i])
-        entries.append(entry)
-        auxes += [aux] if aux is not None else []
-    h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
-    logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
-    out = (logits,) + (() if cache is None else (nn.cache.finish(cache, step, entries),))
-    out += ({"moe": auxes},) if return_aux else ()
-    return out if len(out) > 1 else logits
+    return _common.decoder(_attention, params, tokens, cfg, mesh, rope_dim=cfg.qk_rope_head_dim, impl=impl,
+                           router=router or default_router(cfg), cache=cache, positions=positions,
+                           return_aux=return_aux)
 
 
 def plan(cfg: Config) -> Plan:
@@ -353,58 +289,32 @@ def plan(cfg: Config) -> Plan:
 
 # ---------------------------------------------------------------------------- checkpoint name map
 HF_IGNORE = ("**.rotary_emb.inv_freq",)
+HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (a list: concatenated on dim 0)
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "attn.wq": "self_attn.q_proj.weight", "attn.wq_a": "self_attn.q_a_proj.weight",
+    "attn.q_a_norm": "self_attn.q_a_layernorm.weight", "attn.wq_b": "self_attn.q_b_proj.weight",
+    "attn.wkv_a": "self_attn.kv_a_proj_with_mqa.weight", "attn.kv_a_norm": "self_attn.kv_a_layernorm.weight",
+    "attn.wkv_b": "self_attn.kv_b_proj.weight", "attn.wo": "self_attn.o_proj.weight",
+    "mlp.w_gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.w_down": "mlp.down_proj.weight",
+    "moe.router": "mlp.gate.weight", "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.w_gate_up": Experts("mlp.experts.", "gate_proj", "up_proj"),  # one key per expert, stacked
+    "moe.w_down": Experts("mlp.experts.", "down_proj"),
+    "moe.shared.w_gate_up": ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
+    "moe.shared.w_down": "mlp.shared_experts.down_proj.weight",
+}
+HF_FUSED = {"moe.w_gate_up": "mlp.experts.gate_up_proj", "moe.w_down": "mlp.experts.down_proj"}
 
 
 def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
-    """Every parameter path -> how it is made of checkpoint tensors (shapes included); experts
-    from per-expert keys (what ``save_pretrained`` writes) or the fused in-memory keys.
+    """Every parameter path -> how it is made of checkpoint tensors (:data:`HF_LAYER` over
+    :func:`shapes`); experts from per-expert keys (what ``save_pretrained`` writes) or the fused
+    in-memory keys of :data:`HF_FUSED` when ``keys`` holds them.
 
     Example:
         >>> hf_specs(Config.tiny())["layers.1.attn.wkv_b"].shape
         (160, 32)
     """
-    V, D, E, I, Id = cfg.vocab_size, cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, \
-        cfg.intermediate_size
-    H, C, Q, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim
-    Is, qk, nv = I * cfg.n_shared_experts, cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
-    keys = set(keys or ())
-    swiglu = lambda m, inner: {"w_gate_up": Cat([Key(m + "gate_proj.weight", (inner, D)),  # noqa: E731
-                                                 Key(m + "up_proj.weight", (inner, D))], 0),
-                               "w_down": Key(m + "down_proj.weight", (D, inner))}
-    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
-    for i in range(cfg.num_hidden_layers):
-        p, k = f"layers.{i}.", f"model.layers.{i}."
-        a, sa = p + "attn.", k + "self_attn."
-        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
-        if Q is None:
-            s[a + "wq"] = Key(sa + "q_proj.weight", (H * qk, D))
-        else:
-            s[a + "wq_a"] = Key(sa + "q_a_proj.weight", (Q, D))
-            s[a + "q_a_norm"] = Key(sa + "q_a_layernorm.weight", (Q,))
-            s[a + "wq_b"] = Key(sa + "q_b_proj.weight", (H * qk, Q))
-        s[a + "wkv_a"] = Key(sa + "kv_a_proj_with_mqa.weight", (C + r, D))
-        s[a + "kv_a_norm"] = Key(sa + "kv_a_layernorm.weight", (C,))
-        s[a + "wkv_b"] = Key(sa + "kv_b_proj.weight", (H * nv, C))
-        s[a + "wo"] = Key(sa + "o_proj.weight", (D, H * cfg.v_head_dim))
-        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
-        m = k + "mlp."
-        if not cfg.is_sparse(i):
-            s.update({p + "mlp." + n: spec for n, spec in swiglu(m, Id).items()})
-            continue
-        s[p + "moe.router"] = Key(m + "gate.weight", (E, D))
-        s[p + "moe.expert_bias"] = Key(m + "gate.e_score_correction_bias", (E,))
-        if m + "experts.gate_up_proj" in keys:  # fused layout
-            s[p + "moe.w_gate_up"] = Key(m + "experts.gate_up_proj", (E, 2 * I, D))
-            s[p + "moe.w_down"] = Key(m + "experts.down_proj", (E, D, I))
-        else:  # one key per expert and projection, stacked on a new expert dim
-            per = lambda n, shape: Stack([Key(f"{m}experts.{e}.{n}.weight", shape) for e in range(E)])  # noqa: E731
-            s[p + "moe.w_gate_up"] = Cat([per("gate_proj", (I, D)), per("up_proj", (I, D))], dim=1)
-            s[p + "moe.w_down"] = per("down_proj", (D, I))
-        s.update({p + "moe.shared." + n: spec for n, spec in swiglu(m + "shared_experts.", Is).items()})
-    s["norm"] = Key("model.norm.weight", (D,))
-    if not cfg.tie_word_embeddings:
-        s["lm_head"] = Key("lm_head.weight", (V, D))
-    return s
+    return _hf.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
 
 
 # ---------------------------------------------------------------------------- the declared interface

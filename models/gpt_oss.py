@@ -5,19 +5,9 @@ YaRN RoPE (when configured), one learned sink logit per query head in the softma
 sliding-window and full attention alternating by ``layer_types``, a router with a bias doing
 top-k on the logits then softmax over the k kept, experts with biases and the clamped SwiGLU
 ``(clamp(up) + 1) * gate * sigmoid(alpha * gate)`` (gate clamped above at ``limit``).
-Parameters (D hidden, H query heads, G KV heads, hd head dim, E experts, I expert hidden)::
-
-    embed                     [V, D]
-    layers.N.attn_norm        [D]
-    layers.N.attn.wq          [H*hd, D]     wk, wv [G*hd, D]     wo [D, H*hd]
-    layers.N.attn.bq          [H*hd]        bk, bv [G*hd]        bo [D]   (with attention_bias)
-    layers.N.attn.sinks       [H]
-    layers.N.mlp_norm         [D]
-    layers.N.moe.router       [E, D]        router_bias [E]
-    layers.N.moe.w_gate_up    [E, 2I, D]    gate rows first, then up;  b_gate_up [E, 2I]
-    layers.N.moe.w_down       [E, D, I]     b_down [E, D]
-    norm                      [D]
-    lm_head                   [V, D]        (absent with tie_word_embeddings)
+The parameter tree is :func:`shapes` (D hidden, H query heads, G KV heads,
+hd head dim, E experts, I expert hidden, V vocab); the decoder around :func:`_attention` is the
+shared one (:func:`fmoe.models._common.decoder`).
 
 The checkpoint stores experts for ``x @ W``: ``gate_up_proj [E, D, 2I]`` with gate and up
 *interleaved* on the last dim (gate = ``[..., ::2]``) and ``down_proj [E, I, D]``; the specs
@@ -27,7 +17,7 @@ quantized checkpoints (``*_blocks`` / ``*_scales`` keys) must be dequantized fir
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -36,7 +26,7 @@ from einops import rearrange
 import fmoe
 import fmoe.nn as nn
 
-from . import _common
+from . import _common, _hf
 from fmoe import P, Plan
 from fmoe.model import Model
 from fmoe.checkpoint import Deinterleave, Key, Spec, Transpose
@@ -80,28 +70,12 @@ class Config:
         return self.num_local_experts
 
     def __post_init__(self):
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok", "sliding_window",
-                  "max_position_embeddings"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Config: {f} must be an int >= 1, got {v!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"Config: num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError(f"Config: num_experts_per_tok={self.num_experts_per_tok} exceeds "
-                             f"num_local_experts={self.num_local_experts}")
-        if not isinstance(self.layer_types, tuple) or not isinstance(self.rope_scaling, tuple):
-            raise TypeError(f"Config: layer_types and rope_scaling must be tuples, got {self.layer_types!r}, "
-                            f"{self.rope_scaling!r}")
+        _common.check_config(self, experts="num_local_experts")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", tuple(_LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers)))
         if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(_LAYER_TYPES):
             raise ValueError(f"Config: layer_types must list one of {_LAYER_TYPES} per layer "
                              f"(num_hidden_layers={self.num_hidden_layers}), got {self.layer_types!r}")
-        nn.rope_frequencies(self.head_dim, self.rope_theta, dict(self.rope_scaling) or None,
-                            self.max_position_embeddings)
 
     @classmethod
     def tiny(cls, **changes: Any) -> "Config":
@@ -126,143 +100,85 @@ class Config:
             >>> Config.from_hf(Config.tiny().to_hf()) == Config.tiny()
             True
         """
-        if hf.get("model_type", "gpt_oss") != "gpt_oss":
-            raise ValueError(f"Config.from_hf: model_type must be 'gpt_oss', got {hf.get('model_type')!r}")
-        theta, scaling = _common.rope_from_hf(hf, cls.rope_theta, default=_YARN)  # none given: gpt-oss's YaRN
-        kw = {f.name: hf[f.name] for f in fields(cls)
-              if hf.get(f.name) is not None and f.name not in ("rope_theta", "rope_scaling", "layer_types")}
+        kw = _hf.from_hf_fields(cls, hf, {"model_type": "gpt_oss"}, skip=("layer_types",),
+                                rope_default=dict(_YARN), keep_none=False)  # no rope given: gpt-oss's YaRN
         kw["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        return cls(rope_theta=theta, rope_scaling=scaling,
-                   layer_types=tuple(hf.get("layer_types") or ()), **kw)
+        return cls(layer_types=tuple(hf.get("layer_types") or ()), **kw)
 
     def to_hf(self) -> dict:
         """The ``config.json`` fields transformers' ``GptOssConfig`` reads."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("rope_theta", "rope_scaling", "layer_types")}
-        rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
-        return {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_act": "silu", **out,
-                "layer_types": list(self.layer_types), "rope_parameters": rope}
+        return _hf.to_hf_fields(self, {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+                                       "hidden_act": "silu"}, skip=("layer_types",),
+                                layer_types=list(self.layer_types))
+
+
+def shapes(cfg: Config) -> dict[str, tuple]:
+    """Every parameter path -> its shape, in init order.
+
+    Example:
+        >>> shapes(Config.tiny())["layers.0.moe.b_gate_up"]
+        (8, 64)
+    """
+    D, E, I, H = cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size, cfg.num_attention_heads
+    q, kv = H * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attn = {}
+    for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
+        attn.update({f"attn.w{x}": shape, **({f"attn.b{x}": shape[:1]} if cfg.attention_bias else {})})
+    return _common.decoder_shapes(cfg, lambda i: {
+        "attn_norm": (D,), **attn, "attn.sinks": (H,), "mlp_norm": (D,), "moe.router": (E, D), "moe.router_bias": (E,),
+        "moe.w_gate_up": (E, 2 * I, D), "moe.b_gate_up": (E, 2 * I),  # gate rows first, then up
+        "moe.w_down": (E, D, I), "moe.b_down": (E, D)})
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Random parameters (normal(0, initializer_range) weights, sinks and router bias; unit
-    norms; zero projection and expert biases); the same seed gives the same tree everywhere.
+    """Random parameters of :func:`shapes` (normal(0, initializer_range) weights, sinks and router
+    bias; unit norms; zero projection and expert biases); the same seed gives the same tree everywhere.
 
     Example:
         >>> init(Config.tiny())["layers"][0]["attn"]["sinks"].shape
         torch.Size([8])
     """
-    g = torch.Generator().manual_seed(seed)
-
-    def make(path: str, shape: tuple) -> torch.Tensor:
-        name = path.rsplit(".", 1)[-1]
-        if name.endswith("norm"):
-            return torch.ones(shape)
-        if name.startswith("b_") or name in ("bq", "bk", "bv", "bo"):
-            return torch.zeros(shape)
-        return torch.randn(shape, generator=g) * cfg.initializer_range
-
-    return fmoe.tree.unflatten({path: make(path, s.shape).to(dtype) for path, s in hf_specs(cfg).items()})
+    return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("b_*", "b[qkvo]"))
 
 
-def init_cache(cfg: Config, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] = None,
-               dtype: torch.dtype = torch.float32) -> dict:
-    """An empty decoding cache: per layer keys and values ``[B, L, G, hd]``, split over tp like
-    the KV heads (:mod:`fmoe.nn.cache`); sliding layers keep their window as a mask over the slots.
-
-    Example:
-        >>> init_cache(Config.tiny(), 2, 16)["layers"][0]["k"].shape
-        torch.Size([2, 16, 4, 8])
-    """
-    return nn.cache.kv_cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, batch, max_len, mesh, dtype)
+init_cache = _common.init_kv_cache  # per layer k, v [B, L, G, hd], split over tp like the KV heads
 
 
-def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
-               window: Optional[int], step: nn.cache.Step, entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
+               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+    """Grouped-query attention with biases and one sink logit per head, over layer ``i``'s window:
+    ``x [B, S, D] -> [B, S, D]``."""
+    cfg = ctx.cfg
+    window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
     heads = lambda t: rearrange(t, "b s (h d) -> b s h d", d=cfg.head_dim)  # noqa: E731
-    q = nn.apply_rope(heads(nn.linear(x, a["wq"], a.get("bq"))), cos, sin)  # [B, S, H_local, hd]
-    k = nn.apply_rope(heads(nn.linear(x, a["wk"], a.get("bk"))), cos, sin)  # [B, S, G_local, hd]
+    q = nn.apply_rope(heads(nn.linear(x, a["wq"], a.get("bq"))), ctx.cos, ctx.sin)  # [B, S, H_local, hd]
+    k = nn.apply_rope(heads(nn.linear(x, a["wk"], a.get("bk"))), ctx.cos, ctx.sin)  # [B, S, G_local, hd]
     v = heads(nn.linear(x, a["wv"], a.get("bv")))
     if entry is not None:
-        entry, (k, v) = nn.cache.write(entry, step, k=k, v=v)  # k, v: [B, cached + S, G_local, hd]
+        entry, (k, v) = nn.cache.write(entry, ctx.step, k=k, v=v)  # k, v: [B, cached + S, G_local, hd]
     o = nn.attention(q, k, v, causal=True, window=window, sinks=a["sinks"],
-                     num_kv_groups=cfg.num_attention_heads // cfg.num_key_value_heads, key_mask=step.key_mask)
+                     num_kv_groups=cfg.num_attention_heads // cfg.num_key_value_heads, key_mask=ctx.step.key_mask)
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo")), entry  # [B, S, D]
-
-
-def _router(router, cfg: Config):
-    """With ``output_router_logits`` the router also returns the weighted Switch load-balance
-    loss over the global batch (``aux["load_balance_loss"]``; per layer, summed by trainers)."""
-    return fmoe.routing.aux_losses.with_losses(router, load_balance=cfg.router_aux_loss_coef) if cfg.output_router_logits else router
-
-
-def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str,
-         router: Optional[Any] = None) -> tuple[torch.Tensor, dict]:
-    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=_router(router or fmoe.routing.topk_softmax(cfg.num_experts_per_tok), cfg),
-                      mesh=mesh, impl=impl, act=fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit))
-    return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux  # [B, S, D]
-
-
-def _layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config, window: Optional[int],
-           mesh: Optional[fmoe.Mesh], impl: str, router: Optional[Any], step: Any,
-           layer_cache: Optional[dict]) -> tuple[torch.Tensor, dict, Any]:
-    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block, cache entry)``."""
-    x = nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-    y, entry = _attention(layer["attn"], x, cos, sin, cfg, window, step, layer_cache)
-    h = h + y
-    y, aux = fmoe.remat.call("moe", _moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps),
-                             cfg, mesh, impl, router)
-    return h + y, aux, entry
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False,
             router: Optional[Any] = None, cache: Optional[dict] = None,
             positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
-    """Logits of the causal language model.
-
-    Args:
-        params: tree from :func:`init` / :func:`load_hf` (plain, or sharded by a plan).
-        tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
-        cfg: the config.
-        mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep).
-        impl: expert-parallel implementation for ``fmoe.moe`` (``"auto"``, ``"all_to_all"``, ...).
-        return_aux: also return ``{"moe": [aux of each layer's fmoe.moe, in order]}``.
-        router: replaces the model's router in every MoE layer (any ``fmoe.routing`` router or
-            your own ``router(logits) -> Routing``): for routing research on a real model.
-        cache: a cache from :func:`init_cache` to decode with (then the new cache is returned
-            after the logits; see :mod:`fmoe.nn.cache`).
-        positions: ``[S]`` or ``[B, S]`` rotary positions of the tokens, ``-1`` for left padding;
-            default: right after the cached tokens.
-    Returns:
-        logits ``[B, S, V]``, full on every rank; ``(logits, cache)`` with a cache; aux last with
-        ``return_aux``.
+    """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
+    with a ``cache``; ``{"moe": [aux of each MoE layer]}`` last with ``return_aux``. Arguments as
+    :func:`fmoe.models._common.decoder` takes them; ``router`` replaces the model's
+    top-k-then-softmax router in every MoE layer.
 
     Example:
         >>> cfg = Config.tiny()
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
-        raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
-                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
-    if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
-                            for layer in params["layers"] if "moe" in layer):
-        raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
-    inv_freq, scaling = nn.rope_frequencies(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling) or None,
-                                            cfg.max_position_embeddings)
-    step = nn.cache.begin(tokens, cache, positions)
-    h = nn.embedding(tokens, params["embed"])  # [B, S, D]
-    cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
-    auxes, entries = [], []
-    for i, (layer, kind) in enumerate(zip(fmoe.unsharded_layers(params["layers"]), cfg.layer_types)):  # FSDP gathers
-        window = cfg.sliding_window if kind == "sliding_attention" else None
-        h, aux, entry = fmoe.remat.call("layer", _layer, layer, h, cos, sin, cfg, window, mesh, impl, router, step,
-                                        None if cache is None else cache["layers"][i])
-        entries.append(entry)
-        auxes.append(aux)
-    h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
-    logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
-    return nn.cache.outputs(logits, cache, step, entries, {"moe": auxes} if return_aux else None)
+    router = _common.with_aux_loss(router or fmoe.routing.topk_softmax(cfg.num_experts_per_tok), cfg)
+    return _common.decoder(_attention, params, tokens, cfg, mesh, impl=impl, router=router, cache=cache,
+                           positions=positions, return_aux=return_aux,
+                           act=fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit))
 
 
 def plan(cfg: Config) -> Plan:
@@ -285,36 +201,30 @@ def plan(cfg: Config) -> Plan:
 HF_IGNORE = ("**.rotary_emb.inv_freq",)
 
 
+def _t(shape: tuple) -> tuple:
+    """The checkpoint's shape of an expert weight: stored for ``x @ W``, its last two dims swapped."""
+    return (shape[0], shape[2], shape[1])
+
+
+HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N.", or a spec of (prefix, shape)
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    **{f"attn.{w}{x}": f"self_attn.{x}_proj.{kind}" for w, kind in (("w", "weight"), ("b", "bias")) for x in "qkvo"},
+    "attn.sinks": "self_attn.sinks", "moe.router": "mlp.router.weight", "moe.router_bias": "mlp.router.bias",
+    "moe.w_gate_up": lambda k, s: Transpose(Deinterleave(Key(k + "mlp.experts.gate_up_proj", _t(s)), dim=2), 1, 2),
+    "moe.b_gate_up": lambda k, s: Deinterleave(Key(k + "mlp.experts.gate_up_proj_bias", s), dim=1),
+    "moe.w_down": lambda k, s: Transpose(Key(k + "mlp.experts.down_proj", _t(s)), 1, 2),
+    "moe.b_down": "mlp.experts.down_proj_bias",
+}
+
+
 def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
-    """Every parameter path -> how it is made of checkpoint tensors (shapes included).
+    """Every parameter path -> how it is made of checkpoint tensors (:data:`HF_LAYER` over :func:`shapes`).
 
     Example:
         >>> hf_specs(Config.tiny())["layers.0.moe.w_gate_up"]
         Transpose(Deinterleave(Key('model.layers.0.mlp.experts.gate_up_proj', (8, 64, 64)), dim=2, n=2), 1, 2)
     """
-    V, D, E, I = cfg.vocab_size, cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
-    H, q, kv = cfg.num_attention_heads, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
-    for i in range(cfg.num_hidden_layers):
-        p, k = f"layers.{i}.", f"model.layers.{i}."
-        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
-        for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
-            s[p + f"attn.w{x}"] = Key(k + f"self_attn.{x}_proj.weight", shape)
-            if cfg.attention_bias:
-                s[p + f"attn.b{x}"] = Key(k + f"self_attn.{x}_proj.bias", shape[:1])
-        s[p + "attn.sinks"] = Key(k + "self_attn.sinks", (H,))
-        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
-        m = k + "mlp."
-        s[p + "moe.router"] = Key(m + "router.weight", (E, D))
-        s[p + "moe.router_bias"] = Key(m + "router.bias", (E,))
-        s[p + "moe.w_gate_up"] = Transpose(Deinterleave(Key(m + "experts.gate_up_proj", (E, D, 2 * I)), dim=2), 1, 2)
-        s[p + "moe.b_gate_up"] = Deinterleave(Key(m + "experts.gate_up_proj_bias", (E, 2 * I)), dim=1)
-        s[p + "moe.w_down"] = Transpose(Key(m + "experts.down_proj", (E, I, D)), 1, 2)
-        s[p + "moe.b_down"] = Key(m + "experts.down_proj_bias", (E, D))
-    s["norm"] = Key("model.norm.weight", (D,))
-    if not cfg.tie_word_embeddings:
-        s["lm_head"] = Key("lm_head.weight", (V, D))
-    return s
+    return _hf.hf_specs(shapes(cfg), HF_LAYER, keys)
 
 
 # ---------------------------------------------------------------------------- the declared interface

@@ -2,17 +2,9 @@
 
 Numerics follow transformers' ``MixtralForCausalLM`` op for op: GQA attention with RoPE and an
 optional sliding window (every layer), softmax-top-k routing always renormalised, no biases.
-Parameters (D hidden, H query heads, G KV heads, hd head dim, E experts, I expert hidden)::
-
-    embed                     [V, D]
-    layers.N.attn_norm        [D]
-    layers.N.attn.wq          [H*hd, D]     wk, wv [G*hd, D]     wo [D, H*hd]
-    layers.N.mlp_norm         [D]
-    layers.N.moe.router       [E, D]
-    layers.N.moe.w_gate_up    [E, 2I, D]    gate (w1) rows first, then up (w3)
-    layers.N.moe.w_down       [E, D, I]     (w2)
-    norm                      [D]
-    lm_head                   [V, D]        (absent with tie_word_embeddings)
+The parameter tree is :func:`shapes` (D hidden, H query heads, G KV heads, hd head dim,
+E experts, I expert hidden, V vocab); the decoder around :func:`_attention` is the shared one
+(:func:`fmoe.models._common.decoder`).
 
 Parallelism lives in :func:`plan`; :func:`forward` runs unchanged on one process or many and
 returns the full logits on every rank. ``router_jitter_noise`` (training-time noise on the
@@ -21,7 +13,7 @@ router input) is not applied: forward is deterministic.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -30,10 +22,11 @@ from einops import rearrange
 import fmoe
 import fmoe.nn as nn
 
-from . import _common
+from . import _common, _hf
+from ._hf import Experts
 from fmoe import P, Plan
 from fmoe.model import Model
-from fmoe.checkpoint import Cat, Key, Spec, Stack
+from fmoe.checkpoint import Spec
 
 
 @dataclass(frozen=True)
@@ -65,24 +58,7 @@ class Config:
         return self.num_local_experts
 
     def __post_init__(self):
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok",
-                  "max_position_embeddings"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Config: {f} must be an int >= 1, got {v!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"Config: num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError(f"Config: num_experts_per_tok={self.num_experts_per_tok} exceeds "
-                             f"num_local_experts={self.num_local_experts}")
-        if not isinstance(self.rope_scaling, tuple):
-            raise TypeError(f"Config: rope_scaling must be a tuple of (key, value) pairs, got {self.rope_scaling!r}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            raise ValueError(f"Config: sliding_window must be None or an int >= 1, got {self.sliding_window!r}")
-        nn.rope_frequencies(self.head_dim, self.rope_theta, dict(self.rope_scaling) or None,
-                            self.max_position_embeddings)
+        _common.check_config(self, experts="num_local_experts")
 
     @classmethod
     def tiny(cls, **changes: Any) -> "Config":
@@ -106,134 +82,77 @@ class Config:
             >>> Config.from_hf(Config.tiny(sliding_window=4).to_hf()) == Config.tiny(sliding_window=4)
             True
         """
-        for key, want in (("model_type", "mixtral"), ("hidden_act", "silu")):
-            if hf.get(key, want) != want:
-                raise ValueError(f"Config.from_hf: {key} must be {want!r}, got {hf.get(key)!r}")
-        theta, scaling = _common.rope_from_hf(hf, cls.rope_theta)
-        kw = {f.name: hf[f.name] for f in fields(cls) if f.name in hf and f.name not in ("rope_theta", "rope_scaling")}
+        kw = _hf.from_hf_fields(cls, hf, {"model_type": "mixtral", "hidden_act": "silu"})
         kw["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         kw["num_key_value_heads"] = hf.get("num_key_value_heads") or hf.get("num_attention_heads",
                                                                            cls.num_attention_heads)
-        return cls(rope_theta=theta, rope_scaling=scaling, **kw)
+        return cls(**kw)
 
     def to_hf(self) -> dict:
         """The ``config.json`` fields transformers' ``MixtralConfig`` reads."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("rope_theta", "rope_scaling")}
-        rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
-        return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_act": "silu", **out,
-                "rope_parameters": rope}
+        return _hf.to_hf_fields(self, {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                                       "hidden_act": "silu"})
+
+
+def shapes(cfg: Config) -> dict[str, tuple]:
+    """Every parameter path -> its shape, in init order.
+
+    Example:
+        >>> shapes(Config.tiny())["layers.1.moe.w_down"]
+        (8, 64, 32)
+    """
+    D, E, I = cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
+    return _common.decoder_shapes(cfg, lambda i: {
+        "attn_norm": (D,), **_common.attention_shapes(cfg), "mlp_norm": (D,),
+        "moe.router": (E, D), "moe.w_gate_up": (E, 2 * I, D), "moe.w_down": (E, D, I)})  # gate (w1) rows, then up (w3)
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Random parameters (normal(0, initializer_range) weights, unit norms); the same seed gives
-    the same tree on every process.
+    """Random parameters of :func:`shapes` (normal(0, initializer_range) weights, unit norms); the
+    same seed gives the same tree on every process.
 
     Example:
         >>> init(Config.tiny())["layers"][1]["moe"]["w_down"].shape
         torch.Size([8, 64, 32])
     """
-    g = torch.Generator().manual_seed(seed)
-    make = lambda path, shape: (torch.ones(shape) if path.endswith("norm")  # noqa: E731
-                                else torch.randn(shape, generator=g) * cfg.initializer_range)
-    return fmoe.tree.unflatten({path: make(path, s.shape).to(dtype) for path, s in hf_specs(cfg).items()})
+    return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype)
 
 
-def init_cache(cfg: Config, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] = None,
-               dtype: torch.dtype = torch.float32) -> dict:
-    """An empty decoding cache: per layer keys and values ``[B, L, G, hd]``, split over tp like
-    the KV heads (:mod:`fmoe.nn.cache`).
-
-    Example:
-        >>> init_cache(Config.tiny(), 2, 16)["layers"][0]["k"].shape
-        torch.Size([2, 16, 4, 8])
-    """
-    return nn.cache.kv_cache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, batch, max_len, mesh, dtype)
+init_cache = _common.init_kv_cache  # per layer k, v [B, L, G, hd], split over tp like the KV heads
 
 
-def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
-               step: nn.cache.Step, entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
+               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+    """Grouped-query attention with RoPE and the optional sliding window: ``x [B, S, D] -> [B, S, D]``."""
+    cfg = ctx.cfg
     heads = lambda t: rearrange(t, "b s (h d) -> b s h d", d=cfg.head_dim)  # noqa: E731
-    q = nn.apply_rope(heads(nn.linear(x, a["wq"])), cos, sin)  # [B, S, H_local, hd]
-    k = nn.apply_rope(heads(nn.linear(x, a["wk"])), cos, sin)  # [B, S, G_local, hd]
+    q = nn.apply_rope(heads(nn.linear(x, a["wq"])), ctx.cos, ctx.sin)  # [B, S, H_local, hd]
+    k = nn.apply_rope(heads(nn.linear(x, a["wk"])), ctx.cos, ctx.sin)  # [B, S, G_local, hd]
     v = heads(nn.linear(x, a["wv"]))
     if entry is not None:
-        entry, (k, v) = nn.cache.write(entry, step, k=k, v=v)  # k, v: [B, cached + S, G_local, hd]
+        entry, (k, v) = nn.cache.write(entry, ctx.step, k=k, v=v)  # k, v: [B, cached + S, G_local, hd]
     o = nn.attention(q, k, v, causal=True, window=cfg.sliding_window,
-                     num_kv_groups=cfg.num_attention_heads // cfg.num_key_value_heads, key_mask=step.key_mask)
+                     num_kv_groups=cfg.num_attention_heads // cfg.num_key_value_heads, key_mask=ctx.step.key_mask)
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry  # [B, S, D]
-
-
-def _router(router, cfg: Config):
-    """With ``output_router_logits`` the router also returns the weighted Switch load-balance
-    loss over the global batch (``aux["load_balance_loss"]``; per layer, summed by trainers)."""
-    return fmoe.routing.aux_losses.with_losses(router, load_balance=cfg.router_aux_loss_coef) if cfg.output_router_logits else router
-
-
-def _moe(m: dict, x: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh], impl: str,
-         router: Optional[Any] = None) -> tuple[torch.Tensor, dict]:
-    router = router or fmoe.routing.topk(cfg.num_experts_per_tok, normalize=True)
-    y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=_router(router, cfg), mesh=mesh, impl=impl)  # [T, D]
-    return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
-
-
-def _layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
-           mesh: Optional[fmoe.Mesh], impl: str, router: Optional[Any], step: Any,
-           layer_cache: Optional[dict]) -> tuple[torch.Tensor, dict, Any]:
-    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block, cache entry)``."""
-    y, entry = _attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps), cos, sin, cfg, step,
-                          layer_cache)
-    h = h + y
-    y, aux = fmoe.remat.call("moe", _moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps),
-                             cfg, mesh, impl, router)
-    return h + y, aux, entry
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False,
             router: Optional[Any] = None, cache: Optional[dict] = None,
             positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
-    """Logits of the causal language model.
-
-    Args:
-        params: tree from :func:`init` / :func:`load_hf` (plain, or sharded by a plan).
-        tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
-        cfg: the config.
-        mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep).
-        impl: expert-parallel implementation for ``fmoe.moe`` (``"auto"``, ``"all_to_all"``, ...).
-        return_aux: also return ``{"moe": [aux of each layer's fmoe.moe, in order]}``.
-        cache: a cache from :func:`init_cache` to decode with (then the new cache is returned
-            after the logits; see :mod:`fmoe.nn.cache`).
-        positions: ``[S]`` or ``[B, S]`` rotary positions of the tokens, ``-1`` for left padding;
-            default: right after the cached tokens.
-    Returns:
-        logits ``[B, S, V]``, full on every rank; ``(logits, cache)`` with a cache; aux last with
-        ``return_aux``.
+    """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
+    with a ``cache``; ``{"moe": [aux of each MoE layer]}`` last with ``return_aux``. Arguments as
+    :func:`fmoe.models._common.decoder` takes them; ``router`` replaces the model's
+    softmax top-k router (always renormalised) in every MoE layer.
 
     Example:
         >>> cfg = Config.tiny()
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
-        raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
-                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
-    if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
-                            for layer in params["layers"] if "moe" in layer):
-        raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
-    inv_freq, scaling = nn.rope_frequencies(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling) or None,
-                                            cfg.max_position_embeddings)
-    step = nn.cache.begin(tokens, cache, positions)
-    h = nn.embedding(tokens, params["embed"])  # [B, S, D]
-    cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
-    auxes, entries = [], []
-    for i, layer in enumerate(fmoe.unsharded_layers(params["layers"])):  # FSDP: one gather per layer
-        h, aux, entry = fmoe.remat.call("layer", _layer, layer, h, cos, sin, cfg, mesh, impl, router, step,
-                                        None if cache is None else cache["layers"][i])
-        entries.append(entry)
-        auxes.append(aux)
-    h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
-    logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
-    return nn.cache.outputs(logits, cache, step, entries, {"moe": auxes} if return_aux else None)
+    router = _common.with_aux_loss(router or fmoe.routing.topk(cfg.num_experts_per_tok, normalize=True), cfg)
+    return _common.decoder(_attention, params, tokens, cfg, mesh, impl=impl, router=router, cache=cache,
+                           positions=positions, return_aux=return_aux)
 
 
 def plan(cfg: Config) -> Plan:
@@ -253,43 +172,30 @@ def plan(cfg: Config) -> Plan:
 
 # ---------------------------------------------------------------------------- checkpoint name map
 HF_IGNORE = ("**.rotary_emb.inv_freq",)
+HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (the hub layout)
+    "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    **{f"attn.w{x}": f"self_attn.{x}_proj.weight" for x in "qkvo"},
+    "moe.router": "block_sparse_moe.gate.weight",
+    "moe.w_gate_up": Experts("block_sparse_moe.experts.", "w1", "w3"),  # gate, up: one key per expert, stacked
+    "moe.w_down": Experts("block_sparse_moe.experts.", "w2"),
+}
+HF_FUSED = {"moe.router": "mlp.gate.weight", "moe.w_gate_up": "mlp.experts.gate_up_proj",
+            "moe.w_down": "mlp.experts.down_proj"}
 
 
 def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
-    """Every parameter path -> how it is made of checkpoint tensors (shapes included).
+    """Every parameter path -> how it is made of checkpoint tensors (:data:`HF_LAYER` over :func:`shapes`).
 
     The hub layout (what ``save_pretrained`` writes) keeps one key per expert under
     ``block_sparse_moe`` (``experts.3.w1.weight``: gate, ``w3``: up, ``w2``: down); when ``keys``
-    holds transformers' fused in-memory names (``mlp.experts.gate_up_proj``) those are read.
+    holds transformers' fused in-memory names (``mlp.experts.gate_up_proj``) those of
+    :data:`HF_FUSED` are read.
 
     Example:
         >>> hf_specs(Config.tiny())["layers.0.moe.router"]
         Key('model.layers.0.block_sparse_moe.gate.weight', (8, 64))
     """
-    V, D, E, I = cfg.vocab_size, cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    keys = set(keys or ())
-    s: dict[str, Spec] = {"embed": Key("model.embed_tokens.weight", (V, D))}
-    for i in range(cfg.num_hidden_layers):
-        p, k = f"layers.{i}.", f"model.layers.{i}."
-        s[p + "attn_norm"] = Key(k + "input_layernorm.weight", (D,))
-        for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
-            s[p + f"attn.w{x}"] = Key(k + f"self_attn.{x}_proj.weight", shape)
-        s[p + "mlp_norm"] = Key(k + "post_attention_layernorm.weight", (D,))
-        if k + "mlp.experts.gate_up_proj" in keys:  # fused layout (transformers' in-memory names)
-            s[p + "moe.router"] = Key(k + "mlp.gate.weight", (E, D))
-            s[p + "moe.w_gate_up"] = Key(k + "mlp.experts.gate_up_proj", (E, 2 * I, D))
-            s[p + "moe.w_down"] = Key(k + "mlp.experts.down_proj", (E, D, I))
-            continue
-        m = k + "block_sparse_moe."
-        per = lambda w, shape: Stack([Key(f"{m}experts.{e}.{w}.weight", shape) for e in range(E)])  # noqa: E731
-        s[p + "moe.router"] = Key(m + "gate.weight", (E, D))
-        s[p + "moe.w_gate_up"] = Cat([per("w1", (I, D)), per("w3", (I, D))], dim=1)
-        s[p + "moe.w_down"] = per("w2", (D, I))
-    s["norm"] = Key("model.norm.weight", (D,))
-    if not cfg.tie_word_embeddings:
-        s["lm_head"] = Key("lm_head.weight", (V, D))
-    return s
+    return _hf.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
 
 
 # ---------------------------------------------------------------------------- the declared interface

@@ -47,7 +47,7 @@ def toy_hf_specs(cfg, keys=None):
         moe0 = {"w_gate_up": Key(f"{L0}.mlp.experts.gate_up_proj", (E, 2 * I, D)),
                 "w_down": Key(f"{L0}.mlp.experts.down_proj", (E, D, I))}
     else:         # per-expert keys, as save_pretrained writes them
-        ex = lambda n, s: Stack([Key(f"{L0}.mlp.experts.{e}.{n}.weight", s) for e in range(E)])
+        ex = lambda n, s: Stack([Key(f"{L0}.mlp.experts.{e}.{n}.weight", s) for e in range(E)])  # noqa: E731
         moe0 = {"w_gate_up": Cat([ex("gate_proj", (I, D)), ex("up_proj", (I, D))], dim=1),
                 "w_down": ex("down_proj", (D, I))}
     return {
@@ -77,7 +77,7 @@ CFG = ToyConfig()
 def hf_tensors(cfg=CFG, seed=0):
     g = torch.Generator().manual_seed(seed)
     V, D, I, E = cfg.vocab, cfg.dim, cfg.inter, cfg.experts
-    r = lambda *s: torch.randn(*s, generator=g)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     L0, L1 = "model.layers.0", "model.layers.1"
     out = {"model.embed_tokens.weight": r(V, D), f"{L0}.self_attn.q_proj.weight": r(D, D),
            f"{L0}.self_attn.o_proj.weight": r(D, D), f"{L0}.mlp.gate_proj.weight": r(I, D),
@@ -92,7 +92,7 @@ def hf_tensors(cfg=CFG, seed=0):
 
 def expected_params(hf, cfg=CFG):
     L0, L1 = "model.layers.0", "model.layers.1"
-    ex = lambda e, n: hf[f"{L0}.mlp.experts.{e}.{n}.weight"]
+    ex = lambda e, n: hf[f"{L0}.mlp.experts.{e}.{n}.weight"]  # noqa: E731
     gu, b = hf[f"{L1}.mlp.experts.gate_up_proj"], hf[f"{L1}.mlp.experts.gate_up_proj_bias"]
     return {
         "embed": hf["model.embed_tokens.weight"], "norm": hf["model.norm.weight"], "lm_head": hf["lm_head.weight"],

@@ -48,7 +48,7 @@ def qwen_specs(cfg, keys=None):
                             (f"{L}.input_layernorm.weight", (D,)), (f"{L}.post_attention_layernorm.weight", (D,)),
                             (f"{L}.mlp.gate.weight", (E, D))):
             specs[name] = Key(name, shape)
-        ex = lambda n, s: Stack([Key(f"{L}.mlp.experts.{e}.{n}.weight", s) for e in range(E)])
+        ex = lambda n, s: Stack([Key(f"{L}.mlp.experts.{e}.{n}.weight", s) for e in range(E)])  # noqa: E731
         specs[f"{L}.mlp.experts.gate_up_proj"] = Cat([ex("gate_proj", (I, D)), ex("up_proj", (I, D))], dim=1)
         specs[f"{L}.mlp.experts.down_proj"] = ex("down_proj", (D, I))
     return specs

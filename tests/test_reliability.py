@@ -282,7 +282,7 @@ def _listening(rank, world):
     import warnings
 
     import torch.distributed as dist
-    warnings.warn("`thing` is deprecated", FutureWarning)
+    warnings.warn("`thing` is deprecated", FutureWarning, stacklevel=1)
     t = torch.ones(1)
     dist.all_reduce(t)
     dist.all_reduce(t, group=fmoe.Mesh(tp=2).group("tp"))

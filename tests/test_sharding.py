@@ -9,7 +9,7 @@ from fmoe.testing import spawn
 
 def full_params():
     g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     return {"colwise": r(8, 6), "rowwise": r(6, 8), "experts": r(8, 3, 2), "rep": r(5),
             "packed": r(8, 3), "nested": r(8, 2), "bias": r(4), "packed_fsdp": r(8, 4)}
 

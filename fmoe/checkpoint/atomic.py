@@ -290,7 +290,16 @@ def atomic_directory(path: Union[str, os.PathLike]) -> Iterator[str]:
         a context manager yielding the temporary directory to write into.
 
     Example:
-        >>> # with atomic_directory("ckpt") as tmp: write_checkpoint(tmp, tensors, config)
+        >>> import shutil, tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> path = os.path.join(root, "ckpt")
+        >>> with atomic_directory(path) as tmp:
+        ...     _ = open(os.path.join(tmp, "config.json"), "w").write("{}")
+        ...     print(os.path.exists(path))              # nothing at path until the block ends
+        False
+        >>> os.listdir(path)
+        ['config.json']
+        >>> shutil.rmtree(root)
     """
     tmp = begin(path)
     try:

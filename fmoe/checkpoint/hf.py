@@ -30,8 +30,14 @@ splits every tensor back into checkpoint keys with the specs and writes ``config
 safetensors files into a temporary directory that replaces ``path`` atomically.
 
 Example:
-    >>> # params, cfg = load_hf(qwen3_moe, "ckpt", mesh=fmoe.Mesh(tp=2, ep=4))
-    >>> # save_hf(qwen3_moe, params, cfg, "ckpt-out")
+    >>> import shutil, tempfile
+    >>> from fmoe.models import qwen3_moe
+    >>> cfg, root = qwen3_moe.Config.tiny(), tempfile.mkdtemp()
+    >>> save_hf(qwen3_moe.MODEL, qwen3_moe.init(cfg), cfg, os.path.join(root, "ckpt"))
+    >>> params, loaded = load_hf(qwen3_moe.MODEL, os.path.join(root, "ckpt"))
+    >>> loaded == cfg, torch.equal(params["layers"][1]["moe"]["w_down"], qwen3_moe.init(cfg)["layers"][1]["moe"]["w_down"])
+    (True, True)
+    >>> shutil.rmtree(root)
 """
 
 from __future__ import annotations
@@ -69,8 +75,10 @@ def hf_specs_of(model: Any, cfg: Any, keys: Optional[list[str]] = None) -> tuple
         the spec tree (parameter-tree structure) and its flat dotted-path view.
 
     Example:
-        >>> # tree, flat = hf_specs_of(qwen3_moe, cfg, Checkpoint("ckpt").keys())
-        >>> # flat["layers.0.moe.w_down"].shape   # (E, D, I)
+        >>> from fmoe.models import qwen3_moe
+        >>> tree, flat = hf_specs_of(qwen3_moe.MODEL, qwen3_moe.Config.tiny())
+        >>> flat["layers.0.moe.w_down"].shape, tree["layers"][0]["moe"]["w_down"] is flat["layers.0.moe.w_down"]
+        ((8, 64, 32), True)
     """
     specs = model.hf_specs(cfg, keys)
     if isinstance(specs, Mapping) and specs and all(isinstance(v, Spec) for v in specs.values()):
@@ -132,7 +140,14 @@ def load_hf(model: Any, path: Union[str, os.PathLike, Checkpoint], mesh: Optiona
         ``(params, cfg)``; with a mesh ``params`` equals ``fmoe.shard(full, plan, mesh)``.
 
     Example:
-        >>> # params, cfg = load_hf(qwen3_moe, "ckpt", mesh=fmoe.Mesh(tp=2, ep=4))
+        >>> import shutil, tempfile
+        >>> from fmoe.models import llama
+        >>> cfg, root = llama.Config.tiny(), tempfile.mkdtemp()
+        >>> save_hf(llama.MODEL, llama.init(cfg), cfg, os.path.join(root, "ckpt"))
+        >>> params, _ = load_hf(llama.MODEL, os.path.join(root, "ckpt"), dtype=torch.bfloat16)
+        >>> params["layers"][0]["mlp"]["w_gate_up"].dtype, tuple(params["layers"][0]["mlp"]["w_gate_up"].shape)
+        (torch.bfloat16, (256, 64))
+        >>> shutil.rmtree(root)
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"load_hf: dtype must be a torch.dtype or None, got {dtype!r}")
@@ -251,7 +266,15 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
         None.
 
     Example:
-        >>> # save_hf(qwen3_moe, params, cfg, "out")   # then Qwen3MoeForCausalLM.from_pretrained("out")
+        >>> import shutil, tempfile, transformers
+        >>> from fmoe.models import mixtral
+        >>> cfg, root = mixtral.Config.tiny(), tempfile.mkdtemp()
+        >>> save_hf(mixtral.MODEL, mixtral.init(cfg), cfg, os.path.join(root, "out"))
+        >>> sorted(os.listdir(os.path.join(root, "out")))
+        ['config.json', 'model.safetensors']
+        >>> type(transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "out"))).__name__
+        'MixtralForCausalLM'
+        >>> shutil.rmtree(root)
     """
     _, flat = hf_specs_of(model, cfg, None)
     leaves = _tree.flatten(params)

@@ -20,9 +20,15 @@ is caught before anything is read. The format has no checksum of the tensor byte
 numbered shards and an index), as transformers' ``save_pretrained`` does.
 
 Example:
-    >>> # with Checkpoint("path/to/model") as ck:
-    >>> #     w = ck.read("model.embed_tokens.weight", (slice(0, 128), slice(None)))
-    >>> #     ck.bytes_read
+    >>> import shutil, tempfile
+    >>> tmp = tempfile.mkdtemp()
+    >>> write_checkpoint(tmp, {"model.embed_tokens.weight": torch.ones(256, 8)}, {"model_type": "llama"})
+    ['config.json', 'model.safetensors']
+    >>> with Checkpoint(tmp) as ck:
+    ...     w = ck.read("model.embed_tokens.weight", (slice(0, 128), slice(None)))
+    ...     print(tuple(w.shape), ck.bytes_read)        # half the rows read, half the bytes
+    (128, 8) 4096
+    >>> shutil.rmtree(tmp)
 """
 
 from __future__ import annotations
@@ -67,7 +73,13 @@ class Checkpoint:
         tensor data returned by :meth:`read` so far.
 
     Example:
-        >>> # ck = Checkpoint("ckpt"); ck.shape("lm_head.weight"); ck.read("lm_head.weight")
+        >>> import shutil, tempfile
+        >>> tmp = tempfile.mkdtemp()
+        >>> _ = write_checkpoint(tmp, {"lm_head.weight": torch.arange(6.0).reshape(3, 2)}, {})
+        >>> ck = Checkpoint(tmp)
+        >>> ck.shape("lm_head.weight"), ck.read("lm_head.weight", (slice(1, 2),)).tolist()
+        ((3, 2), [[2.0, 3.0]])
+        >>> ck.close(); shutil.rmtree(tmp)
     """
 
     def __init__(self, path: Union[str, os.PathLike]):
@@ -227,7 +239,11 @@ def write_checkpoint(directory: str, tensors: Mapping[str, torch.Tensor], config
         the names of the files written.
 
     Example:
-        >>> # write_checkpoint(tmp, {"lm_head.weight": w}, cfg.to_hf())   # config.json, model.safetensors
+        >>> import shutil, tempfile
+        >>> tmp = tempfile.mkdtemp()
+        >>> write_checkpoint(tmp, {"a": torch.ones(4), "b": torch.ones(4)}, {}, max_shard_size=16)  # 16 bytes each
+        ['config.json', 'model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
+        >>> shutil.rmtree(tmp)
     """
     limit = parse_size(max_shard_size)
     shards: list[list[str]] = [[]]

@@ -131,7 +131,15 @@ class Spec:
             the block as a tensor.
 
         Example:
-            >>> # spec.read((slice(0, 2), slice(None)))   # first two rows only
+            >>> import shutil, tempfile
+            >>> from fmoe.checkpoint import Cat, Checkpoint, write_checkpoint
+            >>> tmp = tempfile.mkdtemp()
+            >>> _ = write_checkpoint(tmp, {"gate": torch.zeros(2, 3), "up": torch.ones(2, 3)}, {})
+            >>> with Checkpoint(tmp) as ck:
+            ...     spec = Cat([Key("gate", (2, 3)), Key("up", (2, 3))], dim=0).bind(ck)
+            ...     print(spec.read((slice(1, 3),)).tolist(), ck.bytes_read)   # one row of each: 2 x 12 bytes
+            [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]] 24
+            >>> shutil.rmtree(tmp)
         """
         idx = normalize_index(index, self.shape)
         if any(_size(s) == 0 for s in idx):

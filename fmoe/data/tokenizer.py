@@ -126,5 +126,5 @@ def load_tokenizer(spec: Union[str, os.PathLike, None]) -> Union[ByteTokenizer, 
                          "directory holding tokenizer.json")
     try:
         return HFTokenizer(found)
-    except Exception as e:  # noqa: BLE001 - the tokenizers package raises plain Exceptions
+    except Exception as e:  # the tokenizers package raises plain Exceptions
         raise ValueError(f"tokenizer {found!r}: not a valid Hugging Face tokenizer.json ({e})") from e

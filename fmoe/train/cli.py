@@ -162,7 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"fmoe.train: error: stopped by {e}; every rank stopped (last complete checkpoint: "
               f"{good or 'none'}; a save cut short is never used)", file=sys.stderr)
         return 128 + e.signum
-    except BaseException as e:  # noqa: BLE001 - every failure is one line (CheckpointException too)
+    except BaseException as e:  # every failure is one line (CheckpointException too)
         if isinstance(e, SystemExit) and e.code in (0, None):
             raise
         if args.debug:
