@@ -68,7 +68,7 @@ class Widths(NamedTuple):
     L: int
     E: int
     K: int
-    I: int  # noqa: E741  (the project's shape letter for the expert hidden size)
+    I: int
     Id: int
 
 

@@ -37,7 +37,7 @@ import traceback
 from typing import Optional, Sequence
 
 from . import options
-from .flags import DEFAULT_OUT, build_parser  # noqa: F401 - re-exported: fmoe.train.cli.build_parser
+from .flags import DEFAULT_OUT, build_parser
 from .loop import NonFiniteStep, log_row, run
 from .parse import inside, launcher_world, parse_args
 

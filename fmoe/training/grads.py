@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from .. import tree as _tree
 from ..collectives import all_reduce_coalesced
-from ..mesh import DATA_AXES, Mesh  # noqa: F401  (DATA_AXES re-exported)
+from ..mesh import DATA_AXES, Mesh
 from ..sharding import placed_like as _like
 
 __all__ = ["reduce_grads", "DATA_AXES"]
