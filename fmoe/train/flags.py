@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from . import options
+from . import balancing, options
 
 MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama", "deepseek_v3")
 DEFAULT_OUT = "runs/fmoe"
@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this Hugging Face checkpoint (config and weights; weights cast to "
                         "fp32 master weights) instead of a random --preset model (default: none)")
     m.add_argument("--aux-weight", metavar="X", type=float, default=0.01,
-                   help="coefficient of the per-layer load-balance loss of MoE models (0: off)")
+                   help="coefficient of the per-layer load-balance loss of MoE models (--balance aux / seq_aux "
+                        "/ global_aux; 0: off)")
+    balancing.add_arguments(m)
     m.add_argument("--impl", metavar="NAME", default="auto", help="MoE dispatch implementation (a name registered in fmoe.ep)")
     h = g["mesh"]
     h.add_argument("--nproc", metavar="N", type=_positive("--nproc"), default=1,

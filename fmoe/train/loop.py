@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import asdict, is_dataclass
 
-from . import options
+from . import balancing, options
 
 __all__ = ["run", "log_row", "NonFiniteStep"]
 
@@ -134,7 +134,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         raise ValueError(f"model vocab_size {cfg.vocab_size} cannot hold the data's token ids "
                          f"(vocabulary {train_data.vocab_size} of {train_data.name})")
     full = fmoe.tree.map_with_path(lambda _, t: t.to(device), full)
-    cfg = model_of(model).with_aux_loss(cfg, args.aux_weight)      # declared switch, no probing
+    # the trainer's router carries the balance losses (fmoe.train.balancing); the exported config
+    # records the Switch loss weight as transformers reads it
+    hf_cfg = model_of(model).with_aux_loss(cfg, args.aux_weight if args.balance == "aux" else 0.0)
+    cfg = model_of(model).with_aux_loss(cfg, 0.0)                  # declared switch, no probing
+    full = balancing.with_expert_bias(full, args)                  # --balance bias on any MoE model
     model_plan = model_of(model).build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model_of(model).build_plan(cfg, model_plan, mesh, full, data_parallel=True)
     packed = ckpt.packed_layout(plan, full)
@@ -148,11 +152,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     if args.resume_path:
         start = ckpt.load(args.resume_path, params, opt_state, packed)["step"]
     step_cfg = StepConfig(opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
-                          impl=args.impl, **options.step_options(args))
+                          impl=args.impl, **balancing.step_options(args, cfg, options.step_options(args)))
     rank0 = rank == 0
     if rank0 and not args.quiet:
         options.print_memory_plan(args, model, cfg, model_plan, world)
-    meta = {**_job_meta(args, model, cfg, mesh), **options.run_meta(args, tokenizer, device)}
+    meta = {**_job_meta(args, model, hf_cfg, mesh), **options.run_meta(args, tokenizer, device),
+            **balancing.record(args)}
     bar = _Progress(args.steps, rank0 and not args.quiet)
     last: dict = {}
     skipped = 0
@@ -183,7 +188,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
     if args.export_hf:
-        model.save_hf(params, cfg, args.export_hf, overwrite=args.overwrite)
+        model.save_hf(params, hf_cfg, args.export_hf, overwrite=args.overwrite)
         if rank0:
             options.export_tokenizer(tokenizer, args.export_hf)
     return last

@@ -16,7 +16,7 @@ import os
 from typing import Optional, Sequence
 
 from ..mesh import check_layout
-from . import options
+from . import balancing, options
 from .flags import MODELS, build_parser
 
 FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate"}   # mesh fields as flags
@@ -72,6 +72,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.resume_path = None
     if args.resume:
         _check_resume(ap, args)
+    balancing.resolve(args, ap.error)                 # after a resume filled in the kept settings
     _check_out(ap, args)
     return args
 
