@@ -12,8 +12,8 @@ step's batch it is the *batch* MaxVio. :func:`load_metrics` gives both lists per
 percentiles of MaxVio across layers (linear interpolation, as ``torch.quantile``).
 
 Example:
-    >>> maxvio(torch.tensor([3, 1, 0, 0]))
-    tensor(2.)
+    >>> maxvio(torch.tensor([3, 1, 0, 0])).item()
+    2.0
 """
 
 from __future__ import annotations

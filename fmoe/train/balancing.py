@@ -116,13 +116,13 @@ def add_arguments(group: Any) -> None:
                        help=f"load-balancing methods of MoE models, from {', '.join(METHODS)} (default: the "
                             "model's own: aux for qwen3_moe/mixtral/gpt_oss, bias for deepseek_v3)")
     group.add_argument("--z-weight", metavar="X", type=float, default=None,
-                       help=f"coefficient of the router z-loss (--balance z; default {DEFAULT_Z})")
+                       help=f"coefficient of the router z-loss (--balance z) (default: {DEFAULT_Z})")
     group.add_argument("--bias-rate", metavar="U", type=float, default=None,
-                       help=f"step of the expert-bias update after each step (--balance bias; default "
-                            f"{DEFAULT_RATE}; 0: the bias stays frozen)")
+                       help=f"step of the expert-bias update after each step (--balance bias; 0: the bias "
+                            f"stays frozen) (default: {DEFAULT_RATE})")
     group.add_argument("--bias-update", choices=("sign", "proportional"), default=None,
                        help="rule of the expert-bias update: sign(mean - load) or (mean - load) / mean "
-                            "(--balance bias; default sign)")
+                            "(--balance bias) (default: sign)")
 
 
 def parse_methods(text: str) -> tuple:
