@@ -151,8 +151,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     start = 0
     if args.resume_path:
         start = ckpt.load(args.resume_path, params, opt_state, packed)["step"]
-    step_cfg = StepConfig(opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
-                          impl=args.impl, **balancing.step_options(args, cfg, options.step_options(args)))
+    step_cfg = vars(args).get("step_config") or StepConfig(   # fmoe.train.run(step_config=...) replaces it
+        opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
+        impl=args.impl, **balancing.step_options(args, cfg, options.step_options(args)))
     rank0 = rank == 0
     if rank0 and not args.quiet:
         options.print_memory_plan(args, model, cfg, model_plan, world)
