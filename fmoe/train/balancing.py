@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional
 import torch
 
 __all__ = ["METHODS", "add_arguments", "parse_methods", "resolve", "record", "router_for", "with_expert_bias",
-           "model_router", "score_name", "step_options", "RECORDED"]
+           "model_router", "score_name", "step_options", "with_recording", "RECORDED"]
 
 METHODS = ("none", "aux", "seq_aux", "global_aux", "z", "bias")
 LOSS_METHODS = ("aux", "seq_aux", "global_aux")
@@ -120,6 +120,9 @@ def add_arguments(group: Any) -> None:
     group.add_argument("--bias-rate", metavar="U", type=float, default=None,
                        help=f"step of the expert-bias update after each step (--balance bias; 0: the bias "
                             f"stays frozen) (default: {DEFAULT_RATE})")
+    group.add_argument("--record-routing", metavar="DIR", default=None,
+                       help="record every router call's expert ids (one safetensors file per rank, written at the "
+                            "end) for --router replay:record=DIR (default: none)")
     group.add_argument("--bias-update", choices=("sign", "proportional"), default=None,
                        help="rule of the expert-bias update: sign(mean - load) or (mean - load) / mean "
                             "(--balance bias) (default: sign)")
@@ -161,6 +164,7 @@ def resolve(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
              if d in explicit and getattr(args, d) is not None]
     flag = lambda d: "--" + d.replace("_", "-")  # noqa: E731
     if args.model not in ROUTED:
+        given += ["record_routing"] if vars(args).get("record_routing") else []
         if given:
             error(f"{flag(given[0])}: model {args.model} is dense (no router); balancing flags apply to the MoE "
                   f"models {', '.join(ROUTED)}")
@@ -186,6 +190,11 @@ def resolve(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
     if "bias" in methods and not _reads_bias(args):
         error(f"--balance bias: --router {args.router!r} does not read expert_bias, so the bias would move without "
               "changing the routing; use a router that takes expert_bias (e.g. sigmoid_topk) or another method")
+    replaying = bool(args.router) and args.router.split(":")[0] == "replay"
+    if (vars(args).get("record_routing") or replaying) and vars(args).get("remat", "none") != "none":
+        what = "--record-routing" if vars(args).get("record_routing") else "--router replay"
+        error(f"{what} with --remat {args.remat}: "
+              "recomputation calls the router again in backward, out of the recorded order; use --remat none")
     if "bias" in methods and args.export_hf and args.model not in HF_BIAS_MODELS:
         error(f"--export-hf with --balance bias: the Hugging Face format of {args.model} has no expert bias, so the "
               f"exported model would route differently than it trained; export {', '.join(HF_BIAS_MODELS)} "
@@ -232,6 +241,20 @@ def step_options(args: argparse.Namespace, cfg: Any, options: dict) -> dict:
     return {**options, "router": router_for(args, cfg, options.get("router")),
             "bias_rate": float(args.bias_rate or 0.0), "bias_update": args.bias_update or "sign",
             "global_balance": float(args.aux_weight) if "global_aux" in methods else 0.0}
+
+
+def with_recording(args: argparse.Namespace, step_cfg: Any, rank: int) -> tuple[Any, Optional[Callable]]:
+    """``(step_cfg, write)``: with ``--record-routing DIR`` the step's router records its ids and
+    ``write()`` saves this rank's file (:mod:`fmoe.routing.record`); else ``(step_cfg, None)``."""
+    import dataclasses
+
+    from ..routing.record import record_writer, recording
+
+    if not vars(args).get("record_routing"):
+        return step_cfg, None
+    calls: list = []
+    return (dataclasses.replace(step_cfg, router=recording(step_cfg.router, calls)),
+            record_writer(calls, args.record_routing, rank))
 
 
 def with_expert_bias(full: Any, args: argparse.Namespace) -> Any:

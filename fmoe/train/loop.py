@@ -154,6 +154,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     step_cfg = vars(args).get("step_config") or StepConfig(   # fmoe.train.run(step_config=...) replaces it
         opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
         impl=args.impl, **balancing.step_options(args, cfg, options.step_options(args)))
+    step_cfg, write_record = balancing.with_recording(args, step_cfg, rank)     # --record-routing
     rank0 = rank == 0
     if rank0 and not args.quiet:
         options.print_memory_plan(args, model, cfg, model_plan, world)
@@ -188,6 +189,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
+    if write_record is not None:
+        write_record()
     if args.export_hf:
         model.save_hf(params, hf_cfg, args.export_hf, overwrite=args.overwrite)
         if rank0:
