@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coefficient of the per-layer load-balance loss of MoE models (--balance aux / seq_aux "
                         "/ global_aux; 0: off)")
     balancing.add_arguments(m)
+    m.add_argument("--upcycle", metavar="E,K", default=None,
+                   help="with --model mixtral --init-hf LLAMA_DIR: start from the dense model, each MLP copied into E "
+                        "experts, top-K routing (fmoe.train.upcycle) (default: none)")
     m.add_argument("--impl", metavar="NAME", default="auto", help="MoE dispatch implementation (a name registered in fmoe.ep)")
     h = g["mesh"]
     h.add_argument("--nproc", metavar="N", type=_positive("--nproc"), default=1,

@@ -118,7 +118,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     model = importlib.import_module(f"fmoe.models.{args.model}")
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
     device = options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))
-    if args.init_hf:                                   # fp32 master weights whatever the file holds
+    if args.init_hf and vars(args).get("upcycle"):    # a dense llama checkpoint, MLPs copied into experts
+        from fmoe.train.upcycle import parse_upcycle, upcycle
+        dense, dense_cfg = importlib.import_module("fmoe.models.llama").load_hf(args.init_hf, dtype=torch.float32)
+        full, cfg = upcycle(dense, dense_cfg, model.Config, *parse_upcycle(args.upcycle), seed=args.seed)
+        tokenizer = options.resolve_tokenizer(args, cfg.vocab_size)
+    elif args.init_hf:                                 # fp32 master weights whatever the file holds
         full, cfg = model.load_hf(args.init_hf, dtype=torch.float32)
         tokenizer = options.resolve_tokenizer(args, cfg.vocab_size)
     elif args.resume_path:                             # the config the checkpoint was trained with
@@ -159,7 +164,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     if rank0 and not args.quiet:
         options.print_memory_plan(args, model, cfg, model_plan, world)
     meta = {**_job_meta(args, model, hf_cfg, mesh), **options.run_meta(args, tokenizer, device),
-            **balancing.record(args)}
+            **balancing.record(args), "upcycle": vars(args).get("upcycle")}
     bar = _Progress(args.steps, rank0 and not args.quiet)
     last: dict = {}
     skipped = 0

@@ -73,6 +73,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.resume:
         _check_resume(ap, args)
     balancing.resolve(args, ap.error)                 # after a resume filled in the kept settings
+    _check_upcycle(ap, args)
     _check_out(ap, args)
     return args
 
@@ -93,6 +94,20 @@ def _check_resume(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
         ap.error(f"--resume {path}: meta.json names model {meta.get('model')!r}, not one of {MODELS}")
     resume.apply(args, meta, path, ap.error)
     args.resume_path, args.resume_meta = path, meta
+
+
+def _check_upcycle(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.upcycle is None:
+        return
+    from fmoe.train.upcycle import parse_upcycle
+
+    if args.model != "mixtral" or not args.init_hf:
+        ap.error(f"--upcycle {args.upcycle}: upcycles a dense llama checkpoint into mixtral; give --model mixtral "
+                 f"--init-hf LLAMA_DIR (this run: --model {args.model}, --init-hf {args.init_hf})")
+    try:
+        parse_upcycle(args.upcycle)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def inside(path: str, root: str) -> bool:
