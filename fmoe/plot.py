@@ -109,9 +109,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("outs", nargs="+", metavar="OUT", help="run directories (each with log.jsonl)")
     ap.add_argument("--out", default="runs.png", help="image to write")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--metric", default=None, help="draw this log.jsonl key alone (e.g. maxvio, eval_maxvio; "
+                    "fmoe.plot_metric) instead of the four panels")
+    ap.add_argument("--log", action="store_true", help="with --metric: logarithmic y axis")
+    ap.add_argument("--smooth", type=int, default=1, metavar="N", help="with --metric: trailing mean over N points")
+    ap.add_argument("--per-layer", action="store_true", help="with --metric: one line per MoE layer")
     args = ap.parse_args(argv)
     try:
-        plot_runs(args.outs, args.out, args.title)
+        if args.metric:
+            from .plot_metric import plot_metric
+
+            plot_metric(args.outs, args.out, args.metric, log=args.log, smoothing=args.smooth,
+                        per_layer=args.per_layer, title=args.title)
+        else:
+            plot_runs(args.outs, args.out, args.title)
     except ValueError as e:
         print(f"fmoe.plot: error: {e}", file=sys.stderr)
         return 2
