@@ -5,8 +5,8 @@ Any key of ``log.jsonl`` works (``maxvio``, ``eval_maxvio``, ``load_imbalance``,
 ``expert_bias_absmax``, ...). A per-layer metric (a list per row) is drawn as the mean over its
 layers, or one line per layer with ``--per-layer``; ``--smooth N`` is a trailing mean over the
 last ``N`` logged points (the first points average what exists), ``--log`` a logarithmic y axis
-(non-positive values are not drawn there). Each run is labelled by its recorded settings: the
-:func:`fmoe.plot.label` (model, router, mesh) plus the balancing of its ``meta.json``
+(non-positive values are not drawn there). Each run is labelled by its recorded settings: model, router and
+mesh (as :func:`fmoe.plot.label`) plus the balancing of its ``meta.json``
 (``balance bias u=0.01 sign``, ``balance aux w=0.01``).
 
 Example:
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Optional, Sequence
 
-__all__ = ["series", "smooth", "settings_label", "plot_metric"]
+__all__ = ["series", "smooth", "latest_meta", "settings_label", "plot_metric"]
 
 
 def series(out: str, metric: str) -> tuple[list, list]:
@@ -64,18 +65,31 @@ def smooth(values: Sequence[float], n: int) -> list[float]:
     return out
 
 
+def latest_meta(out: str) -> dict:
+    """The ``meta.json`` of a run directory's latest ``step-N`` checkpoint ({} when none)."""
+    found = [(int(m.group(1)), os.path.join(out, d, "meta.json")) for d in os.listdir(out)
+             for m in [re.fullmatch(r"step-(\d+)", d)] if m and os.path.isfile(os.path.join(out, d, "meta.json"))]
+    if not found:
+        return {}
+    with open(max(found)[1]) as f:
+        return json.load(f)
+
+
 def settings_label(run: dict) -> str:
-    """:func:`fmoe.plot.label` plus the run's balancing settings from its ``meta.json``.
+    """Model, router, mesh (as :func:`fmoe.plot.label`) plus the balancing settings of a run's
+    ``meta.json`` (``run = {"out": dir, "meta": dict}``).
 
     Example:
         >>> settings_label({"out": "a", "meta": {"model": "qwen3_moe", "balance": "bias", "bias_rate": 0.01,
         ...                                      "bias_update": "sign", "mesh": {"tp": 1}}})
         'qwen3_moe, router default, tp=1, balance bias u=0.01 sign'
     """
-    from .plot import label
-
     meta = run["meta"]
-    text = label(run)
+    if not meta:
+        return os.path.basename(os.path.normpath(run["out"]))
+    mesh = meta.get("mesh", {})
+    axes = " ".join(f"{k}={mesh[k]}" for k in ("tp", "ep", "fsdp", "dp_replicate") if k in mesh)
+    text = f"{meta.get('model', '?')}, router {meta.get('router') or 'default'}, {axes}"
     if meta.get("balance"):
         parts = [f"balance {meta['balance']}"]
         for key, short in (("aux_weight", "w"), ("z_weight", "z"), ("bias_rate", "u")):
@@ -105,10 +119,8 @@ def plot_metric(outs: Sequence[str], path: str, metric: str, *, log: bool = Fals
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plot import load_run
-
     smooth([0.0], smoothing)                                # checks the window before any work
-    runs = [(load_run(o), series(o, metric)) for o in outs]
+    runs = [({"out": o, "meta": latest_meta(o)}, series(o, metric)) for o in outs]
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for i, (run, (steps, values)) in enumerate(runs):
         name, color = settings_label(run), f"C{i % 10}"

@@ -323,7 +323,7 @@ LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own 
     (3, ("fmoe.routing", "fmoe.ep", "fmoe.aux_losses")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
     (5, ("fmoe.model", "fmoe.train", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan", "fmoe.plan.__main__",
-         "fmoe.plot")),
+         "fmoe.plot", "fmoe.plot_metric")),
     (6, ("fmoe.models",)),
 ]
 
