@@ -11,8 +11,10 @@ here a ``ValueError`` with the CLI's message, before anything starts) and the sa
 
 A research loop that needs more than the flags passes ``step_config=`` (a
 :class:`fmoe.train.step.StepConfig`): it replaces the one the flags would build (optimizer
-settings, router, bias rate, ...). With ``nproc > 1`` it travels to the spawned ranks by
-pickling, so its router must be importable (a module-level function, not a lambda).
+settings, router, bias rate, ...). With ``nproc > 1`` it travels to the spawned ranks with
+the settings (by cloudpickle, so a router defined in a notebook works). The model config's own
+router-loss switch is off in the job (the flags' router carries the balance losses), so a
+replacing router brings its own losses (:func:`fmoe.routing.with_losses`).
 
 Example:
     >>> sorted(settings_argv(dict(model="qwen3_moe", steps=3, quiet=True)))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from . import balancing, options
+from . import balancing, options, threads
 
 MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "llama", "deepseek_v3")
 DEFAULT_OUT = "runs/fmoe"
@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = g["runtime"]
     r.add_argument("--timeout", metavar="X", type=_positive_float("--timeout"), default=1800.0,
                    help="collective timeout, seconds")
+    threads.add_argument(r, _positive("--threads"))
     r.add_argument("--quiet", action="store_true", help="no progress bar (default: a progress bar on rank 0)")
     r.add_argument("--debug", action="store_true",
                    help="print the full traceback of an error (default: one line)")

@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict, is_dataclass
 
 from . import balancing, options
+from .threads import threads_of
 
 __all__ = ["run", "log_row", "NonFiniteStep"]
 
@@ -115,6 +116,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from fmoe.train.outdir import check_room
     from fmoe.train.step import StepConfig, train_step
 
+    torch.set_num_threads(threads_of(args))           # --threads (fmoe.train.threads)
     model = importlib.import_module(f"fmoe.models.{args.model}")
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
     device = options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))
@@ -164,7 +166,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     if rank0 and not args.quiet:
         options.print_memory_plan(args, model, cfg, model_plan, world)
     meta = {**_job_meta(args, model, hf_cfg, mesh), **options.run_meta(args, tokenizer, device),
-            **balancing.record(args), "upcycle": vars(args).get("upcycle")}
+            **balancing.record(args), "upcycle": vars(args).get("upcycle"), "threads": torch.get_num_threads()}
     bar = _Progress(args.steps, rank0 and not args.quiet)
     last: dict = {}
     skipped = 0
