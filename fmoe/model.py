@@ -99,6 +99,13 @@ class Model:
         hf_router: how the model's Hugging Face config states its router, for exports:
             ``(fmoe.routing scheme, {scheme argument: config field}, {fixed argument: value})``,
             or None when the config has no router fields.
+        router: ``router(cfg, biased=False)``: the router ``forward`` uses by default (``biased``:
+            its twin that also reads ``expert_bias``, for ``--balance bias``); None for a dense model.
+        router_scores: the default router's score function, ``"softmax"`` or ``"sigmoid"`` (the
+            balance losses use the same probabilities).
+        hf_expert_bias: the Hugging Face format holds the expert bias (exportable after bias updates).
+        balance: the model's own load-balancing method when ``--balance`` is not given (``"aux"``
+            or ``"bias"``: aux-loss-free expert-bias updates).
     """
 
     name: str
@@ -116,6 +123,10 @@ class Model:
     remat_blocks: tuple = ("layer", "moe")
     width_fields: Mapping[str, Optional[str]] = field(default_factory=dict)
     hf_router: Optional[tuple] = None
+    router: Optional[Callable] = None
+    router_scores: str = "softmax"
+    hf_expert_bias: bool = False
+    balance: str = "aux"
 
     def __post_init__(self):
         unknown = sorted(set(self.width_fields) - set(WIDTH_FIELDS))

@@ -23,6 +23,8 @@ import re
 import sys
 from typing import Optional, Sequence
 
+from .plot_metric import plot_metric, save_png
+
 __all__ = ["load_run", "label", "plot_runs", "main", "PANELS", "DEFAULT_OUT"]
 
 DEFAULT_OUT = "runs.png"
@@ -113,7 +115,7 @@ def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
     fig.legend(handles, [label(r) for r in runs], loc="lower center", ncol=1, fontsize=8)
     fig.suptitle(title or "fmoe training runs")
     fig.tight_layout(rect=(0, 0.04 + 0.03 * len(runs), 1, 1))
-    _save(fig, path)
+    save_png(fig, path)
     plt.close(fig)
     return fig
 
@@ -124,30 +126,6 @@ def _check_out(path: str) -> None:
         raise ValueError(f"--out {path!r}: the directory {folder!r} does not exist")
 
 
-def _save(fig, path: str) -> None:
-    """PNG into a temporary file beside ``path``, then one rename (a link at ``path`` is replaced,
-    never written through)."""
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                               dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, dpi=100, format="png")
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m fmoe.plot``; returns the exit code (2: a bad run or --out)."""
     ap = argparse.ArgumentParser(prog="python -m fmoe.plot", description="Plot training runs of python -m fmoe.train.",
@@ -156,12 +134,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", default=None, help=f"image to write (default: {DEFAULT_OUT}, never overwritten: "
                                                 "an existing one needs --out)")
     ap.add_argument("--title", default=None, help="figure title (default: fmoe training runs)")
+    ap.add_argument("--metric", default=None, help="draw this log.jsonl key alone (e.g. maxvio, eval_maxvio; "
+                    "fmoe.plot_metric) instead of the four panels")
+    ap.add_argument("--log", action="store_true", help="with --metric: logarithmic y axis")
+    ap.add_argument("--smooth", type=int, default=1, metavar="N", help="with --metric: trailing mean over N points")
+    ap.add_argument("--per-layer", action="store_true", help="with --metric: one line per MoE layer")
     args = ap.parse_args(argv)
     path = args.out or DEFAULT_OUT
     try:
         if args.out is None and os.path.lexists(DEFAULT_OUT):
             raise ValueError(f"{DEFAULT_OUT} exists; pass --out {DEFAULT_OUT} to replace it, or another --out")
-        plot_runs(args.outs, path, args.title)
+        if args.metric:
+            _check_out(path)
+            plot_metric(args.outs, path, args.metric, log=args.log, smoothing=args.smooth,
+                        per_layer=args.per_layer, title=args.title)
+        else:
+            plot_runs(args.outs, path, args.title)
     except ValueError as e:
         print(f"fmoe.plot: error: {e}", file=sys.stderr)
         return 2

@@ -239,8 +239,9 @@ def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry
 
 
-def default_router(cfg: Config):
-    """transformers' ``noaux_tc`` routing: :func:`fmoe.routing.sigmoid_topk` with group limits."""
+def default_router(cfg: Config, biased: bool = True):
+    """transformers' ``noaux_tc`` routing: :func:`fmoe.routing.sigmoid_topk` with group limits
+    (its selection reads ``expert_bias`` already, so ``biased`` changes nothing)."""
     return fmoe.routing.sigmoid_topk(cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob,
                                      scale=cfg.routed_scaling_factor, num_groups=cfg.n_group,
                                      topk_groups=cfg.topk_group, group_top=2)
@@ -323,5 +324,7 @@ MODEL = Model("deepseek_v3", Config, init, forward, plan, hf_specs, hf_ignore=HF
               width_fields={"E": "n_routed_experts", "G": None, "hd": None},
               hf_router=("sigmoid_topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob",
                                           "scale": "routed_scaling_factor", "num_groups": "n_group",
-                                          "topk_groups": "topk_group"}, {"group_top": 2}))
+                                          "topk_groups": "topk_group"}, {"group_top": 2}),
+              router=default_router, router_scores="sigmoid", hf_expert_bias=True,
+              balance="bias")
 check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

@@ -161,6 +161,12 @@ def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo")), entry  # [B, S, D]
 
 
+def default_router(cfg: Config, biased: bool = False):
+    """Top-k of the logits, softmax over the chosen (``biased``: selection also reads ``expert_bias``)."""
+    make = fmoe.routing.balance.biased_topk_softmax if biased else fmoe.routing.topk_softmax
+    return make(cfg.num_experts_per_tok)
+
+
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False,
             router: Optional[Any] = None, cache: Optional[dict] = None,
@@ -175,7 +181,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    router = _common.with_aux_loss(router or fmoe.routing.topk_softmax(cfg.num_experts_per_tok), cfg)
+    router = _common.with_aux_loss(router or default_router(cfg), cfg)
     return _common.decoder(_attention, params, tokens, cfg, mesh, impl=impl, router=router, cache=cache,
                            positions=positions, return_aux=return_aux,
                            act=fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit))
@@ -232,5 +238,6 @@ MODEL = Model("gpt_oss", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGN
               tp_fields=_common.TP_FIELDS, init_cache=init_cache,
               aux_loss_fields=_common.AUX_LOSS_FIELDS,
               width_fields={"E": "num_local_experts", "I": "intermediate_size"},
-              hf_router=("topk_softmax", {"k": "num_experts_per_tok"}, {}))
+              hf_router=("topk_softmax", {"k": "num_experts_per_tok"}, {}),
+              router=default_router)
 check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

@@ -136,6 +136,12 @@ def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry  # [B, S, D]
 
 
+def default_router(cfg: Config, biased: bool = False):
+    """Softmax -> top-k, always renormalized (``biased``: selection also reads ``expert_bias``)."""
+    make = fmoe.routing.balance.biased_topk if biased else fmoe.routing.topk
+    return make(cfg.num_experts_per_tok, normalize=True)
+
+
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False,
             router: Optional[Any] = None, cache: Optional[dict] = None,
@@ -150,7 +156,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    router = _common.with_aux_loss(router or fmoe.routing.topk(cfg.num_experts_per_tok, normalize=True), cfg)
+    router = _common.with_aux_loss(router or default_router(cfg), cfg)
     return _common.decoder(_attention, params, tokens, cfg, mesh, impl=impl, router=router, cache=cache,
                            positions=positions, return_aux=return_aux)
 
@@ -203,5 +209,6 @@ MODEL = Model("mixtral", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGN
               tp_fields=_common.TP_FIELDS, init_cache=init_cache,
               aux_loss_fields=_common.AUX_LOSS_FIELDS,
               width_fields={"E": "num_local_experts", "I": "intermediate_size"},
-              hf_router=("topk", {"k": "num_experts_per_tok"}, {"normalize": True}))
+              hf_router=("topk", {"k": "num_experts_per_tok"}, {"normalize": True}),
+              router=default_router)
 check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

@@ -150,6 +150,12 @@ def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry  # [B, S, D]
 
 
+def default_router(cfg: Config, biased: bool = False):
+    """Softmax -> top-k, renormalized as the config says (``biased``: selection also reads ``expert_bias``)."""
+    make = fmoe.routing.balance.biased_topk if biased else fmoe.routing.topk
+    return make(cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
+
+
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False,
             router: Optional[Any] = None, cache: Optional[dict] = None,
@@ -164,7 +170,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    router = _common.with_aux_loss(router or fmoe.routing.topk(cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob),
+    router = _common.with_aux_loss(router or default_router(cfg),
                                    cfg)
     return _common.decoder(_attention, params, tokens, cfg, mesh, impl=impl, router=router, cache=cache,
                            positions=positions, return_aux=return_aux)
@@ -219,5 +225,6 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
 MODEL = Model("qwen3_moe", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
               tp_fields=_common.TP_FIELDS, init_cache=init_cache,
               aux_loss_fields=_common.AUX_LOSS_FIELDS,
-              hf_router=("topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob"}, {}))
+              hf_router=("topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob"}, {}),
+              router=default_router)
 check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf

@@ -88,7 +88,7 @@ def test_freeze_by_glob():
 
 
 def test_the_trainer_uses_this_optimizer():
-    import fmoe.train.step as step
+    import fmoe.training.step as step
     assert step.adamw is adamw
 
 

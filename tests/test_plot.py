@@ -80,3 +80,24 @@ def test_plot_keeps_one_colour_per_run_and_never_overwrites_silently(tmp_path, m
     (tmp_path / "link.png").symlink_to(victim)
     assert main([a, "--out", "link.png"]) == 0
     assert victim.read_text() == "precious" and not (tmp_path / "link.png").is_symlink()
+def test_metric_plot_log_smooth_per_layer_and_settings_labels(tmp_path):
+    from fmoe.plot_metric import plot_metric
+
+    a = _fake_run(tmp_path / "a", "qwen3_moe", None, 6.0)
+    meta = tmp_path / "a" / "step-6" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "balance": "bias", "bias_rate": 0.01,
+                                "bias_update": "sign", "aux_weight": None}))
+    fig = plot_metric([a], str(tmp_path / "m.png"), "load_imbalance", log=True, smoothing=2)
+    (line,) = fig.axes[0].lines
+    assert line.get_label().endswith(", balance bias u=0.01 sign")
+    # layer means 3, 4, 5, ...; trailing 2-point mean: 3, 3.5, 4.5, ...
+    assert list(line.get_ydata()) == pytest.approx([3.0, 3.5, 4.5, 5.5, 6.5, 7.5])
+    assert fig.axes[0].get_yscale() == "log"
+    fig = plot_metric([a], str(tmp_path / "l.png"), "load_imbalance", per_layer=True)
+    assert [list(ln.get_ydata())[:2] for ln in fig.axes[0].lines] == [[2.0, 3.0], [4.0, 5.0]]
+    r = subprocess.run([sys.executable, "-m", "fmoe.plot", a, "--metric", "maxvio", "--out", str(tmp_path / "x.png")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no row with 'maxvio'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "fmoe.plot", a, "--metric", "load_imbalance", "--log", "--smooth", "3",
+                        "--out", str(tmp_path / "y.png")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (tmp_path / "y.png").stat().st_size > 10_000, r.stderr

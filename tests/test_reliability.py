@@ -97,7 +97,7 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path, capsys):
     cases = [(["--seed", "1"], "--seed 0", "--seed 1"), (["--model", "mixtral"], "--model 'llama'", "'mixtral'"),
              (["--batch", "4"], "--batch 2", "--batch 4"), (["--seq", "8"], "--seq 16", "--seq 8"),
              (["--nproc", "2"], "1 data-parallel batches", "has 2"), (["--steps", "3"], "--steps 3", "step 3"),
-             (["--aux-weight", "0.5"], "--aux-weight 0.01", "0.5")]
+             (["--aux-weight", "0.5"], "--aux-weight None", "0.5")]
     for flags, a, b in cases:
         steps = [] if "--steps" in flags else ["--steps", "5"]
         r = in_process(capsys, 2, *BASE, "--out", out, "--resume", out, *flags, *steps)

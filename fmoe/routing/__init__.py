@@ -26,6 +26,7 @@ The built-in schemes:
 ``hash_router(k)``          fixed experts per token id (``router_inputs={"token_ids": ...}``)
 ``balanced(k)``             round-robin by position (benchmarks)
 ``random_topk(k, seed)``    random distinct experts (benchmarks)
+``replay(DIR)``             the ids a ``--record-routing DIR`` run chose, weights recomputed
 ==========================  ===========================================================
 
 Aux losses (load balancing, sequence balance, z-loss) wrap any router:
@@ -39,14 +40,15 @@ Example:
     ([[3, 2]], [0.7311, 0.2689])
 """
 
-from . import aux_losses
+from . import aux_losses, balance
 from .aux_losses import with_losses
 from .bias import sigmoid_topk, update_bias
 from .capacity import capacity, expert_choice, switch
 from .core import Router, Routing, call, validate
 from .fixed import balanced, hash_router, random_topk, token_hash
+from .record import replay
 from .topk import group_mask, group_topk, topk, topk_softmax
 
 __all__ = ["Routing", "Router", "validate", "call", "topk", "topk_softmax", "group_topk", "group_mask",
            "sigmoid_topk", "update_bias", "switch", "expert_choice", "capacity", "hash_router",
-           "token_hash", "balanced", "random_topk", "with_losses", "aux_losses"]
+           "token_hash", "balanced", "random_topk", "replay", "with_losses", "aux_losses", "balance"]

@@ -12,6 +12,7 @@ The bias is state, not a trained weight: it lives in the params tree (``moe["exp
 each optimizer step a pure function moves it against the observed load::
 
     b <- b + rate * sign(mean(load) - load)    # overloaded experts become less attractive
+    b <- b + rate * (mean(load) - load) / mean(load)     # rule="proportional" (0 when nothing routed)
 
 Use the layer's ``aux["load"]`` (routed assignments per expert over all data-parallel batches,
 identical on every rank), so the replicated bias stays identical everywhere. The trainer should
@@ -77,7 +78,18 @@ def sigmoid_topk(k: int, normalize: bool = True, scale: float = 1.0, num_groups:
     return router
 
 
-def _updated(bias: Any, load: torch.Tensor, rate: float, where: str) -> Any:
+#: the bias update rules of :func:`update_bias`.
+RULES = ("sign", "proportional")
+
+
+def _step(load: torch.Tensor, rate: float, rule: str) -> torch.Tensor:
+    if rule == "sign":
+        return torch.sign(load.mean() - load) * rate                             # [E]
+    mean = load.mean()
+    return torch.where(mean > 0, (mean - load) / mean.clamp(min=1e-300), torch.zeros_like(load)) * rate
+
+
+def _updated(bias: Any, load: torch.Tensor, rate: float, where: str, rule: str = "sign") -> Any:
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"update_bias: {where} must be a tensor, got {type(bias).__name__}")
     local = to_local(bias)
@@ -87,7 +99,7 @@ def _updated(bias: Any, load: torch.Tensor, rate: float, where: str) -> Any:
                          f"{tuple(load.shape) if isinstance(load, torch.Tensor) else type(load).__name__}")
     with torch.no_grad():
         load = load.detach().to(device=local.device, dtype=torch.float64)
-        step = torch.sign(load.mean() - load) * rate                              # [E]
+        step = _step(load, rate, rule)                                            # [E]
         if local.shape != step.shape:                      # bias split (fsdp): own block of the step
             step = local_part(step, bias)
         new = local.detach() + step.to(local.dtype)
@@ -95,7 +107,7 @@ def _updated(bias: Any, load: torch.Tensor, rate: float, where: str) -> Any:
 
 
 def update_bias(params_or_bias: Any, load: Union[torch.Tensor, Mapping[str, torch.Tensor]],
-                rate: float = 1e-3) -> Any:
+                rate: float = 1e-3, rule: str = "sign") -> Any:
     """Move expert biases against the load: ``b + rate * sign(mean(load) - load)`` (pure).
 
     Call it after the optimizer step, never inside the forward.
@@ -107,6 +119,8 @@ def update_bias(params_or_bias: Any, load: Union[torch.Tensor, Mapping[str, torc
             tree ``{path: load}`` where path names a MoE params dict (``"layers.0.moe"``) or its
             bias leaf (``"layers.0.moe.expert_bias"``); biases not named are left unchanged.
         rate: step size (DeepSeek-V3: 1e-3).
+        rule: ``"sign"`` (DeepSeek-V3, the paper) or ``"proportional"`` (step ``rate *
+            (mean - load) / mean``: large violations move faster).
     Returns:
         the same kind of object with new bias tensors (inputs are not modified).
 
@@ -116,8 +130,10 @@ def update_bias(params_or_bias: Any, load: Union[torch.Tensor, Mapping[str, torc
     """
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
         raise ValueError(f"update_bias: rate must be a number >= 0, got {rate!r}")
+    if rule not in RULES:
+        raise ValueError(f"update_bias: rule must be one of {RULES}, got {rule!r}")
     if isinstance(params_or_bias, torch.Tensor):
-        return _updated(params_or_bias, load, rate, "bias")
+        return _updated(params_or_bias, load, rate, "bias", rule)
     if not isinstance(params_or_bias, dict):
         raise TypeError(f"update_bias: params_or_bias must be a tensor or a dict, got "
                         f"{type(params_or_bias).__name__}")
@@ -126,7 +142,7 @@ def update_bias(params_or_bias: Any, load: Union[torch.Tensor, Mapping[str, torc
             raise ValueError(f"update_bias: params has no 'expert_bias' (keys: {sorted(params_or_bias)}); "
                              "for a model tree pass load as {path: load}")
         out = dict(params_or_bias)
-        out["expert_bias"] = _updated(out["expert_bias"], load, rate, "params['expert_bias']")
+        out["expert_bias"] = _updated(out["expert_bias"], load, rate, "params['expert_bias']", rule)
         return out
     if not isinstance(load, Mapping):
         raise TypeError(f"update_bias: load must be a tensor or a mapping of path -> tensor, got "
@@ -138,5 +154,5 @@ def update_bias(params_or_bias: Any, load: Union[torch.Tensor, Mapping[str, torc
             known = [p for p in flat if p.endswith("expert_bias")]
             raise ValueError(f"update_bias: no expert bias at {leaf!r} (from load key {path!r}); "
                              f"biases in the tree: {known[:8]}")
-        flat[leaf] = _updated(flat[leaf], lo, rate, leaf)
+        flat[leaf] = _updated(flat[leaf], lo, rate, leaf, rule)
     return _tree.unflatten(flat, like=params_or_bias)

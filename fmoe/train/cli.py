@@ -40,6 +40,7 @@ from . import options
 from .flags import DEFAULT_OUT, build_parser
 from .loop import NonFiniteStep, log_row, run
 from .parse import inside, launcher_world, parse_args
+from .threads import threads_of
 
 __all__ = ["build_parser", "parse_args", "main", "run", "DEFAULT_OUT"]
 
@@ -141,7 +142,7 @@ def _train(args: argparse.Namespace) -> Optional[dict]:
         os.environ["FMOE_SPAWNED"] = "1"      # read by the ranks; not left behind in this process,
         try:                                   # whose later torchrun children must not inherit it
             return spawn(_spawned, args.nproc, args, timeout=args.timeout * max(1, args.steps),
-                         collective_timeout=args.timeout)[0]
+                         collective_timeout=args.timeout, threads=threads_of(args))[0]
         finally:
             if previous is None:
                 os.environ.pop("FMOE_SPAWNED", None)

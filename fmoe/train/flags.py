@@ -17,7 +17,7 @@ import math
 
 from ..model import PRESETS
 from ..models import NAMES
-from . import options
+from . import balancing, options, threads
 
 DEFAULT_OUT = "runs/fmoe"
 
@@ -106,7 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this Hugging Face checkpoint (config and weights; weights cast to "
                         "fp32 master weights) instead of a random --preset model (default: none)")
     m.add_argument("--aux-weight", metavar="X", type=float, default=0.01,
-                   help="coefficient of the per-layer load-balance loss of MoE models (0: off)")
+                   help="coefficient of the per-layer load-balance loss of MoE models (--balance aux / seq_aux "
+                        "/ global_aux; 0: off)")
+    balancing.add_arguments(m)
+    m.add_argument("--upcycle", metavar="E,K", default=None,
+                   help="with --model mixtral --init-hf LLAMA_DIR: start from the dense model, each MLP copied into E "
+                        "experts, top-K routing (fmoe.training.upcycle) (default: none)")
     m.add_argument("--impl", metavar="NAME", default="auto", help="MoE dispatch implementation (a name registered in fmoe.ep)")
     h = g["mesh"]
     h.add_argument("--nproc", metavar="N", type=_positive("--nproc"), default=1,
@@ -148,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = g["runtime"]
     r.add_argument("--timeout", metavar="X", type=_positive_float("--timeout"), default=1800.0,
                    help="collective timeout, seconds")
+    threads.add_argument(r, _positive("--threads"))
     r.add_argument("--quiet", action="store_true", help="no progress bar (default: a progress bar on rank 0)")
     r.add_argument("--debug", action="store_true",
                    help="print the full traceback of an error (default: one line)")

@@ -19,7 +19,8 @@ import os
 import sys
 from dataclasses import asdict, is_dataclass
 
-from . import options
+from . import balancing, options
+from .threads import threads_of
 
 __all__ = ["run", "log_row", "NonFiniteStep"]
 
@@ -92,10 +93,16 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from fmoe.train.outdir import append_row, check_room
     from fmoe.training.step import StepConfig, train_step
 
+    torch.set_num_threads(threads_of(args))           # --threads (fmoe.train.threads)
     model = get(args.model)                            # the declared Model, from the registry
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
     device = options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))
-    if args.init_hf:                                   # fp32 master weights whatever the file holds
+    if args.init_hf and vars(args).get("upcycle"):    # a dense llama checkpoint, MLPs copied into experts
+        from fmoe.training.upcycle import parse_upcycle, upcycle
+        dense, dense_cfg = get("llama").load_hf(args.init_hf, dtype=torch.float32)
+        full, cfg = upcycle(dense, dense_cfg, model.Config, *parse_upcycle(args.upcycle), seed=args.seed)
+        tokenizer = options.resolve_tokenizer(args, cfg.vocab_size)
+    elif args.init_hf:                                 # fp32 master weights whatever the file holds
         full, cfg = model.load_hf(args.init_hf, dtype=torch.float32)
         tokenizer = options.resolve_tokenizer(args, cfg.vocab_size)
     elif args.resume_path:                             # the config the checkpoint was trained with
@@ -111,7 +118,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         raise ValueError(f"model vocab_size {cfg.vocab_size} cannot hold the data's token ids "
                          f"(vocabulary {train_data.vocab_size} of {train_data.name})")
     full = fmoe.tree.map_with_path(lambda _, t: t.to(device), full)
-    cfg = model.with_aux_loss(cfg, args.aux_weight)      # declared switch, no probing
+    # the trainer's router carries the balance losses (fmoe.train.balancing); the exported config
+    # records the Switch loss weight as transformers reads it
+    hf_cfg = model.with_aux_loss(cfg, args.aux_weight if args.balance == "aux" else 0.0)
+    cfg = model.with_aux_loss(cfg, 0.0)                # declared switch, no probing
+    full = balancing.with_expert_bias(full, args)      # --balance bias on any MoE model
     model_plan = model.build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model.build_plan(cfg, model_plan, mesh, full, data_parallel=True)
     packed = ckpt.packed_layout(plan, full)
@@ -124,12 +135,15 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     start = 0
     if args.resume_path:
         start = ckpt.load(args.resume_path, params, opt_state, packed)["step"]
-    step_cfg = StepConfig(opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
-                          impl=args.impl, **options.step_options(args))
+    step_cfg = vars(args).get("step_config") or StepConfig(   # fmoe.train.run(step_config=...) replaces it
+        opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
+        impl=args.impl, **balancing.step_options(args, cfg, options.step_options(args)))
+    step_cfg, write_record = balancing.with_recording(args, step_cfg, rank)     # --record-routing
     rank0 = rank == 0
     if rank0:                                          # --quiet keeps only its warning
         options.print_memory_plan(args, model, cfg, model_plan, world)
-    meta = {**_job_meta(args, model, cfg, mesh), **options.run_meta(args, tokenizer, device)}
+    meta = {**_job_meta(args, model, hf_cfg, mesh), **options.run_meta(args, tokenizer, device),
+            **balancing.record(args), "upcycle": vars(args).get("upcycle"), "threads": torch.get_num_threads()}
     bar = _Progress(args.steps, rank0 and not args.quiet)
     last: dict = {}
     skipped = 0
@@ -159,9 +173,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
+    if write_record is not None:
+        write_record()
     if args.export_hf:                                 # the weights, the router and the tokenizer
         from fmoe.train.export import export_hf
 
-        export_hf(model, params, cfg, args.export_hf, model_name=args.model, router=args.router,
+        export_hf(model, params, hf_cfg, args.export_hf, model_name=args.model, router=args.router,
                   tokenizer=tokenizer, step=max(start, last.get("step", start)), overwrite=args.overwrite)
     return last

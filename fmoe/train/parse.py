@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 from ..mesh import check_layout
 from ..models import NAMES, get
-from . import options
+from . import balancing, options
 from .flags import build_parser
 
 FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate"}   # mesh fields as flags
@@ -72,6 +72,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         _check_resume(ap, args)
     else:
         _check_sizes(args, 256, ap.error)
+    balancing.resolve(args, ap.error)                 # after a resume filled in the kept settings
+    _check_upcycle(ap, args)
     _check_out(ap, args)
     return args
 
@@ -136,6 +138,20 @@ def _check_resume(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if "out" not in args.explicit:                     # continue in the run's own directory
         args.out = os.path.dirname(os.path.abspath(path))
     args.resume_path, args.resume_meta = path, meta
+
+
+def _check_upcycle(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.upcycle is None:
+        return
+    from fmoe.training.upcycle import parse_upcycle
+
+    if args.model != "mixtral" or not args.init_hf:
+        ap.error(f"--upcycle {args.upcycle}: upcycles a dense llama checkpoint into mixtral; give --model mixtral "
+                 f"--init-hf LLAMA_DIR (this run: --model {args.model}, --init-hf {args.init_hf})")
+    try:
+        parse_upcycle(args.upcycle)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def inside(path: str, root: str) -> bool:

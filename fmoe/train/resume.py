@@ -44,6 +44,8 @@ KEPT: dict[str, str] = {
     # the data stream (fmoe.train.options): same files, tokenizer, held-out cut and rows per step
     "data": "data", "tokenizer": "tokenizer_flag", "eval_fraction": "eval_fraction", "grad_accum": "grad_accum",
     "router": "router",
+    # load balancing (fmoe.train.balancing)
+    "balance": "balance", "z_weight": "z_weight", "bias_rate": "bias_rate", "bias_update": "bias_update",
 }
 
 MIN_RATIO = 0.1     # the cosine ends at MIN_RATIO * lr

@@ -4,6 +4,11 @@ Every evaluation reads the same ``batches`` batches of the held-out stream (batc
 ``stream.batch(step=i + 1, ...)``), so ``eval_loss`` is comparable across steps and runs. Each
 data-parallel batch reads its own slice; the result is the mean over all of them, equal on every
 rank, and equal to one process evaluating the union of the batches.
+
+For MoE models the routed load per expert is summed over every held-out batch (and, by
+``fmoe.moe``, over the data-parallel batches): ``eval_maxvio`` (per layer, the *global* MaxVio of
+the held-out set), its percentiles across layers, ``eval_dead_experts`` and, under capacity
+routers, ``eval_drop_rate`` (mean over the batches, all of one size) (:mod:`fmoe.routing.metrics`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 
 from ..mesh import Mesh
 from ..nn import cross_entropy
+from ..routing.metrics import load_metrics
 from .step import _world_mean, autocast, forward_with_aux
 
 __all__ = ["evaluate"]
@@ -23,7 +29,8 @@ __all__ = ["evaluate"]
 def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batches: int, batch: int, seq: int,
              seed: int = 0, impl: str = "auto", router: Optional[Any] = None, dtype: str = "fp32",
              device: Optional[torch.device] = None) -> dict:
-    """``{"eval_loss": mean cross-entropy, "eval_ppl": exp(eval_loss)}`` on the held-out stream.
+    """``{"eval_loss": mean cross-entropy, "eval_ppl": exp(eval_loss)}`` on the held-out stream,
+    plus the held-out load statistics of MoE models (``eval_maxvio`` ...: module docstring).
 
     Args:
         model, cfg, params: as for :func:`fmoe.training.step.train_step`.
@@ -42,13 +49,23 @@ def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batc
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
         raise ValueError(f"evaluate: batches must be an int >= 1, got {batches!r}")
     total = torch.zeros((), dtype=torch.float64)
+    loads, drops = None, []
     with torch.no_grad():
         for i in range(batches):
             x, y = stream.batch(i + 1, mesh.batch_index, batch, seq, seed, num_batches=mesh.num_batches)
             if device is not None:
                 x, y = x.to(device), y.to(device)
             with autocast(dtype, x.device):
-                logits, _ = forward_with_aux(model, params, x, cfg, mesh, impl, router)
+                logits, aux = forward_with_aux(model, params, x, cfg, mesh, impl, router)
             total += cross_entropy(logits.float(), y).double().cpu()
+            layers = aux.get("moe", [])
+            if layers and all("load" in layer for layer in layers):      # global over the batches
+                now = [layer["load"].cpu() for layer in layers]
+                loads = now if loads is None else [a + b for a, b in zip(loads, now)]
+            if layers and all("drop_rate" in layer for layer in layers):
+                drops.append([float(layer["drop_rate"]) for layer in layers])
     loss = float(_world_mean(total / batches))
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0))}
+    out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), **load_metrics(loads or [], "eval_")}
+    if drops:
+        out["eval_drop_rate"] = [sum(col) / len(col) for col in zip(*drops)]
+    return out

@@ -41,6 +41,9 @@ from torch.distributed.tensor import DTensor
 from .. import remat as _remat
 from .. import tree as _tree
 from ..global_stats import imbalance
+from ..routing.metrics import load_metrics
+from ..sharding import gather
+from . import global_balance as _global_balance
 from ..mesh import Mesh
 from ..model import model_of
 from ..nn import cross_entropy
@@ -63,6 +66,9 @@ class StepConfig:
         opt: AdamW hyper-parameters.
         impl: MoE dispatch implementation passed to the model.
         bias_rate: step of the aux-loss-free ``expert_bias`` update after each step (0: off).
+        bias_update: its rule, ``"sign"`` or ``"proportional"`` (:func:`fmoe.routing.update_bias`).
+        global_balance: weight of the global-batch balance loss (0: off; frequencies over the
+            batches and the micro-batches, :mod:`fmoe.training.global_balance`).
         router: replaces the model's router in every MoE layer (None: the model's own).
         dtype: compute dtype, ``"fp32"`` or ``"bf16"`` (autocast over fp32 master weights).
         remat: ``"none"``, ``"layer"`` or ``"moe"``: what to recompute in backward.
@@ -72,6 +78,8 @@ class StepConfig:
     opt: AdamWConfig = AdamWConfig()
     impl: str = "auto"
     bias_rate: float = 1e-3
+    bias_update: str = "sign"
+    global_balance: float = 0.0
     router: Optional[Any] = None
     dtype: str = "fp32"
     remat: str = "none"
@@ -84,6 +92,12 @@ class StepConfig:
             raise ValueError(f"StepConfig.remat must be one of {_remat.POLICIES}, got {self.remat!r}")
         if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"StepConfig.grad_accum must be an int >= 1, got {self.grad_accum!r}")
+        if self.bias_update not in ("sign", "proportional"):
+            raise ValueError(f"StepConfig.bias_update must be 'sign' or 'proportional', got {self.bias_update!r}")
+        for name in ("bias_rate", "global_balance"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+                raise ValueError(f"StepConfig.{name} must be a finite number >= 0, got {v!r}")
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -172,15 +186,24 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         raise ValueError(f"train_step: grad_accum={n_micro} must divide the batch's {tokens.shape[0]} rows")
     flat = _tree.flatten(params)
     train_paths = [p for p, t in flat.items() if t.requires_grad]
-    acc, losses, aux_sums, loads = None, [], {}, None
+    acc, losses, aux_sums, loads, drops = None, [], {}, None, []
+    run = lambda mt: forward_with_aux(model, params, mt, cfg, mesh, step_cfg.impl, step_cfg.router)  # noqa: E731
+    if step_cfg.global_balance:                     # the step's frequencies first (global_balance)
+        with _remat.policy(step_cfg.remat), autocast(step_cfg.dtype, tokens.device):
+            counts = _global_balance.step_counts(run, tokens.chunk(n_micro))
     for mt, my in zip(tokens.chunk(n_micro), targets.chunk(n_micro)):
         with regather_in_backward(), _remat.policy(step_cfg.remat):
             with autocast(step_cfg.dtype, mt.device):
-                logits, aux = forward_with_aux(model, params, mt, cfg, mesh, step_cfg.impl, step_cfg.router)
+                logits, aux = run(mt)
             loss = cross_entropy(logits.float(), my)
             aux_total, aux_named = _aux_terms(aux)
             total = loss if aux_total is None else loss + mesh.num_batches * aux_total
-            grads = torch.autograd.grad(total / n_micro if n_micro > 1 else total, [flat[p] for p in train_paths])
+            total = total / n_micro if n_micro > 1 else total
+            if step_cfg.global_balance:             # this micro-batch's share of the step's loss
+                share = _global_balance.share_of(aux, *counts, step_cfg.global_balance)
+                aux_named["global_balance_loss"] = share * n_micro      # averaged over micro-batches below
+                total = total + mesh.num_batches * share
+            grads = torch.autograd.grad(total, [flat[p] for p in train_paths])
         if acc is None:
             acc = list(grads)
         else:
@@ -191,6 +214,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
             aux_sums[k] = aux_sums.get(k, 0.0) + v.detach() / n_micro
         layer_loads = [layer["load"] for layer in aux.get("moe", []) if "load" in layer]
         loads = layer_loads if loads is None else [a + b for a, b in zip(loads, layer_loads)]
+        if aux.get("moe") and all("drop_rate" in layer for layer in aux["moe"]):   # equal-size micro-batches
+            drops.append([float(layer["drop_rate"]) for layer in aux["moe"]])
         del logits, grads
     loss = torch.stack(losses).mean()
     grads = reduce_grads(dict(zip(train_paths, acc)), {p: flat[p] for p in train_paths}, mesh, inplace=True)
@@ -206,7 +231,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         from ..routing import update_bias
         by_path = {p: load for p, load in zip(_moe_paths(params), loads) if p in biased}
         for p, load in by_path.items():
-            flat[p + ".expert_bias"] = update_bias(flat[p + ".expert_bias"], load, step_cfg.bias_rate)
+            flat[p + ".expert_bias"] = update_bias(flat[p + ".expert_bias"], load, step_cfg.bias_rate,
+                                                   rule=step_cfg.bias_update)
     params = _tree.unflatten(flat, like=params)
     dt = time.perf_counter() - t0
     n_tokens = tokens.numel() * mesh.num_batches
@@ -219,7 +245,10 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         metrics["expert_load"] = [load.round().long().tolist() for load in loads]
         metrics["load_imbalance"] = ([float(layer["imbalance"]) for layer in moe_layers] if n_micro == 1
                                      else [float(imbalance(load)) for load in loads])
-        for key in ("drop_rate",):
-            if all(key in layer for layer in moe_layers):
-                metrics[key] = [float(layer[key]) for layer in moe_layers]
+        metrics.update(load_metrics(loads))             # maxvio per layer, percentiles, dead experts
+        if drops:                                       # mean over the micro-batches
+            metrics["drop_rate"] = [sum(col) / len(col) for col in zip(*drops)]
+    if biased:
+        full = gather({p: flat[p + ".expert_bias"].detach() for p in biased})     # fsdp-split biases
+        metrics["expert_bias_absmax"] = [float(full[p].abs().max()) for p in biased]
     return params, opt_state, metrics
