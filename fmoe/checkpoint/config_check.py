@@ -69,9 +69,6 @@ def check_config(model: Any, cfg: Any, where: str) -> None:
         return
     values = cfg if isinstance(cfg, dict) else {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     _check_fields(config_type, values, where)
-    layers = values.get("num_hidden_layers")
-    if isinstance(layers, int) and layers > MAX_LAYERS:
-        raise ValueError(f"{where}: 'num_hidden_layers' is {layers}; at most {MAX_LAYERS} are supported")
 
 
 def param_bytes(model: Any, cfg: Any, itemsize: int = 4) -> int:
@@ -120,6 +117,9 @@ def config_from_dict(model: Any, d: Any, where: str, *, fits: bool = False) -> A
                          f"({type(e).__name__}: {e})") from None
     check_config(model, cfg, where)
     if fits:
+        layers = getattr(cfg, "num_hidden_layers", None)   # the specs below loop over the layers
+        if isinstance(layers, int) and layers > MAX_LAYERS:
+            raise ValueError(f"{where}: 'num_hidden_layers' is {layers}; at most {MAX_LAYERS} are supported")
         try:
             nbytes = param_bytes(model, cfg)
         except (KeyError, TypeError, ValueError) as e:
