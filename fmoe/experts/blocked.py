@@ -40,6 +40,7 @@ from .mlp import _gmm, check_groups, swiglu_backward, swiglu_jvp
 __all__ = ["weighted_expert_sum", "BLOCK_ROWS"]
 
 BLOCK_ROWS = 2048  # rows per block: whole experts at training sizes; temporaries stay far below 32 MB
+MIN_PIECE = 16     # bf16 on CPU: GEMM row pieces are powers of two from here up, plus one remainder
 
 
 def _block_plan(counts: Sequence[int], block_rows: int) -> tuple[list[int], list[int], list[bool]]:
@@ -61,19 +62,19 @@ class _BlockedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(rows, row_of, scale, w_gate_up, w_down, counts, block_rows):
         A, n_i = row_of.shape[0], w_down.shape[2]
-        out = rows.new_zeros(rows.shape[0], w_down.shape[1])                       # [N, D]
+        acc = _accumulator(rows, (rows.shape[0], w_down.shape[1]))                # [N, D], >= fp32
         h = rows.new_empty(A, 2 * n_i)                                             # [A, 2I]
         sg = rows.new_empty(A, n_i)                                                # [A, I] silu(gate)
         experts, sizes, _ = _block_plan(counts, block_rows)
         scales = scale.unsqueeze(1).split(sizes) if scale is not None else [None] * len(sizes)
         wgu_t, wd_t = w_gate_up.transpose(1, 2).unbind(0), w_down.transpose(1, 2).unbind(0)
         for e, idx, hb, sb, sc in zip(experts, row_of.split(sizes), h.split(sizes), sg.split(sizes), scales):
-            torch.mm(rows.index_select(0, idx), wgu_t[e], out=hb)                # [B, 2I]
+            _mm_rows(rows.index_select(0, idx), wgu_t[e], hb)                     # [B, 2I]
             act = torch.ops.aten.silu.out(hb[:, :n_i], out=sb) * hb[:, n_i:]      # [B, I]
             if sc is not None:
                 act.mul_(sc)
-            out.index_add_(0, idx, act @ wd_t[e])
-        return out, h, sg
+            acc.index_add_(0, idx, _mm_rows(act, wd_t[e]).to(acc.dtype))          # [B, D] summed per row
+        return acc.to(rows.dtype), h, sg
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -101,7 +102,7 @@ class _BlockedSwiGLU(torch.autograd.Function):
             return _backward_functional(dout, rows, row_of, scale, w_gate_up, w_down, h, ctx.counts, need)
         dout = dout.contiguous()
         n_i = w_down.shape[2]
-        drows = torch.zeros_like(rows) if need[0] else None
+        drows = _accumulator(rows, rows.shape) if need[0] else None              # [N, D], >= fp32
         dscale = scale.new_empty(scale.shape) if scale is not None and need[2] else None
         dw_gu = _weight_grad(w_gate_up, ctx.counts) if need[3] else None
         dw_dn = _weight_grad(w_down, ctx.counts) if need[4] else None
@@ -117,7 +118,7 @@ class _BlockedSwiGLU(torch.autograd.Function):
         for e, first, idx, gate, up, s, sc, dsc in blocks:
             x, dy = rows.index_select(0, idx), dout.index_select(0, idx)          # [B, D]
             act = s * up                                                           # unscaled [B, I]
-            da = dy @ wd[e]                                                        # [B, I]
+            da = _mm_rows(dy, wd[e])                                               # [B, I]
             if sc is not None:
                 if dsc is not None:
                     torch.linalg.vecdot(da, act, out=dsc)
@@ -129,10 +130,10 @@ class _BlockedSwiGLU(torch.autograd.Function):
             torch.mul(da, s, out=dh[:, n_i:])
             torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=dh[:, :n_i])
             if drows is not None:
-                drows.index_add_(0, idx, dh @ wgu[e])
+                drows.index_add_(0, idx, _mm_rows(dh, wgu[e]).to(drows.dtype))
             if dwgu is not None:
                 _accumulate_mm(dwgu[e], dh.t(), x, first)                          # [2I, D]
-        return drows, None, dscale, dw_gu, dw_dn, None, None
+        return None if drows is None else drows.to(rows.dtype), None, dscale, dw_gu, dw_dn, None, None
 
 
 _BlockedSwiGLU.vmap = staticmethod(vmap_by_loop(_BlockedSwiGLU.apply))
@@ -147,12 +148,57 @@ def _weight_grad(w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     return g
 
 
+def _accumulator(like: torch.Tensor, shape) -> torch.Tensor:
+    """Zeros for a sum over assignments: ``like``'s dtype promoted to at least fp32 (bf16 rows
+    are summed in fp32, then rounded once; fp32 and fp64 stay as they are)."""
+    return torch.zeros(shape, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
+
+
+def _pieces(n: int) -> list[int]:
+    """``n`` as a sum of few sizes from a small set: the powers of two from ``MIN_PIECE`` up,
+    largest first, plus one remainder below ``MIN_PIECE``.
+
+    Example:
+        >>> _pieces(300), _pieces(7), _pieces(0)
+        ([256, 32, 12], [7], [])
+    """
+    big = n - n % MIN_PIECE
+    out = [1 << b for b in range(big.bit_length() - 1, -1, -1) if big >> b & 1]
+    return out + ([n % MIN_PIECE] if n % MIN_PIECE else [])
+
+
+def _bucketed(t: torch.Tensor) -> bool:
+    """Whether a GEMM on ``t`` runs oneDNN (bf16 / fp16 on CPU), which builds one kernel per shape."""
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def _mm_rows(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` (into ``out`` if given). In bf16 on CPU the ``M`` rows go in
+    pieces of :func:`_pieces` sizes: oneDNN creates (and caches) one AMX kernel per shape at
+    1-10 ms each, and expert row counts change every step, so whole-block GEMMs would build new
+    kernels every step; pieces reuse ~20 shapes. Each row's result is the same either way."""
+    out = a.new_empty(a.shape[0], b.shape[1]) if out is None else out
+    if not _bucketed(a):
+        return torch.mm(a, b, out=out)
+    start = 0
+    for m in _pieces(a.shape[0]):
+        torch.mm(a[start:start + m], b, out=out[start:start + m])
+        start += m
+    return out
+
+
 def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``out = a @ b`` on an expert's first block, ``out += a @ b`` on the next ones."""
-    if first:
-        torch.mm(a, b, out=out)
-    else:
-        out.addmm_(a, b)
+    """``out = a @ b`` on an expert's first block, ``out += a @ b`` on the next ones; in bf16 on
+    CPU the reduction dim goes in :func:`_pieces` (see :func:`_mm_rows`), each piece added by
+    the GEMM in fp32 and rounded once into ``out``."""
+    start = 0
+    for m in (_pieces(a.shape[1]) if _bucketed(a) else [a.shape[1]]) or [0]:
+        ap, bp = a[:, start:start + m], b[start:start + m]
+        if first and start == 0:
+            torch.mm(ap, bp, out=out)
+        else:
+            out.addmm_(ap, bp)
+        start += m
 
 
 def _backward_functional(dout, rows, row_of, scale, w_gate_up, w_down, h, counts, need):
