@@ -31,7 +31,11 @@ CPU the blocked path from 256 rows per expert on, the whole-tensor grouped path 
 same FLOPs as one GEMM (``[A, D] x [D, 3I]`` three times, the fwd + bwd count): the ratio is the
 fraction of the machine's matmul rate that the expert work reaches.
 
-    python benchmarks/bench_dispatch.py [--worlds 1 2 4] [--k 2 4 8] [--tokens 1024] [--steps 8]
+``--dtype bf16``: weights, tokens and output gradients in bf16 for both libraries (GEMMs in bf16
+with fp32 accumulation); parity is then norm-wise within ``8 * 2**-8`` (bf16 rounding in two
+different op orders), and the expert-compute ceiling is ``torch.mm`` in bf16 too.
+
+    python benchmarks/bench_dispatch.py [--worlds 1 2 4] [--k 2 4 8] [--tokens 1024] [--steps 8] [--dtype bf16]
 
 Prints a table and writes benchmarks/out/dispatch.json.
 """
@@ -116,10 +120,23 @@ def count_comm(fn) -> dict:
 
 
 # ----------------------------------------------------------------------------- layers
-def weights(K: int, seed: int = 0) -> dict:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def weights(K: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"router": torch.randn(E, D, generator=g) * 0.1, "w_gate_up": torch.randn(E, 2 * I, D, generator=g) * 0.05,
-            "w_down": torch.randn(E, D, I, generator=g) * 0.05}
+    w = {"router": torch.randn(E, D, generator=g) * 0.1, "w_gate_up": torch.randn(E, 2 * I, D, generator=g) * 0.05,
+         "w_down": torch.randn(E, D, I, generator=g) * 0.05}
+    return {k: v.to(dtype) for k, v in w.items()}
+
+
+def check_parity(a: torch.Tensor, b: torch.Tensor, msg) -> None:
+    """fp32: elementwise rtol 1e-5; bf16: norm-wise within 8 bf16 roundings."""
+    if a.dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=msg)
+    else:
+        rel = float((a.float() - b.float()).norm() / b.float().norm())
+        assert rel <= 8 * 2.0 ** -8, msg(f"relative error {rel:.3g} > 8 bf16 roundings")
 
 
 def hf_layer(w: dict, K: int, mesh, impl: str):
@@ -182,10 +199,11 @@ def expert_fraction(x: torch.Tensor, ids: torch.Tensor, w: dict, mesh, steps: in
         mine = flat[(flat >= rng.start) & (flat < rng.stop)] - rng.start
     A = int(mine.numel())
     counts = torch.bincount(mine, minlength=len(rng)).tolist()
-    rows, row_of, scale = torch.randn(A, D), torch.randperm(A), torch.rand(A, requires_grad=True)
+    dt = x.dtype
+    rows, row_of, scale = torch.randn(A, D, dtype=dt), torch.randperm(A), torch.rand(A, dtype=dt, requires_grad=True)
     wgu, wd = w["w_gate_up"][rng.start:rng.stop].clone().requires_grad_(), w["w_down"][rng.start:rng.stop].clone().requires_grad_()
-    a, b = torch.randn(A, D), torch.randn(D, 3 * I)
-    gy, gm = torch.randn(A, D), torch.randn(A, 3 * I)
+    a, b = torch.randn(A, D, dtype=dt), torch.randn(D, 3 * I, dtype=dt)
+    gy, gm = torch.randn(A, D, dtype=dt), torch.randn(A, 3 * I, dtype=dt)
 
     def experts():
         r = rows.clone().requires_grad_()
@@ -207,7 +225,8 @@ def expert_fraction(x: torch.Tensor, ids: torch.Tensor, w: dict, mesh, steps: in
     return dict(rows=A, flops=flops, expert_gflops=flops / te / 1e9, mm_gflops=flops / tm / 1e9, fraction=tm / te)
 
 
-def run_rank(rank: int, world: int, layouts: list, ks: list, T: int, steps: int, warmup: int) -> list:
+def run_rank(rank: int, world: int, layouts: list, ks: list, T: int, steps: int, warmup: int,
+             dtype: str = "fp32") -> list:
     import torch.distributed as dist
 
     out = []
@@ -216,10 +235,10 @@ def run_rank(rank: int, world: int, layouts: list, ks: list, T: int, steps: int,
         impls = ["local"] if mesh is None else ["all_to_all"] + (["all_reduce"] if layout == "shared" else [])
         batch = 0 if mesh is None else mesh.batch_index
         g = torch.Generator().manual_seed(100 + batch)
-        x, gy = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+        x, gy = torch.randn(T, D, generator=g).to(DTYPES[dtype]), torch.randn(T, D, generator=g).to(DTYPES[dtype])
         barrier = dist.barrier if mesh is not None else (lambda: None)
         for K in ks:
-            w = weights(K)
+            w = weights(K, dtype=DTYPES[dtype])
             runs = {}
             for impl in impls:
                 runs[f"fmoe {impl}"] = fmoe_layer(w, K, mesh, impl)
@@ -229,8 +248,7 @@ def run_rank(rank: int, world: int, layouts: list, ks: list, T: int, steps: int,
             for impl in impls:
                 (yf, gf), (yh, gh) = res[f"fmoe {impl}"], res[f"transformers {impl}"]
                 for what, a, b in zip(["y", "dx", "d router", "d w_gate_up", "d w_down"], (yf,) + gf, (yh,) + gh):
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(),
-                                               msg=lambda m: f"{layout} K={K} {impl} {what}: {m}")
+                    check_parity(a, b, msg=lambda m: f"{layout} K={K} {impl} {what}: {m}")
             comm = {name: count_comm(lambda: fwd_bwd(*lay, x, gy)) for name, lay in runs.items()}
             times = {name: [] for name in runs}
             cpu = {name: [] for name in runs}
@@ -246,7 +264,7 @@ def run_rank(rank: int, world: int, layouts: list, ks: list, T: int, steps: int,
                         times[name].append(time.perf_counter() - t0)
                         cpu[name].append(c1 - c0)
             ids = torch.topk(x @ w["router"].t(), K).indices
-            out.append(dict(layout=layout, world=world, K=K, times=times, cpu=cpu, comm=comm,
+            out.append(dict(layout=layout, world=world, K=K, dtype=dtype, times=times, cpu=cpu, comm=comm,
                             experts=expert_fraction(x, ids, w, mesh, max(3, steps // 2))))
     return out
 
@@ -258,7 +276,7 @@ def summarize(per_rank: list) -> list:
                  for name, ts in r0["times"].items()}
         for name, step in steps.items():
             hf = steps["transformers " + name.split()[1]]
-            rows.append(dict(layout=r0["layout"], world=r0["world"], K=r0["K"], impl=name,
+            rows.append(dict(layout=r0["layout"], world=r0["world"], K=r0["K"], dtype=r0["dtype"], impl=name,
                              median_ms=1e3 * statistics.median(step),
                              vs_transformers=statistics.median([a / b for a, b in zip(step, hf)]),
                              cpu_ms_all_ranks=1e3 * statistics.median(
@@ -279,6 +297,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights, tokens and GEMMs in this dtype")
     ap.add_argument("--out", default="benchmarks/out/dispatch.json")
     args = ap.parse_args()
     load_before = os.getloadavg()
@@ -288,7 +307,7 @@ def main() -> None:
     for world in args.worlds:
         layouts = ["single"] if world == 1 else ["ep", "shared"]
         per_rank = fmoe.testing.spawn(run_rank, world, layouts, args.k, args.tokens, args.steps, args.warmup,
-                                      timeout=3600)
+                                      args.dtype, timeout=3600)
         for r in summarize(per_rank):
             rows.append(r)
             print(f"{r['layout']:>7} {r['world']:>5} {r['K']:>2} {r['impl']:>24} | {r['median_ms']:7.1f} "
@@ -299,7 +318,7 @@ def main() -> None:
             sys.stdout.flush()
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.platform(), cpus=os.cpu_count(),
                 torch=torch.__version__, transformers=__import__("transformers").__version__,
-                shapes=dict(D=D, I=I, E=E, tokens_per_rank=args.tokens), steps=args.steps, warmup=args.warmup,
+                shapes=dict(D=D, I=I, E=E, tokens_per_rank=args.tokens), dtype=args.dtype, steps=args.steps, warmup=args.warmup,
                 loadavg_before=load_before, loadavg_after=os.getloadavg(), command=" ".join(["python"] + sys.argv))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -34,7 +34,15 @@ happens in the warmup steps (use ``--warmup 3``: the second call recompiles with
 Model FLOP/s (:func:`model_flops_per_token` x tokens/s) is reported as a fraction of the
 measured ``torch.mm`` rate of the machine (all cores, fp32, 1024^3).
 
-    python benchmarks/bench_train_step.py [--k 8 4] [--steps 12] [--warmup 2] [--layouts single ep4 tp2ep4]
+``--dtype fp32 bf16`` runs every runner in each dtype, all alternated in one loop (a bf16 runner is
+named ``NAME@bf16``): transformers loads the checkpoint with ``dtype=torch.bfloat16`` (bf16
+weights), fmoe keeps its fp32 weights as masters and casts them once per step
+(:func:`fmoe.training.step.compute_params`, the trainer's policy), gradients arriving in fp32. bf16
+loss parity with transformers is 4 bf16 roundings (``4 * 2**-8`` relative); the report adds the
+median per-step ratio bf16 / fp32 of each library, and bf16 FLOP/s as a fraction of the bf16
+``torch.mm`` rate.
+
+    python benchmarks/bench_train_step.py [--k 8 4] [--steps 12] [--warmup 2] [--layouts single ep4 tp2ep4] [--dtype fp32 bf16]
 
 Prints a table and writes benchmarks/out/train_step.json.
 """
@@ -55,6 +63,7 @@ import torch
 import fmoe
 
 V, D, I, E, LAYERS, B, S = 512, 256, 256, 32, 2, 4, 256
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SINGLE_BATCHES = 4  # the single process runs the union of the 4 ranks' batches (ep4 layout)
 LAYOUTS = {"single": dict(world=1, tp=1, ep=1), "ep4": dict(world=4, tp=1, ep=4),
            "tp2ep4": dict(world=4, tp=2, ep=4)}
@@ -77,11 +86,11 @@ def all_batches(num: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, V, (num, B, S), generator=torch.Generator().manual_seed(seed))
 
 
-def _hf_model(path: str, layout: dict, attn: str):
+def _hf_model(path: str, layout: dict, attn: str, dtype: str = "fp32"):
     import transformers
     from transformers.distributed import DistributedConfig
 
-    kw = dict(dtype=torch.float32, attn_implementation=attn)
+    kw = dict(dtype=DTYPES[dtype], attn_implementation=attn)
     if layout["world"] > 1:
         tp, ep, world = layout["tp"], layout["ep"], layout["world"]
         kw["distributed_config"] = DistributedConfig(tp_size=tp, fsdp_size=world // tp, ep_size=ep)
@@ -127,17 +136,19 @@ def _fmoe_loss(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto") -> t
 
 
 def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto", coalesced: bool = False,
-              loss_fn=_fmoe_loss) -> float:
+              loss_fn=_fmoe_loss, dtype: str = "fp32") -> float:
     """Forward + backward of the same loss; gradients reduced over the data-parallel ranks
     (``fmoe.training.grads.reduce_grads``, or the ``coalesced`` experiment). ``loss_fn``: the
     forward (``torch.compile(_fmoe_loss)`` for the compiled runner; its backward is compiled
-    with it)."""
+    with it). ``dtype="bf16"``: the step's weights are bf16 copies of the fp32 masters, cast once
+    (:func:`fmoe.training.step.compute_params`); the gradients are the masters'."""
     from fmoe.fsdp import regather_in_backward
     from fmoe.training.grads import reduce_grads
+    from fmoe.training.step import compute_params
 
     leaves = fmoe.tree.leaves(params)
     with regather_in_backward():
-        loss = loss_fn(params, cfg, mesh, tokens, impl=impl)
+        loss = loss_fn(compute_params(params, dtype), cfg, mesh, tokens, impl=impl)
         grads = torch.autograd.grad(loss, leaves)
     if mesh is not None and coalesced:
         _reduce_grads_coalesced(grads, mesh)
@@ -210,7 +221,7 @@ def _with_sdpa(fn):
 
 
 def run_layout(rank: int, world: int, path: str, layout: dict, names: list, steps: int, warmup: int,
-               attn: str, profile_dir: str) -> dict:
+               attn: str, profile_dir: str, dtypes: tuple = ("fp32",)) -> dict:
     """On each rank: load every runner's model, then alternate timed steps (order rotated every
     step). Returns per-step wall and CPU times and losses per runner."""
     import warnings
@@ -223,20 +234,23 @@ def run_layout(rank: int, world: int, path: str, layout: dict, names: list, step
     batches = all_batches(world // layout["tp"] if distributed else SINGLE_BATCHES)
     tokens = batches[mesh.batch_index] if distributed else batches.reshape(-1, S)   # [B, S] / [4B, S]
     runners = {}
-    for name in names:
+    for dt, name in [(dt, name) for dt in dtypes for name in names]:
+        label = name if dt == "fp32" else f"{name}@{dt}"
         if name == "transformers":
-            model = _hf_model(path, layout, attn)
-            runners[name] = (lambda m: lambda: hf_step(m, tokens))(model)
+            model = _hf_model(path, layout, attn, dt)
+            runners[label] = (lambda m: lambda: hf_step(m, tokens))(model)
         elif name == "fmoe_fsdp" and not distributed:
             continue
         elif name == "fmoe_compiled":        # the shipped library under torch.compile (dynamic shapes)
             params, cfg = _fmoe_params(path, mesh)
             compiled = torch.compile(_fmoe_loss)
-            runners[name] = (lambda p, c: lambda: fmoe_step(p, c, mesh, tokens, loss_fn=compiled))(params, cfg)
+            runners[label] = (lambda p, c, d: lambda: fmoe_step(p, c, mesh, tokens, loss_fn=compiled, dtype=d))(
+                params, cfg, dt)
         else:
             params, cfg = _fmoe_params(path, mesh, fsdp=name == "fmoe_fsdp")
-            step = (lambda p, c: lambda: fmoe_step(p, c, mesh, tokens, coalesced=name == "fmoe_exp"))(params, cfg)
-            runners[name] = _with_sdpa(step) if name in ("fmoe_sdpa", "fmoe_exp") else step
+            step = (lambda p, c, n, d: lambda: fmoe_step(p, c, mesh, tokens, coalesced=n == "fmoe_exp", dtype=d))(
+                params, cfg, name, dt)
+            runners[label] = _with_sdpa(step) if name in ("fmoe_sdpa", "fmoe_exp") else step
     barrier = dist.barrier if distributed else (lambda: None)
     times = {name: [] for name in runners}
     cpu = {name: [] for name in runners}
@@ -274,12 +288,13 @@ def model_flops_per_token(k: int) -> float:
     return 3 * forward
 
 
-def mm_rate(threads: int, n: int = 1024, repeat: int = 20) -> float:
-    """Measured ``torch.mm`` FLOP/s of an ``n x n`` fp32 product with ``threads`` threads (the
-    matmul ceiling the FLOP fraction is reported against; best of ``repeat``)."""
+def mm_rate(threads: int, n: int = 1024, repeat: int = 20, dtype: torch.dtype = torch.float32) -> float:
+    """Measured ``torch.mm`` FLOP/s of an ``n x n`` product in ``dtype`` with ``threads`` threads
+    (the matmul ceiling the FLOP fraction is reported against; best of ``repeat``)."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)                                   # oneDNN builds its bf16 kernel on the first call
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -305,21 +320,24 @@ def summarize(per_rank: list[dict], layout_name: str, k: int) -> dict:
                                                       for i in range(len(step[n]))]) for n in names})
     out["tokens_per_s"] = {n: out["tokens_per_step"] / out["median_s"][n] for n in names}
     out["model_flop_per_s"] = {n: out["tokens_per_s"][n] * model_flops_per_token(k) for n in names}
-    if "transformers" in names:
-        fm = [n for n in names if n.startswith("fmoe")]
-        out["ratio_median_of_steps"] = {n: statistics.median([f / h for f, h in zip(step[n], step["transformers"])])
+    hf_of = lambda n: "transformers" + (n[n.index("@"):] if "@" in n else "")  # noqa: E731
+    fm = [n for n in names if n.startswith("fmoe") and hf_of(n) in names]
+    if fm:
+        out["ratio_median_of_steps"] = {n: statistics.median([f / h for f, h in zip(step[n], step[hf_of(n)])])
                                         for n in fm}
-        out["ratio_of_medians"] = {n: out["median_s"][n] / out["median_s"]["transformers"] for n in fm}
+        out["ratio_of_medians"] = {n: out["median_s"][n] / out["median_s"][hf_of(n)] for n in fm}
         diffs = []
         for r in per_rank:
-            lh = r["losses"]["transformers"][0]
             for n in fm:
-                lf = r["losses"][n][0]
+                lh, lf = r["losses"][hf_of(n)][0], r["losses"][n][0]
                 diffs.append(abs(lf - lh) / abs(lh))
-                if abs(lf - lh) > 1e-5 * abs(lh):
-                    raise AssertionError(f"{layout_name} K={k}: loss parity failed: {n} {lf!r} vs transformers {lh!r}")
+                rtol = 4 * 2.0 ** -8 if "@bf16" in n else 1e-5
+                if abs(lf - lh) > rtol * abs(lh):
+                    raise AssertionError(f"{layout_name} K={k}: loss parity failed: {n} {lf!r} vs {hf_of(n)} {lh!r}")
         out["loss_rel_diff_max"] = max(diffs)
-        out["loss"] = [r["losses"]["transformers"][0] for r in per_rank]
+        out["loss"] = [r["losses"][hf_of(fm[0])][0] for r in per_rank]
+    out["bf16_over_fp32"] = {n: statistics.median([b / a for a, b in zip(step[n.split("@")[0]], step[n])])
+                             for n in names if n.endswith("@bf16") and n.split("@")[0] in names}
     return out
 
 
@@ -337,6 +355,8 @@ def main() -> None:
                          "fmoe_sdpa = fmoe with SDPA attention, fmoe_exp = SDPA attention + coalesced "
                          "gradient all-reduce; fmoe_compiled: fmoe with torch.compile(forward + loss), "
                          "backward compiled with it (dense replicated, like fmoe)")
+    ap.add_argument("--dtype", nargs="+", default=["fp32"], choices=list(DTYPES),
+                    help="compute dtypes; several: every runner in each, alternated in one loop")
     ap.add_argument("--profile", action="store_true", help="write torch.profiler tables of one step per library")
     ap.add_argument("--out", default="benchmarks/out/train_step.json")
     args = ap.parse_args()
@@ -351,21 +371,26 @@ def main() -> None:
             for name in args.layouts:
                 layout = LAYOUTS[name]
                 per_rank = fmoe.testing.spawn(run_layout, layout["world"], path, layout, args.runners, args.steps,
-                                              args.warmup, args.attn, profile_dir, timeout=1800)
+                                              args.warmup, args.attn, profile_dir, tuple(args.dtype), timeout=1800)
                 rows.append(summarize(per_rank, name, k))
                 _print_row(rows[-1])
                 sys.stdout.flush()
     eff = _efficiency(rows)
-    rate = mm_rate(os.cpu_count() or 1)
+    rates = {dt: mm_rate(os.cpu_count() or 1, dtype=DTYPES[dt]) for dt in args.dtype}
     for r in rows:
-        r["fraction_of_mm_rate"] = {n: f / rate for n, f in r["model_flop_per_s"].items()}
-        print(f"{r['layout']} K={r['k']} model FLOP/s as a fraction of torch.mm ({rate / 1e9:.1f} GFLOP/s): "
+        r["fraction_of_mm_rate"] = {n: f / rates[n.split("@")[1] if "@" in n else "fp32"]
+                                    for n, f in r["model_flop_per_s"].items()}
+        print(f"{r['layout']} K={r['k']} model FLOP/s as a fraction of torch.mm in its dtype ("
+              + ", ".join(f"{dt} {v / 1e9:.1f} GFLOP/s" for dt, v in rates.items()) + "): "
               + ", ".join(f"{n} {v:.3f}" for n, v in r["fraction_of_mm_rate"].items()))
+        for n, v in r["bf16_over_fp32"].items():
+            print(f"{r['layout']} K={r['k']} {n} / fp32: {v:.3f} (median of per-step ratios)")
+    rate = rates.get("fp32", next(iter(rates.values())))
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.platform(), cpus=os.cpu_count(),
                 torch=torch.__version__, transformers=__import__("transformers").__version__,
                 model=dict(V=V, D=D, I=I, E=E, layers=LAYERS, batch_per_rank=[B, S]), attn=args.attn,
                 steps=args.steps, warmup=args.warmup, loadavg_before=load_before, loadavg_after=os.getloadavg(),
-                mm_flop_per_s=rate,
+                mm_flop_per_s=rate, mm_flop_per_s_by_dtype=rates, dtypes=args.dtype,
                 command=" ".join(["python"] + sys.argv))
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows, efficiency=eff), f, indent=2)

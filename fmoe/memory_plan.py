@@ -30,7 +30,8 @@ autocast halves the matmul-side activations, keeps the fp32 logits copy for the 
 a bf16 copy of every weight a matmul uses (2 bytes per gathered parameter).
 
 Collectives (sent bytes, ring algorithms): FSDP all-gather forward + re-gather backward +
-reduce-scatter of gradients, ``3 (n - 1) / n`` of the gathered bytes; the dispatch and combine
+reduce-scatter of gradients, ``3 (n - 1) / n`` of the gathered bytes, in the compute dtype (bf16
+weights are cast on the shard before the gather: half the bytes); the dispatch and combine
 exchanges of each MoE layer, forward and backward, ``4 R (ep - tp) / ep`` rows of D values
 (rows for the rank's own experts stay local); TP all-reduces of ``[T, D]`` twice per layer and
 direction; HSDP all-reduce of the gradients over ``dp_replicate``.
@@ -150,6 +151,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
     w = declared.widths(cfg)
     moe_layers = sum(1 for p in flat if p.endswith("moe.router"))
     ranks = []
+    act_bytes = 2 if dtype == "bf16" else 4      # bf16: weights cast on the shard, before the gather
     for r in range(nproc):
         mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate)
         placed = _tree.flatten(data_parallel_plan(mp, full, mesh).resolve(full, mesh))
@@ -165,12 +167,11 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
             k = math.prod(mesh.size(a) for a in data) if data else 1
             if "ep" not in p.mesh_axes() and len(t.shape) >= 2 and path != "embed":
                 dense_mm += n * k * _F32                             # gathered for a matmul
-            collective += 3 * (k - 1) * n * _F32 * grad_accum        # gather, re-gather, reduce-scatter
+            collective += 3 * (k - 1) * n * act_bytes * grad_accum   # gather, re-gather, reduce-scatter: compute dtype
             if mesh.dp_replicate > 1:
                 collective += 2 * (mesh.dp_replicate - 1) / mesh.dp_replicate * n * _F32
         T = batch * seq
         R = T * w.K / tp if moe_layers else 0
-        act_bytes = 2 if dtype == "bf16" else 4
         collective += grad_accum * moe_layers * 4 * R * (mesh.ep - tp) / mesh.ep * w.D * act_bytes
         collective += grad_accum * w.L * 4 * 2 * (tp - 1) / tp * T * w.D * act_bytes
         acts = activation_estimate(w, tokens=T, tp=tp, moe_layers=moe_layers,

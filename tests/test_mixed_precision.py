@@ -3,10 +3,14 @@
 All on 4 gloo ranks (tp=2, ep=4: FSDP over 2, experts over 4), the layout the main job uses,
 against the plain fp32 step:
 
-- ``dtype="bf16"``: master weights, gradients and AdamW moments stay fp32; after 30 steps the
-  loss is within 0.03 (absolute, on a loss near 3.5) of fp32 training — bf16 keeps 8 bits of
-  mantissa, so each matmul is off by ~0.4% relative and the runs drift apart slowly, while
-  a wrong policy (bf16 masters, bf16 moments, a lost gradient) ends far outside.
+- ``dtype="bf16"`` (bf16 weight copies cast once per step, every GEMM in bf16): master weights,
+  gradients and AdamW moments stay fp32; after 30 steps the loss is within 0.03 (absolute, on a
+  loss near 2.6) of fp32 training — bf16 keeps 8 bits of mantissa, so each matmul is off by
+  ~0.4% relative and the runs drift apart slowly, while a wrong policy (bf16 masters, bf16
+  moments, a lost gradient) ends far outside. The whole curve is held too: step 1 (same weights)
+  within 2 bf16 roundings of the loss, the mean gap over the 30 steps below 0.015 and every gap
+  below 0.15 (measured: mean 0.0035, one step at 0.05 where a near-tie between experts' scores
+  routed tokens differently; such flips are why a per-step bound must be loose).
 - ``remat="layer"`` / ``"moe"``: identical losses and parameters (recomputation replays the
   same ops), and less memory saved for backward (measured in one process).
 - ``grad_accum=2`` over a batch of 2B rows: the same losses and parameters as one batch of 2B
@@ -66,6 +70,10 @@ def test_bf16_remat_and_grad_accum_match_fp32_on_four_ranks():
     assert r["bf16"][2] == {"torch.float32"} and r["fp32"][2] == {"torch.float32"}   # masters and moments fp32
     assert fp32[-1] < fp32[0] - 0.5 and bf16[-1] < bf16[0] - 0.5                   # both learn
     assert abs(bf16[-1] - fp32[-1]) < 0.03, (bf16[-1], fp32[-1])
+    gaps = [abs(a - b) for a, b in zip(bf16, fp32)]
+    print("bf16 - fp32 loss gap per step:", [round(g, 4) for g in gaps])
+    assert gaps[0] < 2 * 2.0 ** -8 * fp32[0], gaps[0]                              # step 1: same weights, bf16 rounding
+    assert sum(gaps) / len(gaps) < 0.015 and max(gaps) < 0.15, gaps               # the whole curve, not just its end
     assert bf16 != fp32                                                            # bf16 really computed
     for name in ("layer", "moe"):
         assert r[name][0] == r["plain"][0], name                                   # bitwise: same ops replayed

@@ -13,6 +13,7 @@ path        module                                     when (:meth:`LocalExperts
 blocked     :mod:`fmoe.experts.blocked`: gather,        CPU, activation named ``"swiglu"``, no
             GEMMs, weight and scatter-add block by      biases, and ``matmul="loop"`` or ``"auto"``
             block (no ``[A, D]`` temporaries)          with >= ``BLOCKED_MIN_ROWS`` rows/expert
+                                                       (any number in bf16 / fp16)
 grouped     :mod:`fmoe.experts.mlp`: one               ``matmul="grouped"``, or ``"auto"`` with
             ``torch._grouped_mm`` per projection       aligned shapes (bf16 on CUDA)
 loop        :mod:`fmoe.experts.mlp`: one matmul per    otherwise
@@ -97,10 +98,13 @@ class LocalExperts:
         """Whether the blocked CPU path runs for ``num_assignments`` (row, expert) pairs: plain
         SwiGLU experts on CPU with ``matmul="loop"``, or ``"auto"`` and at least
         ``BLOCKED_MIN_ROWS`` assignments per local expert on average (below that the
-        whole-tensor grouped GEMMs cost less than a Python loop over experts)."""
+        whole-tensor grouped GEMMs cost less than a Python loop over experts), or ``"auto"`` in
+        bf16 / fp16 at any size: its GEMMs reuse a few oneDNN kernel shapes where the grouped and
+        loop paths build a new kernel for every new expert row count (:mod:`fmoe.experts.blocked`)."""
         return self.plain_swiglu and rows.device.type == "cpu" and (
             self.matmul == "loop" or
-            (self.matmul == "auto" and num_assignments >= BLOCKED_MIN_ROWS * self.num_local))
+            (self.matmul == "auto" and (rows.dtype in (torch.bfloat16, torch.float16)
+                                        or num_assignments >= BLOCKED_MIN_ROWS * self.num_local)))
 
     def path(self, rows: torch.Tensor, num_assignments: int) -> str:
         """The path :meth:`weighted_sum_per_row` takes: ``"traced"``, ``"blocked"``,

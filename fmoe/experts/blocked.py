@@ -23,6 +23,13 @@ It is the CPU path of the layer for plain SwiGLU experts without biases with ``m
 or ``"auto"`` from ``fmoe.experts.BLOCKED_MIN_ROWS`` (256) rows per local expert on average: below
 that the whole-tensor path's few large ops beat a Python loop over many small experts (measured:
 1024 tokens, 32 experts, top-2 is 0.88x transformers' time whole-tensor, 1.03x blocked).
+In bf16 (and fp16) on CPU the GEMMs run in oneDNN's AMX kernels (``brg_matmul:..._amx``), which
+oneDNN builds and caches per shape at 1-10 ms each, far more than the GEMM itself; expert row
+counts change every step, so each block is computed on ``_bucket(B)`` rows (the gathered rows
+padded with zero rows to one of ~24 sizes up to 2048, at most 25% more rows, padding rows
+contribute exactly zero) and the kernels are built once per run. Sums over assignments (the
+output and the input gradient) accumulate in fp32 and are rounded once; the fp32 path is as
+described above. ``fmoe.experts`` takes this path for bf16 on CPU at any number of rows.
 CUDA keeps ``torch._grouped_mm`` over whole tensors (one kernel per op beats a Python loop over
 experts there). Double backward and ``torch.func`` transforms run the same math
 as whole-tensor differentiable ops (``torch.is_grad_enabled()`` inside backward).
@@ -40,40 +47,75 @@ from .mlp import _gmm, check_groups, swiglu_backward, swiglu_jvp
 __all__ = ["weighted_expert_sum", "BLOCK_ROWS"]
 
 BLOCK_ROWS = 2048  # rows per block: whole experts at training sizes; temporaries stay far below 32 MB
+MIN_PIECE = 16     # bf16 on CPU: GEMM row counts are padded to multiples of this (and coarser above 128)
 
 
-def _block_plan(counts: Sequence[int], block_rows: int) -> tuple[list[int], list[int], list[bool]]:
+def _block_plan(counts: Sequence[int], block_rows: int,
+                bucketed: bool = False) -> tuple[list[int], list[int], list[bool], list[int]]:
     """Row blocks of at most ``block_rows`` rows, in sorted order: the expert of each block, its
-    size, and whether it is its expert's first block (which writes the weight gradients)."""
+    size, whether it is its expert's first block (which writes the weight gradients), and the
+    rows it is computed on (its size, or with ``bucketed`` the :func:`_bucket` above it)."""
     experts, sizes, firsts = [], [], []
     for e, c in enumerate(counts):
         for a in range(0, c, block_rows):
             experts.append(e)
             sizes.append(min(block_rows, c - a))
             firsts.append(a == 0)
-    return experts, sizes, firsts
+    return experts, sizes, firsts, [_bucket(b) for b in sizes] if bucketed else sizes
+
+
+def _bucket(n: int) -> int:
+    """The GEMM row count a bf16 block of ``n`` rows is padded to: a multiple of ``MIN_PIECE``
+    up to 128, then 4 sizes per octave (160, 192, 224, 256, 320, ...): ~24 sizes up to 2048,
+    at most 25% padding.
+
+    Example:
+        >>> [_bucket(n) for n in (5, 37, 128, 129, 300, 2048)]
+        [16, 48, 128, 160, 320, 2048]
+    """
+    step = max(MIN_PIECE, 1 << max(0, n.bit_length() - 3))
+    return -(-n // step) * step
+
+
+def _bucketed(t: torch.Tensor) -> bool:
+    """Whether GEMMs on ``t`` run in oneDNN (bf16 / fp16 on CPU), which builds (and caches) one
+    AMX kernel per shape at 1-10 ms each: expert row counts change every step, so blocks are
+    padded with zero rows to :func:`_bucket` sizes and the kernels are built once."""
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def _gather(src: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """``src[idx]`` followed by zero rows up to ``rows`` rows."""
+    if rows == idx.shape[0]:
+        return src.index_select(0, idx)
+    out = src.new_empty(rows, src.shape[1])
+    torch.index_select(src, 0, idx, out=out[:idx.shape[0]])
+    out[idx.shape[0]:].zero_()
+    return out
 
 
 class _BlockedSwiGLU(torch.autograd.Function):
-    """``out [N, D]``, ``h [A, 2I]`` and ``silu(gate) [A, I]`` (both non-differentiable, saved
-    for backward: on a CPU the memory is cheaper than recomputing the exponentials)."""
+    """``out [N, D]``, ``h [A', 2I]`` and ``silu(gate) [A', I]`` (both non-differentiable, saved
+    for backward: on a CPU the memory is cheaper than recomputing the exponentials; ``A'`` is
+    ``A`` plus the bf16 blocks' zero padding)."""
 
     @staticmethod
     def forward(rows, row_of, scale, w_gate_up, w_down, counts, block_rows):
-        A, n_i = row_of.shape[0], w_down.shape[2]
-        out = rows.new_zeros(rows.shape[0], w_down.shape[1])                       # [N, D]
-        h = rows.new_empty(A, 2 * n_i)                                             # [A, 2I]
-        sg = rows.new_empty(A, n_i)                                                # [A, I] silu(gate)
-        experts, sizes, _ = _block_plan(counts, block_rows)
+        n_i = w_down.shape[2]
+        experts, sizes, _, padded = _block_plan(counts, block_rows, _bucketed(rows))
+        acc = _accumulator(rows, (rows.shape[0], w_down.shape[1]))                # [N, D], >= fp32
+        h = rows.new_empty(sum(padded), 2 * n_i)                                   # [A', 2I]
+        sg = rows.new_empty(sum(padded), n_i)                                      # [A', I] silu(gate)
         scales = scale.unsqueeze(1).split(sizes) if scale is not None else [None] * len(sizes)
         wgu_t, wd_t = w_gate_up.transpose(1, 2).unbind(0), w_down.transpose(1, 2).unbind(0)
-        for e, idx, hb, sb, sc in zip(experts, row_of.split(sizes), h.split(sizes), sg.split(sizes), scales):
-            torch.mm(rows.index_select(0, idx), wgu_t[e], out=hb)                # [B, 2I]
-            act = torch.ops.aten.silu.out(hb[:, :n_i], out=sb) * hb[:, n_i:]      # [B, I]
+        for e, b, idx, hb, sb, sc in zip(experts, sizes, row_of.split(sizes), h.split(padded), sg.split(padded),
+                                         scales):
+            torch.mm(_gather(rows, idx, hb.shape[0]), wgu_t[e], out=hb)           # [B', 2I]
+            act = torch.ops.aten.silu.out(hb[:, :n_i], out=sb) * hb[:, n_i:]      # [B', I], padding rows 0
             if sc is not None:
-                act.mul_(sc)
-            out.index_add_(0, idx, act @ wd_t[e])
-        return out, h, sg
+                act[:b].mul_(sc)
+            acc.index_add_(0, idx, (act @ wd_t[e])[:b].to(acc.dtype))             # [B, D] summed per row
+        return acc.to(rows.dtype), h, sg
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -101,38 +143,38 @@ class _BlockedSwiGLU(torch.autograd.Function):
             return _backward_functional(dout, rows, row_of, scale, w_gate_up, w_down, h, ctx.counts, need)
         dout = dout.contiguous()
         n_i = w_down.shape[2]
-        drows = torch.zeros_like(rows) if need[0] else None
+        drows = _accumulator(rows, rows.shape) if need[0] else None              # [N, D], >= fp32
         dscale = scale.new_empty(scale.shape) if scale is not None and need[2] else None
         dw_gu = _weight_grad(w_gate_up, ctx.counts) if need[3] else None
         dw_dn = _weight_grad(w_down, ctx.counts) if need[4] else None
-        experts, sizes, firsts = _block_plan(ctx.counts, ctx.block_rows)
+        experts, sizes, firsts, padded = _block_plan(ctx.counts, ctx.block_rows, _bucketed(rows))
         none = [None] * len(sizes)
         scales = scale.unsqueeze(1).split(sizes) if scale is not None else none
         dscales = dscale.split(sizes) if dscale is not None else none
         wgu, wd = w_gate_up.unbind(0), w_down.unbind(0)
         dwgu = dw_gu.unbind(0) if dw_gu is not None else None
         dwdn = dw_dn.unbind(0) if dw_dn is not None else None
-        blocks = zip(experts, firsts, row_of.split(sizes), h[:, :n_i].split(sizes), h[:, n_i:].split(sizes),
-                     sg.split(sizes), scales, dscales)
-        for e, first, idx, gate, up, s, sc, dsc in blocks:
-            x, dy = rows.index_select(0, idx), dout.index_select(0, idx)          # [B, D]
-            act = s * up                                                           # unscaled [B, I]
-            da = dy @ wd[e]                                                        # [B, I]
+        blocks = zip(experts, firsts, sizes, row_of.split(sizes), h[:, :n_i].split(padded), h[:, n_i:].split(padded),
+                     sg.split(padded), scales, dscales)
+        for e, first, b, idx, gate, up, s, sc, dsc in blocks:
+            x, dy = _gather(rows, idx, gate.shape[0]), _gather(dout, idx, gate.shape[0])   # [B', D]
+            act = s * up                                                           # unscaled [B', I]
+            da = dy @ wd[e]                                                        # [B', I]
             if sc is not None:
                 if dsc is not None:
-                    torch.linalg.vecdot(da, act, out=dsc)
-                act.mul_(sc)
-                da.mul_(sc)
+                    torch.linalg.vecdot(da[:b], act[:b], out=dsc)
+                act[:b].mul_(sc)
+                da[:b].mul_(sc)
             if dwdn is not None:
                 _accumulate_mm(dwdn[e], dy.t(), act, first)                        # [D, I]
-            dh = torch.empty(x.shape[0], 2 * n_i, dtype=h.dtype, device=h.device)  # [B, 2I]
+            dh = torch.empty(x.shape[0], 2 * n_i, dtype=h.dtype, device=h.device)  # [B', 2I]
             torch.mul(da, s, out=dh[:, n_i:])
             torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=dh[:, :n_i])
             if drows is not None:
-                drows.index_add_(0, idx, dh @ wgu[e])
+                drows.index_add_(0, idx, (dh @ wgu[e])[:b].to(drows.dtype))
             if dwgu is not None:
                 _accumulate_mm(dwgu[e], dh.t(), x, first)                          # [2I, D]
-        return drows, None, dscale, dw_gu, dw_dn, None, None
+        return None if drows is None else drows.to(rows.dtype), None, dscale, dw_gu, dw_dn, None, None
 
 
 _BlockedSwiGLU.vmap = staticmethod(vmap_by_loop(_BlockedSwiGLU.apply))
@@ -145,6 +187,12 @@ def _weight_grad(w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         if c == 0:
             g[e].zero_()
     return g
+
+
+def _accumulator(like: torch.Tensor, shape) -> torch.Tensor:
+    """Zeros for a sum over assignments: ``like``'s dtype promoted to at least fp32 (bf16 rows
+    are summed in fp32, then rounded once; fp32 and fp64 stay as they are)."""
+    return torch.zeros(shape, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
 
 
 def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:

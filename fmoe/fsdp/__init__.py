@@ -33,11 +33,11 @@ Example:
 
 from __future__ import annotations
 
-from .gather import KEEP, _GatherLayer, unshard, unshard_layer, unsharded_layers  # noqa: F401  (_GatherLayer: for tests)
+from .gather import KEEP, _GatherLayer, cast_shards, unshard, unshard_layer, unsharded_layers  # noqa: F401  (_GatherLayer: for tests)
 from .plan import add_data_axis, data_parallel_plan
 from .regather import _RECIPE, RegatherCounts, _root, gather_flat, regather_in_backward  # noqa: F401  (_RECIPE, _root: for tests)
 
-__all__ = ["KEEP", "unshard", "unshard_layer", "unsharded_layers", "regather_in_backward", "RegatherCounts",
+__all__ = ["KEEP", "cast_shards", "unshard", "unshard_layer", "unsharded_layers", "regather_in_backward", "RegatherCounts",
            "gather_flat", "add_data_axis", "data_parallel_plan"]
 
 # _GatherLayer, _RECIPE and _root stay importable from here (tests and notes name them so).

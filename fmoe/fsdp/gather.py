@@ -3,6 +3,10 @@
 - **one weight** (:func:`unshard`): this rank's compute tensor,
   every data-parallel split all-gathered for the call; the gather's backward is a
   reduce-scatter (the sum over the gathering ranks, each keeps its slice);
+- **compute copies** (:func:`cast_shards`): every floating leaf's *local shard* cast to the
+  compute dtype once (a trainer does it once per step), placements kept, so the gathers that
+  follow move bf16, half the bytes, and no layer casts a weight per call; the cast's backward
+  returns each gradient in the master's dtype;
 - **one layer** (:func:`unshard_layer`, :func:`unsharded_layers`, the old ``prefetch``):
   every FSDP-split leaf of a layer's subtree gathered together, ONE all-gather per process group
   and dtype (:class:`_GatherLayer`), and in backward ONE reduce-scatter of all their gradients.
@@ -22,7 +26,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import tree as _tree
 from ..collectives import all_gather, group_size, reduce_scatter_rows
@@ -31,7 +35,7 @@ from ..sharding import placed_like, placement_of, to_local
 from ..transforms import peel
 from .regather import _remember, gather_flat
 
-__all__ = ["KEEP", "unshard", "unshard_layer", "unsharded_layers"]
+__all__ = ["KEEP", "unshard", "unshard_layer", "unsharded_layers", "cast_shards"]
 
 KEEP = ("tp", "ep")          # axes a layer keeps split (it runs its own collectives for them)
 
@@ -206,3 +210,77 @@ def unsharded_layers(layers: Iterable[Any]) -> Iterator[Any]:
     """
     for layer in layers:
         yield unshard_layer(layer)
+
+
+# ---------------------------------------------------------------------------- compute copies
+def _spec_as(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
+    """``spec`` with its tensor dtype changed (same mesh, placements, global shape)."""
+    meta = spec.tensor_meta
+    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
+
+
+def _cast_like(t: Any, dtype: torch.dtype) -> Any:
+    """``t`` (DTensor or tensor) in ``dtype``: its local tensor cast, its placements kept."""
+    if isinstance(t, DTensor):
+        return placed_like(t._local_tensor.to(dtype), t, spec=_spec_as(t._spec, dtype))
+    return t.to(dtype)
+
+
+class _CastShard(torch.autograd.Function):
+    """A leaf's local shard cast to ``dtype``, placed like the leaf (nothing communicated);
+    backward: the gradient cast back to the leaf's dtype, with the gradient's own placements
+    (``Partial`` stays ``Partial``)."""
+
+    @staticmethod
+    def forward(t, dtype):
+        return _cast_like(t, dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.dtype, ctx.out_dtype = inputs[0].dtype, inputs[1]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (None if g is None else _cast_like(g, ctx.dtype)), None
+
+    @staticmethod
+    def jvp(ctx, dt, _):
+        return _cast_like(dt, ctx.out_dtype)
+
+    @staticmethod
+    def vmap(info, in_dims, t, dtype):
+        return _CastShard.apply(t, dtype), in_dims[0]
+
+
+def cast_shards(params: Any, dtype: torch.dtype, skip: Sequence[str] = ()) -> Any:
+    """The compute copy of a tree: every floating-point leaf's local shard cast to ``dtype``,
+    placed like the leaf; differentiable (gradients arrive in each leaf's own dtype).
+
+    Cast once per step, before the forward: FSDP-split leaves are then gathered in ``dtype``
+    (:func:`unshard_layer`, :func:`unshard`: half the bytes of fp32 for bf16) and their
+    reduce-scatter in backward moves ``dtype`` too; the cast's backward returns the reduced
+    shard's gradient in the master dtype, so everything after (the trainer's reductions,
+    clipping, the optimizer) stays in it.
+
+    Args:
+        params: a tree of DTensors or tensors (e.g. fp32 master weights that require grad).
+        dtype: the compute dtype (e.g. ``torch.bfloat16``).
+        skip: path globs of leaves kept as they are (e.g. ``("**.expert_bias",)``: a routing
+            bias added to fp32 scores).
+    Returns:
+        the same tree; leaves already in ``dtype``, non-floating or skipped are the leaves themselves.
+
+    Example:
+        >>> w = torch.ones(2, 3, requires_grad=True)
+        >>> c = cast_shards({"w": w, "b": torch.zeros(3)}, torch.bfloat16, skip=("b",))
+        >>> c["w"].dtype, c["b"].dtype
+        (torch.bfloat16, torch.float32)
+        >>> c["w"].sum().backward(); w.grad.dtype
+        torch.float32
+    """
+    def cast(path: str, t: Any) -> Any:
+        if not t.dtype.is_floating_point or t.dtype == dtype or any(_tree.glob_match(g, path) for g in skip):
+            return t
+        return _CastShard.apply(t, dtype) if t.requires_grad and torch.is_grad_enabled() else _cast_like(t, dtype)
+    return _tree.map_with_path(cast, params)

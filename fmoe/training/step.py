@@ -15,10 +15,16 @@ get no gradient and no optimizer update.
 Token accounting counts each batch once, whatever ``tp`` is: a step processes
 ``batch * seq * dp_replicate * fsdp`` tokens.
 
-Mixed precision (``StepConfig.dtype="bf16"``, torchtitan's policy): parameters stay fp32
-master weights, the forward runs under ``torch.autocast(bf16)`` (matmuls in bf16; the autocast
-casts are differentiable, so every gradient arrives in fp32), the loss is computed in fp32, and
-gradient reduction, clipping and the AdamW moments are fp32. Checkpoints therefore hold fp32.
+Mixed precision (``StepConfig.dtype="bf16"``, FSDP2's ``param_dtype=bf16`` policy): parameters
+stay fp32 master weights; once per step (not per call, not per micro-batch) every floating leaf's
+local shard is cast to bf16 (:func:`fmoe.fsdp.cast_shards`, before any gather, so FSDP gathers and
+reduce-scatters move half the bytes), and the forward and backward run on those copies: every GEMM
+(attention projections, router, experts on every path, lm_head) takes bf16 operands and
+accumulates in fp32 inside the kernel (oneDNN/AMX on CPU, cuBLAS on CUDA), activations travel in
+bf16, while norms, softmax and router scores, the loss and statistics compute in fp32 (the "at
+least fp32" rule of :mod:`fmoe.nn` and :mod:`fmoe.routing`; ``expert_bias`` is not cast). The
+cast's backward returns fp32 gradients, so micro-batch accumulation, the data-parallel gradient
+reduction, clipping and the AdamW moments are fp32. Checkpoints therefore hold fp32.
 
 Memory (``StepConfig.remat``, ``StepConfig.grad_accum``): ``remat="layer"`` / ``"moe"``
 recomputes each decoder layer / MoE block in backward instead of keeping its activations
@@ -48,14 +54,17 @@ from ..mesh import Mesh
 from ..model import model_of
 from ..nn import cross_entropy
 from ..collectives import sum_over_world
-from ..fsdp import regather_in_backward
+from ..fsdp import cast_shards, regather_in_backward
 from .grads import reduce_grads
 from ..optim import AdamWConfig, adamw
 
-__all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_dtype", "autocast", "DTYPES"]
+__all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_dtype", "compute_params", "autocast", "DTYPES",
+           "KEEP_MASTER"]
 
 #: ``--dtype`` names -> compute dtype (parameters, gradients and optimizer state stay fp32).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: Leaves the compute copy keeps in their master dtype: the routing bias, added to fp32 scores.
+KEEP_MASTER = ("**.expert_bias",)
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ class StepConfig:
         global_balance: weight of the global-batch balance loss (0: off; frequencies over the
             batches and the micro-batches, :mod:`fmoe.training.global_balance`).
         router: replaces the model's router in every MoE layer (None: the model's own).
-        dtype: compute dtype, ``"fp32"`` or ``"bf16"`` (autocast over fp32 master weights).
+        dtype: compute dtype, ``"fp32"`` or ``"bf16"`` (bf16 copies of the fp32 master weights, once per step).
         remat: ``"none"``, ``"layer"`` or ``"moe"``: what to recompute in backward.
         grad_accum: micro-batches per step (the batch's rows are split into this many).
     """
@@ -108,10 +117,19 @@ def compute_dtype(name: str) -> torch.dtype:
 
 
 def autocast(dtype: str, device: torch.device):
-    """``torch.autocast`` to ``dtype`` on ``device``'s type, or a no-op for fp32."""
+    """``torch.autocast`` to ``dtype`` on ``device``'s type, or a no-op for fp32 (evaluation on
+    fp32 weights; the train step casts its weights once instead, :func:`compute_params`)."""
     if compute_dtype(dtype) == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype])
+
+
+def compute_params(params: Any, dtype: str) -> Any:
+    """The weights a step computes with: ``params`` itself for fp32, else every floating leaf
+    but :data:`KEEP_MASTER` cast to ``dtype`` on its local shard (:func:`fmoe.fsdp.cast_shards`;
+    differentiable, gradients arrive in fp32)."""
+    target = compute_dtype(dtype)
+    return params if target == torch.float32 else cast_shards(params, target, skip=KEEP_MASTER)
 
 
 def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh],
@@ -187,14 +205,14 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     flat = _tree.flatten(params)
     train_paths = [p for p, t in flat.items() if t.requires_grad]
     acc, losses, aux_sums, loads, drops = None, [], {}, None, []
-    run = lambda mt: forward_with_aux(model, params, mt, cfg, mesh, step_cfg.impl, step_cfg.router)  # noqa: E731
+    weights = compute_params(params, step_cfg.dtype)      # once per step, before any gather
+    run = lambda mt: forward_with_aux(model, weights, mt, cfg, mesh, step_cfg.impl, step_cfg.router)  # noqa: E731
     if step_cfg.global_balance:                     # the step's frequencies first (global_balance)
-        with _remat.policy(step_cfg.remat), autocast(step_cfg.dtype, tokens.device):
+        with _remat.policy(step_cfg.remat):
             counts = _global_balance.step_counts(run, tokens.chunk(n_micro))
     for mt, my in zip(tokens.chunk(n_micro), targets.chunk(n_micro)):
         with regather_in_backward(), _remat.policy(step_cfg.remat):
-            with autocast(step_cfg.dtype, mt.device):
-                logits, aux = run(mt)
+            logits, aux = run(mt)
             loss = cross_entropy(logits.float(), my)
             aux_total, aux_named = _aux_terms(aux)
             total = loss if aux_total is None else loss + mesh.num_batches * aux_total
@@ -217,6 +235,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         if aux.get("moe") and all("drop_rate" in layer for layer in aux["moe"]):   # equal-size micro-batches
             drops.append([float(layer["drop_rate"]) for layer in aux["moe"]])
         del logits, grads
+    weights = run = None                           # the compute copies are freed before the update
     loss = torch.stack(losses).mean()
     grads = reduce_grads(dict(zip(train_paths, acc)), {p: flat[p] for p in train_paths}, mesh, inplace=True)
     mean_loss = _world_mean(loss)
