@@ -10,8 +10,8 @@ so the wrappers every model needs are written once, here, and code that handles 
 (the trainer, the CLI, the checkpoint loader, the memory plan) reads the declared object
 (:func:`model_of`, or the registry :func:`fmoe.models.get`) instead of probing a module: what a
 model offers is a field here (the blocks it marks for recomputation, the config fields holding
-its layer widths, its router-loss switch). ``forward`` of a ``routed`` model (one with MoE layers) takes
-``impl=``, ``router=`` and ``return_aux=``; a dense model's takes neither.
+its layer widths, its router-loss switch). ``forward`` of a ``routed`` model (one with MoE
+layers) takes ``impl=``, ``router=`` and ``return_aux=``; a dense model's takes neither.
 
 Plans are built in one place, :meth:`Model.build_plan`::
 
@@ -154,6 +154,9 @@ class Model:
         switch, coef = self.aux_loss_fields
         return replace(cfg, **{switch: weight > 0, coef: weight})
 
+    def _field(self, letter: str) -> Optional[str]:
+        return self.width_fields.get(letter, WIDTH_FIELDS[letter])
+
     def widths(self, cfg: Any) -> Widths:
         """The layer widths of ``cfg``, read from the declared :attr:`width_fields`.
 
@@ -163,8 +166,7 @@ class Model:
             >>> (w.E, w.K) == (mixtral.Config.tiny().num_local_experts, mixtral.Config.tiny().num_experts_per_tok)
             True
         """
-        names = {**WIDTH_FIELDS, **self.width_fields}
-        v = {k: 0 if f is None else getattr(cfg, f) for k, f in names.items()}
+        v = {k: 0 if self._field(k) is None else getattr(cfg, self._field(k)) for k in WIDTH_FIELDS}
         H = v["H"] or 1
         return Widths(**{**v, "H": H, "G": v["G"] or H, "hd": v["hd"] or v["D"] // H})
 
@@ -177,8 +179,9 @@ class Model:
             >>> qwen3_moe.MODEL.widen_kv_heads(qwen3_moe.Config.tiny(), 8).num_key_value_heads
             8
         """
-        names = {**WIDTH_FIELDS, **self.width_fields}
-        kv, heads = names["G"], names["H"]
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"widen_kv_heads: tp must be an int >= 1, got {tp!r}")
+        kv, heads = self._field("G"), self._field("H")
         if kv is None or getattr(cfg, kv) % tp == 0 or getattr(cfg, heads) % tp:
             return cfg
         return replace(cfg, **{kv: tp})
@@ -195,7 +198,7 @@ class Model:
         if name not in PRESETS:
             raise ValueError(f"preset: name must be one of {PRESETS} (Config classmethods), got {name!r}")
         cfg = getattr(self.Config, name)()
-        vocab = {**WIDTH_FIELDS, **self.width_fields}["V"]
+        vocab = self._field("V")
         if getattr(cfg, vocab) < 256:
             cfg = replace(cfg, **{vocab: 256})
         return self.widen_kv_heads(cfg, tp)

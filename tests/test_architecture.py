@@ -7,7 +7,17 @@
 - every ``torch.autograd.Function`` is new style (``forward`` without ``ctx``, plus
   ``setup_context``);
 - ``fmoe/routing`` (pure functions of the logits) and ``models/`` (math only) never import
-  ``torch.distributed``.
+  ``torch.distributed``;
+- imports point down the layers of ``ARCHITECTURE.md``, the programs (layer 7) above the models
+  and the training library: the library imports no program, ``fmoe/train/`` holds only the CLI,
+  ``python -m fmoe.plan`` is a handover to ``fmoe.memplan``;
+- no compatibility aliases (alias modules, second names, parameter aliases);
+- one model registry (``fmoe.models``): no ``import_module`` of a model and no table of model
+  names elsewhere, no guessed config fields;
+- ``fmoe.moe`` chooses an expert-parallel implementation by the registry's declared properties,
+  naming no built-in.
+
+Each rule also runs on a small bad example (so a passing rule means something).
 """
 
 from __future__ import annotations
