@@ -34,6 +34,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from .. import fake_splits
 from ..activations import Activation, activation_name, clamped_swiglu, swiglu
 from ..transforms import active as transforms_active
 from ..transforms import vmapping
@@ -144,7 +145,10 @@ class LocalExperts:
         flat = slot_ids.reshape(-1)
         keyed = torch.where(flat >= 0, flat, e)                                     # [N*K], unused -> e
         order = torch.argsort(keyed, stable=True)
-        counts = torch.bincount(keyed, minlength=e + 1).tolist()[:e]               # one host sync
+        if fake_splits.is_fake(keyed):    # dry run: the used slots spread evenly (fmoe.fake_splits)
+            counts = fake_splits.even_counts(flat.shape[0] if num_used is None else num_used, e)
+        else:
+            counts = torch.bincount(keyed, minlength=e + 1).tolist()[:e]           # one host sync
         order = order[:sum(counts)]                                                 # assignments A
         row_of = torch.div(order, k, rounding_mode="floor")
         w = slot_w.reshape(-1).index_select(0, order).to(rows.dtype)               # [A]

@@ -21,6 +21,7 @@ import os
 import sys
 from dataclasses import asdict, is_dataclass
 
+from ..precision import dtype_of
 from . import options
 
 __all__ = ["run", "log_row", "NonFiniteStep"]
@@ -96,7 +97,7 @@ def _job_meta(args: argparse.Namespace, model, cfg, mesh) -> dict:
     return {"model": args.model, "preset": None if args.init_hf else args.preset, "init_hf": args.init_hf,
             "config": _config_dict(cfg), "hf_config": cfg.to_hf(), "seed": args.seed, "batch": args.batch,
             "seq": args.seq, "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
-            "clip": args.clip, "aux_weight": args.aux_weight, "param_dtype": "float32",
+            "clip": args.clip, "aux_weight": args.aux_weight, "param_dtype": str(dtype_of(args.master_dtype))[6:],
             "schedule": resume.schedule_record(args),
             "mesh": {"tp": mesh.tp, "ep": mesh.ep, "fsdp": mesh.fsdp, "dp_replicate": mesh.dp_replicate,
                      "world": mesh.world, "num_batches": mesh.num_batches}}
@@ -133,7 +134,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     if cfg.vocab_size < max(256, train_data.vocab_size or 0):
         raise ValueError(f"model vocab_size {cfg.vocab_size} cannot hold the data's token ids "
                          f"(vocabulary {train_data.vocab_size} of {train_data.name})")
-    full = fmoe.tree.map_with_path(lambda _, t: t.to(device), full)
+    full = fmoe.tree.map_with_path(lambda _, t: t.to(device, dtype_of(args.master_dtype)), full)  # trained dtype
     cfg = model_of(model).with_aux_loss(cfg, args.aux_weight)      # declared switch, no probing
     model_plan = model_of(model).build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model_of(model).build_plan(cfg, model_plan, mesh, full, data_parallel=True)
@@ -143,7 +144,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     params = fmoe.shard(fmoe.tree.map_with_path(
         lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")), full), plan, mesh)
     del full
-    opt_state = adamw_init(params)
+    opt_state = adamw_init(params, dtype=dtype_of(args.optim_dtype))
     start = 0
     if args.resume_path:
         start = ckpt.load(args.resume_path, params, opt_state, packed)["step"]

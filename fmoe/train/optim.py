@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import tree as _tree
 from ..collectives import sum_over_world
+from ..precision import store
 from ..sharding import placed_like
 
 __all__ = ["AdamWConfig", "adamw_init", "adamw_update", "global_norm", "lr_at"]
@@ -64,10 +65,11 @@ def _like(local: torch.Tensor, ref: Any) -> Any:
     return placed_like(local, ref)
 
 
-def adamw_init(params: Any) -> dict:
-    """Optimizer state: step counter and first/second moments shaped (and placed) like params."""
-    zeros = _tree.map_with_path(lambda _, p: _like(torch.zeros_like(_local(p)), p), params)
-    zeros2 = _tree.map_with_path(lambda _, p: _like(torch.zeros_like(_local(p)), p), params)
+def adamw_init(params: Any, dtype: Optional[torch.dtype] = None) -> dict:
+    """Optimizer state: step counter and first/second moments shaped (and placed) like params,
+    in ``dtype`` (default: each parameter's own; see :mod:`fmoe.precision`)."""
+    zeros = _tree.map_with_path(lambda _, p: _like(torch.zeros_like(_local(p), dtype=dtype), p), params)
+    zeros2 = _tree.map_with_path(lambda _, p: _like(torch.zeros_like(_local(p), dtype=dtype), p), params)
     return {"step": torch.zeros((), dtype=torch.int64), "m": zeros, "v": zeros2}
 
 
@@ -101,7 +103,8 @@ def _decays(path: str, p: Any, cfg: AdamWConfig) -> bool:
     return not any(_tree.glob_match(g, path) for g in cfg.no_decay)
 
 
-def adamw_update(params: Any, grads: Any, state: dict, cfg: AdamWConfig, lr: float) -> tuple[Any, dict, dict]:
+def adamw_update(params: Any, grads: Any, state: dict, cfg: AdamWConfig, lr: float,
+                 rounding: Optional[torch.Generator] = None) -> tuple[Any, dict, dict]:
     """One AdamW step with global-norm clipping.
 
     Args:
@@ -112,6 +115,9 @@ def adamw_update(params: Any, grads: Any, state: dict, cfg: AdamWConfig, lr: flo
         state: from :func:`adamw_init` (or a previous update).
         cfg: hyper-parameters.
         lr: learning rate for this step.
+        rounding: random source of the stochastic rounding of bf16 weights
+            (:func:`fmoe.precision.round_generator`; None: round to nearest). The math runs in
+            fp32 whatever the stored dtypes; weights and moments are written back in their own.
     Returns:
         ``(new_params, new_state, {"grad_norm": norm before clipping, "clip_scale": scale})``;
         when the norm is NaN/Inf nothing is updated: ``(params, state, {..., "skipped": True})``.
@@ -136,16 +142,18 @@ def adamw_update(params: Any, grads: Any, state: dict, cfg: AdamWConfig, lr: flo
             if path not in flat_g:                   # frozen (e.g. expert_bias): left as it is
                 new_p[path], new_m[path], new_v[path] = p, flat_m[path], flat_v[path]
                 continue
-            g = _local(flat_g[path]) * scale.to(_local(flat_g[path]).dtype)
-            m = _local(flat_m[path]) * b1 + g * (1 - b1)
-            v = _local(flat_v[path]) * b2 + g.square() * (1 - b2)
-            pl = _local(p)
+            g = _local(flat_g[path]).float() * scale        # fp32 math on any stored dtype
+            m = _local(flat_m[path]).float() * b1 + g * (1 - b1)
+            v = _local(flat_v[path]).float() * b2 + g.square() * (1 - b2)
+            pl = _local(p).float()
             if _decays(path, p, cfg) and cfg.weight_decay:
                 pl = pl * (1 - lr * cfg.weight_decay)
             denom = (v / bc2).sqrt().add_(cfg.eps)
             pl = pl - lr * (m / bc1) / denom
+            pl = store(pl, p.dtype, rounding)
             new_p[path] = _like(pl, p).requires_grad_(p.requires_grad)
-            new_m[path], new_v[path] = _like(m, flat_m[path]), _like(v, flat_v[path])
+            new_m[path] = _like(store(m, flat_m[path].dtype), flat_m[path])
+            new_v[path] = _like(store(v, flat_v[path].dtype), flat_v[path])
     return (_tree.unflatten(new_p, like=params),
             {"step": torch.tensor(step), "m": _tree.unflatten(new_m, like=params),
              "v": _tree.unflatten(new_v, like=params)},

@@ -44,6 +44,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-fraction", type=float, default=0.05, help="tail of the data held out for evaluation")
     g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="compute dtype; bf16 keeps fp32 master weights, optimizer state and gradient reduction")
+    g.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of the weights the optimizer updates (and their gradients and checkpoints); "
+                   "bf16 updates with stochastic rounding (fmoe.precision)")
+    g.add_argument("--optim-dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of AdamW's two moments")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: one GPU per local rank over NCCL; auto: cuda when available")
     g.add_argument("--remat", choices=("none", "layer", "moe"), default="none",
@@ -209,7 +213,8 @@ def fit_vocab(cfg: Any, tokenizer: Any, tp: int) -> Any:
 
 def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> dict:
     """What ``meta.json`` records about these flags (the router spec as given)."""
-    return {"router": args.router, "dtype": args.dtype, "remat": args.remat, "grad_accum": args.grad_accum,
+    return {"router": args.router, "dtype": args.dtype, "master_dtype": args.master_dtype,
+            "optim_dtype": args.optim_dtype, "remat": args.remat, "grad_accum": args.grad_accum,
             "data": args.data, "tokenizer_flag": args.tokenizer, "tokenizer": tokenizer.name,
             "device": device.type, "eval_fraction": args.eval_fraction}
 
@@ -217,7 +222,8 @@ def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> 
 def step_options(args: argparse.Namespace) -> dict:
     """Keyword arguments of :class:`fmoe.train.step.StepConfig` these flags set."""
     return {"router": router_from_spec(args.router) if args.router else None, "dtype": args.dtype,
-            "remat": args.remat, "grad_accum": args.grad_accum}
+            "remat": args.remat, "grad_accum": args.grad_accum,
+            "round_seed": args.seed if args.master_dtype == "bf16" else None}
 
 
 def should_eval(args: argparse.Namespace, step: int) -> bool:
@@ -251,5 +257,6 @@ def print_memory_plan(args: argparse.Namespace, model: Any, cfg: Any, model_plan
 
     plan = memory_plan(model, cfg, nproc=world, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
                        batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,
-                       grad_accum=args.grad_accum, model_plan=model_plan)
+                       grad_accum=args.grad_accum, model_plan=model_plan, master_dtype=args.master_dtype,
+                       optim_dtype=args.optim_dtype)
     print(format_plan(plan, args.memory_gb), file=sys.stderr)

@@ -35,6 +35,8 @@ KEPT: dict[str, str] = {
     # the data stream (fmoe.train.options): same files, tokenizer, held-out cut and rows per step
     "data": "data", "tokenizer": "tokenizer_flag", "eval_fraction": "eval_fraction", "grad_accum": "grad_accum",
     "router": "router",
+    # the precision policy (fmoe.precision): the checkpoint holds weights and moments in these dtypes
+    "master_dtype": "master_dtype", "optim_dtype": "optim_dtype",
 }
 
 MIN_RATIO = 0.1     # the cosine ends at MIN_RATIO * lr

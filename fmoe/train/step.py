@@ -47,6 +47,7 @@ from ..nn import cross_entropy
 from ..collectives import sum_over_world
 from ..fsdp import regather_in_backward
 from .grads import reduce_grads
+from ..precision import round_generator
 from .optim import AdamWConfig, adamw_update, global_norm
 
 __all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_dtype", "autocast", "DTYPES"]
@@ -67,6 +68,8 @@ class StepConfig:
         dtype: compute dtype, ``"fp32"`` or ``"bf16"`` (autocast over fp32 master weights).
         remat: ``"none"``, ``"layer"`` or ``"moe"``: what to recompute in backward.
         grad_accum: micro-batches per step (the batch's rows are split into this many).
+        round_seed: seed of the stochastic rounding of bf16 weights after each update
+            (:mod:`fmoe.precision`; None: round to nearest).
     """
 
     opt: AdamWConfig = AdamWConfig()
@@ -76,6 +79,7 @@ class StepConfig:
     dtype: str = "fp32"
     remat: str = "none"
     grad_accum: int = 1
+    round_seed: Optional[int] = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -196,7 +200,9 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     grads = reduce_grads(dict(zip(train_paths, acc)), {p: flat[p] for p in train_paths}, mesh, inplace=True)
     mean_loss = _world_mean(loss)
     if bool(torch.isfinite(mean_loss)):            # a non-finite loss or grad norm: no update at all
-        params, opt_state, stats = adamw_update(params, grads, opt_state, step_cfg.opt, lr)
+        rounding = None if step_cfg.round_seed is None else round_generator(   # bf16 weights: stochastic
+            step_cfg.round_seed, int(opt_state["step"]) + 1, mesh.rank, tokens.device)
+        params, opt_state, stats = adamw_update(params, grads, opt_state, step_cfg.opt, lr, rounding)
     else:
         stats = {"grad_norm": global_norm(grads), "skipped": True}
     flat = _tree.flatten(params)
