@@ -103,8 +103,26 @@ def _decays(path: str, p: Any, cfg: AdamWConfig) -> bool:
     return not any(_tree.glob_match(g, path) for g in cfg.no_decay)
 
 
+#: elements per piece of an in-place (donated) update: its fp32 temporaries stay ~12 x 16 MB
+DONATE_PIECE = 1 << 22
+
+
+def _adam(g, m, v, p, hyper, rounding):
+    """One AdamW update of local tensors in fp32; returns (p, m, v) stored in their own dtypes."""
+    scale, b1, b2, bc1, bc2, lr, wd, eps = hyper
+    g = g.float() * scale                                  # fp32 math on any stored dtype
+    m_new = m.float() * b1 + g * (1 - b1)
+    v_new = v.float() * b2 + g.square() * (1 - b2)
+    pl = p.float()
+    if wd:
+        pl = pl * (1 - lr * wd)
+    denom = (v_new / bc2).sqrt().add_(eps)
+    pl = pl - lr * (m_new / bc1) / denom
+    return store(pl, p.dtype, rounding), store(m_new, m.dtype), store(v_new, v.dtype)
+
+
 def adamw_update(params: Any, grads: Any, state: dict, cfg: AdamWConfig, lr: float,
-                 rounding: Optional[torch.Generator] = None) -> tuple[Any, dict, dict]:
+                 rounding: Optional[torch.Generator] = None, donate: bool = False) -> tuple[Any, dict, dict]:
     """One AdamW step with global-norm clipping.
 
     Args:
@@ -118,6 +136,10 @@ def adamw_update(params: Any, grads: Any, state: dict, cfg: AdamWConfig, lr: flo
         rounding: random source of the stochastic rounding of bf16 weights
             (:func:`fmoe.precision.round_generator`; None: round to nearest). The math runs in
             fp32 whatever the stored dtypes; weights and moments are written back in their own.
+        donate: write the new weights and moments into the given ones' storage (the same
+            numbers; the caller gives up the old trees, as JAX's buffer donation): the update
+            then holds no second copy of params and moments, and runs by pieces of
+            :data:`DONATE_PIECE` elements, so its fp32 temporaries stay small.
     Returns:
         ``(new_params, new_state, {"grad_norm": norm before clipping, "clip_scale": scale})``;
         when the norm is NaN/Inf nothing is updated: ``(params, state, {..., "skipped": True})``.
@@ -142,18 +164,21 @@ def adamw_update(params: Any, grads: Any, state: dict, cfg: AdamWConfig, lr: flo
             if path not in flat_g:                   # frozen (e.g. expert_bias): left as it is
                 new_p[path], new_m[path], new_v[path] = p, flat_m[path], flat_v[path]
                 continue
-            g = _local(flat_g[path]).float() * scale        # fp32 math on any stored dtype
-            m = _local(flat_m[path]).float() * b1 + g * (1 - b1)
-            v = _local(flat_v[path]).float() * b2 + g.square() * (1 - b2)
-            pl = _local(p).float()
-            if _decays(path, p, cfg) and cfg.weight_decay:
-                pl = pl * (1 - lr * cfg.weight_decay)
-            denom = (v / bc2).sqrt().add_(cfg.eps)
-            pl = pl - lr * (m / bc1) / denom
-            pl = store(pl, p.dtype, rounding)
+            hyper = (scale, b1, b2, bc1, bc2, lr, cfg.weight_decay if _decays(path, p, cfg) else 0.0, cfg.eps)
+            lp, lm, lv, lg = _local(p), _local(flat_m[path]), _local(flat_v[path]), _local(flat_g[path])
+            if donate and all(t.is_contiguous() for t in (lp, lm, lv)):   # in place, by pieces
+                fg = lg.reshape(-1)
+                fp, fm, fv = lp.view(-1), lm.view(-1), lv.view(-1)
+                for a in range(0, fp.numel(), DONATE_PIECE):             # same values, bounded temporaries
+                    sl = slice(a, a + DONATE_PIECE)
+                    for old_t, new_t in zip((fp[sl], fm[sl], fv[sl]),
+                                            _adam(fg[sl], fm[sl], fv[sl], fp[sl], hyper, rounding)):
+                        old_t.copy_(new_t)
+                new_p[path], new_m[path], new_v[path] = p, flat_m[path], flat_v[path]
+                continue
+            pl, m, v = _adam(lg, lm, lv, lp, hyper, rounding)
             new_p[path] = _like(pl, p).requires_grad_(p.requires_grad)
-            new_m[path] = _like(store(m, flat_m[path].dtype), flat_m[path])
-            new_v[path] = _like(store(v, flat_v[path].dtype), flat_v[path])
+            new_m[path], new_v[path] = _like(m, flat_m[path]), _like(v, flat_v[path])
     return (_tree.unflatten(new_p, like=params),
             {"step": torch.tensor(step), "m": _tree.unflatten(new_m, like=params),
              "v": _tree.unflatten(new_v, like=params)},

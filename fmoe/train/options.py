@@ -223,7 +223,7 @@ def step_options(args: argparse.Namespace) -> dict:
     """Keyword arguments of :class:`fmoe.train.step.StepConfig` these flags set."""
     return {"router": router_from_spec(args.router) if args.router else None, "dtype": args.dtype,
             "remat": args.remat, "grad_accum": args.grad_accum,
-            "round_seed": args.seed if args.master_dtype == "bf16" else None}
+            "round_seed": args.seed if args.master_dtype == "bf16" else None, "donate": True}
 
 
 def should_eval(args: argparse.Namespace, step: int) -> bool:

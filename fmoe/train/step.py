@@ -44,6 +44,7 @@ from ..global_stats import imbalance
 from ..mesh import Mesh
 from ..model import model_of
 from ..nn import cross_entropy
+from ..nn.chunked_loss import chunked_cross_entropy
 from ..collectives import sum_over_world
 from ..fsdp import regather_in_backward
 from .grads import reduce_grads
@@ -70,6 +71,10 @@ class StepConfig:
         grad_accum: micro-batches per step (the batch's rows are split into this many).
         round_seed: seed of the stochastic rounding of bf16 weights after each update
             (:mod:`fmoe.precision`; None: round to nearest).
+        donate: the optimizer writes into the given params and state (the trainer's loop gives
+            them up), so the update holds no second copy of them.
+        loss_chunks: > 1 computes the loss by that many chunks of tokens, each recomputed in
+            backward (:mod:`fmoe.nn.chunked_loss`): no whole fp32 ``[T, V]`` log-softmax.
     """
 
     opt: AdamWConfig = AdamWConfig()
@@ -80,6 +85,8 @@ class StepConfig:
     remat: str = "none"
     grad_accum: int = 1
     round_seed: Optional[int] = None
+    donate: bool = False
+    loss_chunks: int = 1
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -88,6 +95,8 @@ class StepConfig:
             raise ValueError(f"StepConfig.remat must be one of {_remat.POLICIES}, got {self.remat!r}")
         if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"StepConfig.grad_accum must be an int >= 1, got {self.grad_accum!r}")
+        if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int) or self.loss_chunks < 1:
+            raise ValueError(f"StepConfig.loss_chunks must be an int >= 1, got {self.loss_chunks!r}")
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -181,7 +190,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         with regather_in_backward(), _remat.policy(step_cfg.remat):
             with autocast(step_cfg.dtype, mt.device):
                 logits, aux = forward_with_aux(model, params, mt, cfg, mesh, step_cfg.impl, step_cfg.router)
-            loss = cross_entropy(logits.float(), my)
+            loss = (cross_entropy(logits.float(), my) if step_cfg.loss_chunks == 1      # see fmoe.nn.chunked_loss
+                    else chunked_cross_entropy(logits, my, step_cfg.loss_chunks))
             aux_total, aux_named = _aux_terms(aux)
             total = loss if aux_total is None else loss + mesh.num_batches * aux_total
             grads = torch.autograd.grad(total / n_micro if n_micro > 1 else total, [flat[p] for p in train_paths])
@@ -202,7 +212,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     if bool(torch.isfinite(mean_loss)):            # a non-finite loss or grad norm: no update at all
         rounding = None if step_cfg.round_seed is None else round_generator(   # bf16 weights: stochastic
             step_cfg.round_seed, int(opt_state["step"]) + 1, mesh.rank, tokens.device)
-        params, opt_state, stats = adamw_update(params, grads, opt_state, step_cfg.opt, lr, rounding)
+        params, opt_state, stats = adamw_update(params, grads, opt_state, step_cfg.opt, lr, rounding,
+                                                  step_cfg.donate)
     else:
         stats = {"grad_norm": global_norm(grads), "skipped": True}
     flat = _tree.flatten(params)
