@@ -36,9 +36,10 @@ CATEGORIES = {"params": ("Parameter",), "grads": ("Gradient",), "optimizer": ("O
 
 class _Phases(ModTracker):
     """``is_bw`` (what MemTracker calls temporary): inside backward, and after a backward until
-    the next forward starts (the gradient reduction and the optimizer update of a functional
-    step, which run with grad mode off). Grad-mode-off work *inside* a forward (a custom
-    autograd Function's forward, such as a collective's) stays an activation."""
+    the next forward starts (:meth:`StepTracker.__torch_dispatch__` sees it start): the
+    gradient norm, reduction and optimizer update of a functional step. Grad-mode-off work
+    *inside* a forward (a custom autograd Function's forward, such as a collective's) stays
+    an activation."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,8 +50,6 @@ class _Phases(ModTracker):
         if torch._C._current_graph_task_id() != -1:
             self.after_backward = True
             return True
-        if torch.is_grad_enabled():           # a forward (again: the next micro-batch)
-            self.after_backward = False
         return self.after_backward
 
 
@@ -73,6 +72,16 @@ class StepTracker(MemTracker):
         self._mod_tracker = _Phases()
 
     _REF = {"params": _MemRefType.PARAM, "optimizer": _MemRefType.OPT, "grads": _MemRefType.GRAD}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # an op on a tensor that requires grad, with grad mode on, outside backward: a forward
+        # (again: the next micro-batch); ops on gradients alone (the norm) stay temporaries
+        if (self._mod_tracker.after_backward and torch.is_grad_enabled()
+                and torch._C._current_graph_task_id() == -1
+                and any(isinstance(a, torch.Tensor) and a.requires_grad
+                        for a in torch.utils._pytree.tree_leaves((args, kwargs)))):
+            self._mod_tracker.after_backward = False
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def tag(self, tree: Any, category: str) -> None:
         """Count the storages of ``tree``'s tensors as ``category`` (params, optimizer, grads);

@@ -98,8 +98,9 @@ class LocalExperts:
         """Whether the blocked CPU path runs for ``num_assignments`` (row, expert) pairs: plain
         SwiGLU experts on CPU with ``matmul="loop"``, or ``"auto"`` and at least
         ``BLOCKED_MIN_ROWS`` assignments per local expert on average (below that the
-        whole-tensor grouped GEMMs cost less than a Python loop over experts)."""
-        return self.plain_swiglu and rows.device.type == "cpu" and (
+        whole-tensor grouped GEMMs cost less than a Python loop over experts). Never on fake
+        tensors (the dry run plans a GPU job: it takes the CUDA paths, :mod:`fmoe.fake_splits`)."""
+        return self.plain_swiglu and rows.device.type == "cpu" and not fake_splits.is_fake(rows) and (
             self.matmul == "loop" or
             (self.matmul == "auto" and num_assignments >= BLOCKED_MIN_ROWS * self.num_local))
 

@@ -60,7 +60,11 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--memory-gb", type=float, default=None, help="warn when a rank needs more")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    from ..dryrun import cli as dry                         # --master-dtype --optim-dtype --loss-chunks --dry-run
+    dry.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.loss_chunks < 1:
+        ap.error(f"--loss-chunks must be >= 1, got {args.loss_chunks}")
     for name in ("nproc", "tp", "dp_replicate", "batch", "seq", "grad_accum") + (("ep",) if args.ep else ()):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -72,9 +76,15 @@ def main(argv=None) -> int:
         cfg = _load_config(model, args)
         plan = memory_plan(model, cfg, nproc=args.nproc, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
                            batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,
-                           grad_accum=args.grad_accum)
+                           grad_accum=args.grad_accum, master_dtype=args.master_dtype,
+                           optim_dtype=args.optim_dtype, loss_chunks=args.loss_chunks)
+        if args.dry_run:
+            result, code = dry.report(plan, model, cfg, args)
     except (ValueError, TypeError, OSError) as e:
         ap.error(str(e))
+    if args.dry_run:
+        print(json.dumps(result) if args.json else dry.format_report(result, args.memory_gb))
+        return code
     if args.memory_gb is not None:
         plan["memory_gb"] = args.memory_gb
         plan["fits"] = plan["max_total_bytes"] <= args.memory_gb * 1e9
