@@ -1,9 +1,12 @@
 """The peak of one train step, by phase: what :mod:`fmoe.memory_plan` predicts the dry run measures.
 
-A step's memory peaks at one of two moments, and the plan takes the larger:
+A step's memory peaks at one of three moments, and the plan takes the largest:
 
 - **start of backward**: parameters + moments + every activation kept for backward + the
   loss's backward temporaries (no gradient yet);
+- **the first layer's backward**: the same with that layer's activations going and its
+  backward's temporaries there (:func:`layer_temporaries`: FSDP-split weights gathered again,
+  their full-size gradients and the reduce-scatter's buffer, gradients of its expert rows);
 - **optimizer**: parameters + moments + every reduced gradient + the temporaries of the
   global gradient norm (an fp64 copy and its square of the largest local gradient, 16 bytes
   per element) — the donated in-place AdamW update itself works by small pieces.
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["layer_activations", "global_activations", "loss_temporaries", "step_peak"]
+__all__ = ["layer_activations", "global_activations", "loss_temporaries", "layer_temporaries", "step_peak"]
 
 
 def layer_activations(w: dict, *, tokens: int, slots: int, tp: int, b: int, moe: bool) -> int:
@@ -64,13 +67,27 @@ def loss_temporaries(w: dict, *, tokens: int, b: int, loss_chunks: int) -> int:
     return 8 * tokens * w["V"] if loss_chunks == 1 else 2 * b * tokens * w["V"]
 
 
+def layer_temporaries(*, gathered: int, expert_acts: int) -> int:
+    """Bytes one layer's backward allocates: its FSDP-split weights gathered again, their
+    full-size gradients and the reduce-scatter's buffer (3 x the gathered bytes), and
+    gradients the size of its expert activations."""
+    return 3 * gathered + expert_acts
+
+
 def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss_temps: int,
-              norm_temps: int) -> dict[str, Any]:
-    """The larger of the two phases, with its bytes by category (``total_bytes`` the peak)."""
-    backward = params + optimizer + activations + loss_temps
-    update = params + optimizer + grads + norm_temps
-    if backward >= update:
-        return {"phase": "backward", "total_bytes": backward, "params_bytes": params, "grads_bytes": 0,
-                "optimizer_bytes": optimizer, "activations_bytes": activations, "temporaries_bytes": loss_temps}
-    return {"phase": "optimizer", "total_bytes": update, "params_bytes": params, "grads_bytes": grads,
-            "optimizer_bytes": optimizer, "activations_bytes": 0, "temporaries_bytes": norm_temps}
+              norm_temps: int, layer_acts: int = 0, layer_temps: int = 0) -> dict[str, Any]:
+    """The largest of the three phases, with its bytes by category (``total_bytes`` the peak):
+    the start of backward, the first layer's backward (its own activations going, its
+    temporaries ``layer_temps`` there) and the optimizer."""
+    phases = [
+        ("backward", {"grads_bytes": 0, "activations_bytes": activations, "temporaries_bytes": loss_temps}),
+        ("layer backward", {"grads_bytes": 0, "activations_bytes": activations - layer_acts,
+                            "temporaries_bytes": layer_temps}),
+        ("optimizer", {"grads_bytes": grads, "activations_bytes": 0, "temporaries_bytes": norm_temps}),
+    ]
+    best = None
+    for name, cats in phases:
+        total = params + optimizer + sum(cats.values())
+        if best is None or total > best["total_bytes"]:
+            best = {"phase": name, "total_bytes": total, "params_bytes": params, "optimizer_bytes": optimizer, **cats}
+    return best

@@ -36,7 +36,7 @@ KEPT: dict[str, str] = {
     "data": "data", "tokenizer": "tokenizer_flag", "eval_fraction": "eval_fraction", "grad_accum": "grad_accum",
     "router": "router",
     # the precision policy (fmoe.precision): the checkpoint holds weights and moments in these dtypes
-    "master_dtype": "master_dtype", "optim_dtype": "optim_dtype",
+    "dtype": "dtype", "master_dtype": "master_dtype", "optim_dtype": "optim_dtype",
 }
 
 MIN_RATIO = 0.1     # the cosine ends at MIN_RATIO * lr
