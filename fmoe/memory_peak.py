@@ -4,7 +4,7 @@ A step's memory peaks at one of three moments, and the plan takes the largest:
 
 - **start of backward**: parameters + moments + every activation kept for backward + the
   loss's backward temporaries (no gradient yet);
-- **the first layer's backward**: the same with that layer's activations going and its
+- **the first layer's backward**: the same with the logits and that layer's activations gone and its
   backward's temporaries there (:func:`layer_temporaries`: FSDP-split weights gathered again,
   their full-size gradients and the reduce-scatter's buffer, gradients of its expert rows);
 - **optimizer**: parameters + moments + every reduced gradient + the temporaries of the
