@@ -74,9 +74,10 @@ class StepTracker(MemTracker):
     _REF = {"params": _MemRefType.PARAM, "optimizer": _MemRefType.OPT, "grads": _MemRefType.GRAD}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # an op on a tensor that requires grad, with grad mode on, outside backward: a forward
-        # (again: the next micro-batch); ops on gradients alone (the norm) stay temporaries
-        if (self._mod_tracker.after_backward and torch.is_grad_enabled()
+        # a computing (not view / detach) op on a tensor that requires grad, with grad mode on,
+        # outside backward: a forward (again: the next micro-batch); ops on gradients alone
+        # (the norm) and ``loss.detach()`` stay after the backward
+        if (self._mod_tracker.after_backward and torch.is_grad_enabled() and not func.is_view
                 and torch._C._current_graph_task_id() == -1
                 and any(isinstance(a, torch.Tensor) and a.requires_grad
                         for a in torch.utils._pytree.tree_leaves((args, kwargs)))):
