@@ -188,6 +188,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         params = grads = optimizer = largest = 0
         dense_mm = collective = 0.0
         gathered: dict[str, int] = {}                 # layer -> bytes its weights take gathered
+        layer_grads: dict[str, int] = {}              # layer -> bytes of its gradients
         for path, t in flat.items():
             p = placed[path]
             n = _numel(local_shape(tuple(t.shape), p, mesh))
@@ -198,9 +199,11 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
                 largest = max(largest, n)
             data = [a for a in p.mesh_axes() if a in ("fsdp", "efsdp")]
             k = math.prod(mesh.size(a) for a in data) if data else 1
-            if path.startswith("layers.") and k > 1:
-                layer = ".".join(path.split(".")[:2])
+            layer = ".".join(path.split(".")[:2]) if path.startswith("layers.") else path
+            if layer != path and k > 1:
                 gathered[layer] = gathered.get(layer, 0) + n * k * mb
+            if not path.endswith("expert_bias"):
+                layer_grads[layer] = layer_grads.get(layer, 0) + n * mb
             if "ep" not in p.mesh_axes() and len(t.shape) >= 2 and path != "embed":
                 dense_mm += n * k * _F32                             # gathered for a matmul
             collective += 3 * (k - 1) * n * mb * grad_accum        # gather, re-gather, reduce-scatter
@@ -217,7 +220,8 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         optimizer += _STEP
         peak = _peak(w, mesh, T, moe_layers, pol, remat, loss_chunks, params, grads, optimizer, largest,
                      int(dense_mm) if pol.master == "fp32" and pol.compute == "bf16" else 0,
-                     max(gathered.values(), default=0))
+                     max(gathered.values(), default=0),
+                     grads - layer_grads.get("layers.0", 0) - layer_grads.get("embed", 0))
         ranks.append({"rank": r, "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
                       "activations_bytes": acts, "collective_bytes": int(collective),
                       "total_bytes": params + grads + optimizer + acts, "peak": peak})
@@ -230,7 +234,8 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
 
 
 def _peak(w: dict, mesh: VirtualMesh, T: int, moe_layers: int, pol: Precision, remat: str, loss_chunks: int,
-          params: int, grads: int, optimizer: int, largest: int, autocast_copies: int, gathered: int) -> dict:
+          params: int, grads: int, optimizer: int, largest: int, autocast_copies: int, gathered: int,
+          last_grads: int) -> dict:
     """The step's predicted peak on this rank (:mod:`fmoe.memory_peak`); the routing slots
     follow :mod:`fmoe.fake_splits`, the rule the dry run uses."""
     from .ep.token_dispatch import tp_slice_bounds
@@ -258,7 +263,8 @@ def _peak(w: dict, mesh: VirtualMesh, T: int, moe_layers: int, pol: Precision, r
     return memory_peak.step_peak(params=params, grads=grads, optimizer=optimizer, activations=int(acts),
                                  loss_temps=memory_peak.loss_temporaries(w, tokens=T, b=b, loss_chunks=loss_chunks),
                                  norm_temps=16 * largest, layer_acts=int(last + loss_side),
-                                 layer_temps=memory_peak.layer_temporaries(gathered=gathered, expert_acts=int(expert)))
+                                 layer_temps=memory_peak.layer_temporaries(gathered=gathered, expert_acts=int(expert)),
+                                 last_acts=b * T * 4 * w["D"], last_grads=last_grads)
 
 
 def _fmt(n: float, unit: float) -> str:
