@@ -4,11 +4,11 @@ A step's memory peaks at one of four moments, and the plan takes the largest:
 
 - **start of backward**: parameters + moments + every activation kept for backward + the
   loss's backward temporaries (no gradient yet);
-- **the first layer's backward**: the same with the logits and that layer's activations gone and its
+- **the first layer's backward**: the same with the log-softmax and that layer's activations gone and its
   backward's temporaries there (:func:`layer_temporaries`: FSDP-split weights gathered again,
   their full-size gradients and the reduce-scatter's buffer, gradients of its expert rows);
-- **the last layer's backward**: the same temporaries, only the embedding side's activations
-  (``4 b T D``) left, every other layer's gradient made (where gradients per layer outweigh
+- **the last layer's backward**: the same temporaries, only the logits (``b T V``, the step
+  holds them until backward ends) left, every other layer's gradient made (where gradients per layer outweigh
   activations per layer, this is the larger);
 - **optimizer**: parameters + moments + every reduced gradient + the temporaries of the
   global gradient norm (an fp64 copy and its square of the largest local gradient, 16 bytes
@@ -81,7 +81,7 @@ def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss
               norm_temps: int, layer_acts: int = 0, layer_temps: int = 0, last_acts: int = 0,
               last_grads: int = 0) -> dict[str, Any]:
     """The largest of the phases, with its bytes by category (``total_bytes`` the peak): the
-    start of backward; the first layer's backward (the logits and its own activations going,
+    start of backward; the first layer's backward (the log-softmax and its own activations going,
     its temporaries ``layer_temps`` there, no gradient yet); the last layer's backward (only
     ``last_acts`` left, ``last_grads`` of gradients already made); the optimizer."""
     phases = [

@@ -259,12 +259,12 @@ def _peak(w: dict, mesh: VirtualMesh, T: int, moe_layers: int, pol: Precision, r
     acts = layers + memory_peak.global_activations(w, tokens=T, b=b, loss_chunks=loss_chunks) + autocast_copies // 2
     expert = b * slots * (4 * w["D"] + 3 * w["I"]) if moe_layers else 0
     last = max(moe_l, dense_l) if remat == "none" else b * T * w["D"]          # what the first layer's backward frees
-    loss_side = b * T * w["V"] + (4 * T * w["V"] if loss_chunks == 1 else 0)   # logits, log-softmax: gone by then
+    loss_side = 4 * T * w["V"] if loss_chunks == 1 else 0       # the log-softmax is gone by then (the logits stay)
     return memory_peak.step_peak(params=params, grads=grads, optimizer=optimizer, activations=int(acts),
                                  loss_temps=memory_peak.loss_temporaries(w, tokens=T, b=b, loss_chunks=loss_chunks),
                                  norm_temps=16 * largest, layer_acts=int(last + loss_side),
                                  layer_temps=memory_peak.layer_temporaries(gathered=gathered, expert_acts=int(expert)),
-                                 last_acts=b * T * 4 * w["D"], last_grads=last_grads)
+                                 last_acts=b * T * w["V"], last_grads=last_grads)
 
 
 def _fmt(n: float, unit: float) -> str:
