@@ -5,13 +5,15 @@ plan plus the data-parallel splits of :func:`fmoe.fsdp.data_parallel_plan`, on a
 mesh: no process group, no tensor allocated — parameters are built on the ``meta`` device) and
 counts, per rank:
 
-- ``params_bytes``: the local slices of the fp32 master weights (exact);
-- ``grads_bytes``: the reduced fp32 gradients, placed like the parameters, of every leaf that
-  requires grad (exact);
-- ``optimizer_bytes``: AdamW's two fp32 moments of every leaf plus the int64 step (exact);
+- ``params_bytes``: the local slices of the weights in ``master_dtype`` (exact);
+- ``grads_bytes``: the reduced gradients (same dtype), placed like the parameters, of every
+  leaf that requires grad (exact);
+- ``optimizer_bytes``: AdamW's two moments (``optim_dtype``) of every leaf plus the int64 step (exact);
 - ``activations_bytes``: tensors kept for backward at the end of forward (an estimate, below);
 - ``collective_bytes``: bytes this rank sends per step (an estimate, below);
-- ``total_bytes``: params + grads + optimizer + activations.
+- ``total_bytes``: params + grads + optimizer + activations;
+- ``peak``: the step's predicted peak and its bytes by category then
+  (:mod:`fmoe.memory_peak`), what ``python -m fmoe.plan --dry-run`` measures.
 
 Activations are the tensors autograd saves for backward, which peak at the end of forward. For a
 decoder with T = batch * seq tokens per rank and micro-batch, per layer (fp32; q, kv the rank's
@@ -50,10 +52,12 @@ from typing import Any, Optional
 
 import torch
 
+from . import fake_splits, memory_peak
 from . import tree as _tree
 from .mesh import RankLayout
 from .model import Widths, model_of
 from .plan import local_shape
+from .precision import Precision
 
 __all__ = ["memory_plan", "format_plan", "VirtualMesh", "activation_estimate"]
 
@@ -120,28 +124,40 @@ def activation_estimate(w: Widths, *, tokens: int, tp: int, moe_layers: int, den
 
 def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1,
                 batch: int = 4, seq: int = 64, dtype: str = "fp32", remat: str = "none", grad_accum: int = 1,
-                model_plan: Any = None) -> dict:
+                model_plan: Any = None, master_dtype: str = "fp32", optim_dtype: str = "fp32",
+                loss_chunks: int = 1) -> dict:
     """Per-rank memory and traffic of training ``model`` on ``nproc`` ranks (no process needed).
 
     Args:
         model: a model of :mod:`fmoe.models` (its declared ``Model`` or its module); cfg: its Config.
         nproc, tp, ep, dp_replicate: the mesh (``fsdp = nproc / (tp * dp_replicate)``).
         batch, seq: sequences per data-parallel micro-batch and tokens per sequence.
-        dtype: ``"fp32"`` or ``"bf16"`` compute (masters, grads, moments stay fp32).
+        dtype: ``"fp32"`` or ``"bf16"`` compute.
+        master_dtype, optim_dtype: the precision policy (:mod:`fmoe.precision`): weights and
+            gradients, AdamW's moments.
+        loss_chunks: the loss computed by this many chunks of tokens (:mod:`fmoe.nn.chunked_loss`).
         remat: ``"none"``, ``"layer"`` or ``"moe"``.
         grad_accum: micro-batches per step (activations are those of one micro-batch).
         model_plan: the model's TP/EP plan (default: the model's own).
     Returns:
-        ``{"model", "mesh", "batch", "seq", "dtype", "remat", "ranks": [{rank, params_bytes,
-        grads_bytes, optimizer_bytes, activations_bytes, collective_bytes, total_bytes}],
-        "max_total_bytes"}``.
+        ``{"model", "mesh", "batch", "seq", "dtype", "master_dtype", "optim_dtype", "remat",
+        "ranks": [{rank, params_bytes, grads_bytes, optimizer_bytes, activations_bytes,
+        collective_bytes, total_bytes, peak}], "max_total_bytes"}``; ``total_bytes`` sums the
+        four categories (everything at once), ``peak`` is the step's predicted peak by phase
+        (:mod:`fmoe.memory_peak`: ``total_bytes`` and the bytes of each category then, the
+        numbers ``--dry-run`` measures).
     """
     from .fsdp import data_parallel_plan
 
-    if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"memory plan: dtype must be 'fp32' or 'bf16', got {dtype!r}")
     if remat not in ("none", "layer", "moe"):
         raise ValueError(f"memory plan: remat must be 'none', 'layer' or 'moe', got {remat!r}")
+    try:
+        pol = Precision(dtype, master_dtype, optim_dtype)
+    except ValueError as e:
+        raise ValueError(f"memory plan: {e}") from None
+    if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 1:
+        raise ValueError(f"memory plan: loss_chunks must be an int >= 1, got {loss_chunks!r}")
+    mb, ob = pol.master_dtype.itemsize, pol.optim_dtype.itemsize
     m0 = VirtualMesh(nproc, 0, tp, ep, dp_replicate)          # mesh errors first, before any model work
     declared = model_of(model)
     with torch.device("meta"):
@@ -155,21 +171,30 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
     for r in range(nproc):
         mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate)
         placed = _tree.flatten(data_parallel_plan(mp, full, mesh).resolve(full, mesh))
-        params = grads = 0
+        params = grads = optimizer = largest = 0
         dense_mm = collective = 0.0
+        gathered: dict[str, int] = {}                 # layer -> bytes its weights take gathered
+        layer_grads: dict[str, int] = {}              # layer -> bytes of its gradients
         for path, t in flat.items():
             p = placed[path]
             n = _numel(local_shape(tuple(t.shape), p, mesh))
-            params += n * _F32
+            params += n * mb
+            optimizer += 2 * n * ob
             if not path.endswith("expert_bias"):
-                grads += n * _F32
+                grads += n * mb
+                largest = max(largest, n)
             data = [a for a in p.mesh_axes() if a in ("fsdp", "efsdp")]
             k = math.prod(mesh.size(a) for a in data) if data else 1
+            layer = ".".join(path.split(".")[:2]) if path.startswith("layers.") else path
+            if layer != path and k > 1:
+                gathered[layer] = gathered.get(layer, 0) + n * k * mb
+            if not path.endswith("expert_bias"):
+                layer_grads[layer] = layer_grads.get(layer, 0) + n * mb
             if "ep" not in p.mesh_axes() and len(t.shape) >= 2 and path != "embed":
                 dense_mm += n * k * _F32                             # gathered for a matmul
-            collective += 3 * (k - 1) * n * act_bytes * grad_accum   # gather, re-gather, reduce-scatter: compute dtype
+            collective += 3 * (k - 1) * n * min(act_bytes, mb) * grad_accum   # gather, re-gather, reduce-scatter: compute dtype
             if mesh.dp_replicate > 1:
-                collective += 2 * (mesh.dp_replicate - 1) / mesh.dp_replicate * n * _F32
+                collective += 2 * (mesh.dp_replicate - 1) / mesh.dp_replicate * n * mb
         T = batch * seq
         R = T * w.K / tp if moe_layers else 0
         collective += grad_accum * moe_layers * 4 * R * (mesh.ep - tp) / mesh.ep * w.D * act_bytes
@@ -177,15 +202,54 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         acts = activation_estimate(w, tokens=T, tp=tp, moe_layers=moe_layers,
                                    dense_layers=w.L - moe_layers, dtype=dtype, remat=remat,
                                    weight_bytes=int(dense_mm))
-        optimizer = 2 * params + _STEP
+        optimizer += _STEP
+        peak = _peak(w._asdict(), mesh, T, moe_layers, pol, remat, loss_chunks, params, grads, optimizer, largest,
+                     int(dense_mm) if pol.master == "fp32" and pol.compute == "bf16" else 0,
+                     max(gathered.values(), default=0),
+                     grads - layer_grads.get("layers.0", 0) - layer_grads.get("embed", 0))
         ranks.append({"rank": r, "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
                       "activations_bytes": acts, "collective_bytes": int(collective),
-                      "total_bytes": params + grads + optimizer + acts})
+                      "total_bytes": params + grads + optimizer + acts, "peak": peak})
     return {"model": declared.name,
             "mesh": {"nproc": nproc, "tp": tp, "ep": m0.ep, "fsdp": m0.fsdp, "efsdp": m0.efsdp,
                      "dp_replicate": dp_replicate},
-            "batch": batch, "seq": seq, "dtype": dtype, "remat": remat, "grad_accum": grad_accum,
+            "batch": batch, "seq": seq, "dtype": dtype, "master_dtype": master_dtype, "optim_dtype": optim_dtype,
+            "loss_chunks": loss_chunks, "remat": remat, "grad_accum": grad_accum,
             "ranks": ranks, "max_total_bytes": max(r["total_bytes"] for r in ranks)}
+
+
+def _peak(w: dict, mesh: VirtualMesh, T: int, moe_layers: int, pol: Precision, remat: str, loss_chunks: int,
+          params: int, grads: int, optimizer: int, largest: int, autocast_copies: int, gathered: int,
+          last_grads: int) -> dict:
+    """The step's predicted peak on this rank (:mod:`fmoe.memory_peak`); the routing slots
+    follow :mod:`fmoe.fake_splits`, the rule the dry run uses."""
+    from .ep.token_dispatch import tp_slice_bounds
+
+    b = 2 if "bf16" in (pol.compute, pol.master) else 4
+    if moe_layers and mesh.ep > 1:
+        slices = [(lambda ab: ab[1] - ab[0])(tp_slice_bounds(T, mesh.tp, j % mesh.tp)) for j in range(mesh.ep)]
+        slots = fake_splits.received(slices, k=w["K"], me=mesh.rank_in("ep"))[1]
+    else:
+        slots = T * w["K"]
+    dense_layers = w["L"] - moe_layers
+    moe_l = memory_peak.layer_activations(w, tokens=T, slots=slots, tp=mesh.tp, b=b, moe=True) if moe_layers else 0
+    dense_l = memory_peak.layer_activations(w, tokens=T, slots=0, tp=mesh.tp, b=b, moe=False) if dense_layers else 0
+    if remat == "layer":
+        layers = (moe_layers + dense_layers) * b * T * w["D"] + max(moe_l, dense_l)
+    elif remat == "moe" and moe_layers:
+        expert = b * slots * (4 * w["D"] + 3 * w["I"])
+        layers = moe_layers * (moe_l - expert) + expert + dense_layers * dense_l
+    else:
+        layers = moe_layers * moe_l + dense_layers * dense_l
+    acts = layers + memory_peak.global_activations(w, tokens=T, b=b, loss_chunks=loss_chunks) + autocast_copies // 2
+    expert = b * slots * (4 * w["D"] + 3 * w["I"]) if moe_layers else 0
+    last = max(moe_l, dense_l) if remat == "none" else b * T * w["D"]          # what the first layer's backward frees
+    loss_side = 4 * T * w["V"] if loss_chunks == 1 else 0       # the log-softmax is gone by then (the logits stay)
+    return memory_peak.step_peak(params=params, grads=grads, optimizer=optimizer, activations=int(acts),
+                                 loss_temps=memory_peak.loss_temporaries(w, tokens=T, b=b, loss_chunks=loss_chunks),
+                                 norm_temps=16 * largest, layer_acts=int(last + loss_side),
+                                 layer_temps=memory_peak.layer_temporaries(gathered=gathered, expert_acts=int(expert)),
+                                 last_acts=b * T * w["V"], last_grads=last_grads)
 
 
 def _fmt(n: float, unit: float) -> str:

@@ -225,6 +225,8 @@ class Mesh(RankLayout):
             ``tp``, the smallest valid size (so a dense model only says ``Mesh(tp=2)``).
         fsdp: data-parallel shards; default ``world // (tp * dp_replicate)``.
         dp_replicate: HSDP replicas (outermost).
+        device_type: device type of the DeviceMeshes (default ``"cuda"`` over NCCL, else
+            ``"cpu"``); the dry run's fake process group names ``"cuda"`` to plan a GPU job.
 
     Build it on every rank after ``torch.distributed.init_process_group`` (without a process
     group the world is one process and every size must be 1).
@@ -238,7 +240,7 @@ class Mesh(RankLayout):
     """
 
     def __init__(self, tp: int = 1, ep: Optional[int] = None, fsdp: Optional[int] = None,
-                 dp_replicate: int = 1):
+                 dp_replicate: int = 1, device_type: Optional[str] = None):
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
@@ -248,7 +250,7 @@ class Mesh(RankLayout):
             raise type(e)(f"Mesh: {e}") from None
         self.dense = self.expert = None
         if initialized:
-            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            device = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
             from torch.distributed.device_mesh import init_device_mesh
 
             self.dense = init_device_mesh(device, (self.dp_replicate, self.fsdp, self.tp), mesh_dim_names=DENSE_AXES)

@@ -84,8 +84,11 @@ def active() -> bool:
 
 
 def data_checks_enabled() -> bool:
-    """Whether value checks that need a host sync run: not under ``vmap``, not while compiling."""
-    return not compiling() and not vmapping()
+    """Whether value checks that need a host sync run: not under ``vmap``, not while compiling,
+    not under a ``FakeTensorMode`` (the dry run: tensors without values)."""
+    from torch._guards import active_fake_mode
+
+    return not compiling() and not vmapping() and active_fake_mode() is None
 
 
 def peel(t: Any) -> Any:

@@ -341,13 +341,14 @@ TRAIN_CLI = ("fmoe.train", "fmoe.train.__main__", "fmoe.train.cli", "fmoe.train.
              "fmoe.train.balancing", "fmoe.train.threads", "fmoe.train.api")
 
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
-    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.testing", "fmoe.transforms", "fmoe.activations", "fmoe.dtypes")),
+    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.testing", "fmoe.transforms", "fmoe.activations", "fmoe.dtypes",
+         "fmoe.fake_splits")),
     (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding")),
-    (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat")),
+    (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat", "fmoe.precision")),
     (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
     (5, ("fmoe.model", "fmoe.training", "fmoe.optim", "fmoe.tree_io", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan",
-         *PENDING_MOVES)),
+         "fmoe.memory_peak", "fmoe.dryrun", *PENDING_MOVES)),
     (6, ("fmoe.models",)),
     (7, PROGRAMS),
 ]

@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .. import fake_splits
 from ..collectives import all_to_all, all_to_all_rows, gather_slices, local_slice
 from ..experts import LocalExperts
 from ..transforms import vmapping
@@ -73,13 +74,15 @@ def folds_stats(mesh) -> bool:
     return mesh is not None and mesh.efsdp == 1 and mesh.ep > 1
 
 
-def _exchange_splits(sizes: torch.Tensor, stats: Optional[torch.Tensor], group, mesh):
+def _exchange_splits(sizes: torch.Tensor, stats: Optional[torch.Tensor], group, mesh, spread=None):
     """Exchange ``sizes [ep, 2]`` (rows and routing slots this rank sends to each rank) and
     bring to the host, in the layer's one sync: rows received from each rank, rows sent to each
     rank, and the total slots received (the expert assignments this rank computes). With
     ``stats`` (fp64 ``[S]``, differentiable) also their sum over this rank's ``fsdp`` group in
     the same exchange: the value every rank of the group computes identically (same rows, same
-    order), the gradient passed straight to this rank's own stats (``all_reduce``'s backward)."""
+    order), the gradient passed straight to this rank's own stats (``all_reduce``'s backward).
+    On fake tensors (the dry run) the sizes follow :mod:`fmoe.fake_splits` for ``spread =
+    (tokens per TP slice, K)``."""
     n = sizes.shape[0]
     if stats is None:
         recv = all_to_all_rows(sizes, group)
@@ -90,8 +93,20 @@ def _exchange_splits(sizes: torch.Tensor, stats: Optional[torch.Tensor], group, 
         batch_peers = set(mesh.ranks("fsdp"))                      # one rank per batch, my tp index
         rows = [j for j, r in enumerate(mesh.ranks("ep")) if r in batch_peers]
         total = recv[rows, 2:].sum(0) + (stats - stats.detach())   # ep-group order: the same bits everywhere
+    if fake_splits.is_fake(recv):                                  # dry run: no values, the spread rule
+        return (*_spread_splits(mesh, spread), total)
     host = torch.cat([recv[:, :2].long().reshape(-1), sizes[:, 0]]).tolist()       # the host sync
     return host[0:2 * n:2], host[2 * n:], sum(host[1:2 * n:2]), total
+
+
+def _spread_splits(mesh, spread: tuple[list, int]) -> tuple[list, list, int]:
+    """The split sizes of :func:`_exchange_splits` on fake tensors (:mod:`fmoe.fake_splits`):
+    rows received from / sent to each expert rank and the slots received, for TP slices of
+    ``spread[0]`` tokens and top-``spread[1]`` routing."""
+    slices, k = spread
+    me, mine = mesh.rank_in("ep"), slices[mesh.rank_in("tp")]
+    out_s, slots = fake_splits.received([slices[r % mesh.tp] for r in range(mesh.ep)], k=k, me=me)
+    return out_s, [fake_splits.spread_rows(mine, k=k, ep=mesh.ep, dst=d) for d in range(mesh.ep)], slots
 
 
 class _Sent(NamedTuple):
@@ -134,7 +149,7 @@ def _token_dispatch(x, weights, expert_ids, experts: LocalExperts, mesh, stats=N
     slots = torch.zeros(ep, dtype=torch.int64, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
     counts = torch.stack([need.sum(0), slots], dim=1)                           # [ep, 2]: rows, slots to each rank
     # ---- split sizes (the layer's one host sync; routing statistics ride along)
-    out_s, in_s, num_used, stats_sum = _exchange_splits(counts, stats, ep_group, mesh)
+    out_s, in_s, num_used, stats_sum = _exchange_splits(counts, stats, ep_group, mesh, (sizes, K))
     pair_rank, pair_tok = torch.nonzero_static(need.t(), size=sum(in_s)).unbind(1)   # Pn pairs, grouped by rank
     payload = tok.index_select(0, pair_tok)                                     # [Pn, D+2K]
     # ---- one exchange of rows + weights + ids

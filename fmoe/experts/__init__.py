@@ -35,6 +35,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from .. import fake_splits
 from ..activations import Activation, activation_name, clamped_swiglu, swiglu
 from ..transforms import active as transforms_active
 from ..transforms import vmapping
@@ -100,8 +101,10 @@ class LocalExperts:
         ``BLOCKED_MIN_ROWS`` assignments per local expert on average (below that the
         whole-tensor grouped GEMMs cost less than a Python loop over experts), or ``"auto"`` in
         bf16 / fp16 at any size: its GEMMs reuse a few oneDNN kernel shapes where the grouped and
-        loop paths build a new kernel for every new expert row count (:mod:`fmoe.experts.blocked`)."""
-        return self.plain_swiglu and rows.device.type == "cpu" and (
+        loop paths build a new kernel for every new expert row count (:mod:`fmoe.experts.blocked`).
+        Never on fake tensors (the dry run plans a GPU job: it takes the CUDA paths,
+        :mod:`fmoe.fake_splits`)."""
+        return self.plain_swiglu and rows.device.type == "cpu" and not fake_splits.is_fake(rows) and (
             self.matmul == "loop" or
             (self.matmul == "auto" and (rows.dtype in (torch.bfloat16, torch.float16)
                                         or num_assignments >= BLOCKED_MIN_ROWS * self.num_local)))
@@ -148,7 +151,10 @@ class LocalExperts:
         flat = slot_ids.reshape(-1)
         keyed = torch.where(flat >= 0, flat, e)                                     # [N*K], unused -> e
         order = torch.argsort(keyed, stable=True)
-        counts = torch.bincount(keyed, minlength=e + 1).tolist()[:e]               # one host sync
+        if fake_splits.is_fake(keyed):    # dry run: the used slots spread evenly (fmoe.fake_splits)
+            counts = fake_splits.even_counts(flat.shape[0] if num_used is None else num_used, e)
+        else:
+            counts = torch.bincount(keyed, minlength=e + 1).tolist()[:e]           # one host sync
         order = order[:sum(counts)]                                                 # assignments A
         row_of = torch.div(order, k, rounding_mode="floor")
         w = slot_w.reshape(-1).index_select(0, order).to(rows.dtype)               # [A]

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..activations import Activation, activation_name, swiglu
 from ..transforms import vmap_by_loop
+from ..fake_splits import is_fake
 from .ops import check_matmul, grouped_mm
 
 __all__ = ["expert_mlp", "grouped_mm_available", "use_grouped", "check_matmul", "check_groups"]
@@ -177,10 +178,11 @@ def _loop_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.T
 
 
 def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """grouped_mm needs 16-byte aligned strides (both devices) and bf16 on CUDA."""
+    """grouped_mm needs 16-byte aligned strides (both devices) and bf16 on CUDA (and on fake
+    tensors: its meta kernel takes bf16 only)."""
     if not grouped_mm_available() or x.dtype != w.dtype:
         return False
-    if x.is_cuda and x.dtype != torch.bfloat16:
+    if (x.is_cuda or is_fake(x)) and x.dtype != torch.bfloat16:
         return False
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False

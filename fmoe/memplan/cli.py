@@ -17,6 +17,8 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
+from ..checkpoint.config_check import read_config
+from ..dryrun import cli as dry
 from ..memory_plan import format_plan, memory_plan
 from ..model import PRESETS, Model
 from ..models import NAMES, get
@@ -27,8 +29,7 @@ __all__ = ["main", "build_parser"]
 def _load_config(model: Model, args: argparse.Namespace) -> Any:
     if not args.config:
         return model.preset(args.preset, args.tp)
-    with open(args.config) as f:
-        cfg = model.Config.from_hf(json.load(f))
+    cfg = read_config(model, args.config)                 # checked field by field, one-line errors
     wide = model.widen_kv_heads(cfg, args.tp)
     if wide != cfg:
         kv = model.widths(cfg).G
@@ -56,14 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--memory-gb", type=float, default=None, help="warn when a rank needs more")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    dry.add_arguments(ap)                                 # --master-dtype --optim-dtype --loss-chunks --dry-run
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m fmoe.plan``: print the per-rank memory plan of a training job (``--json``:
-    one JSON object). Exit code 0, or 2 for bad flags."""
+    one JSON object; ``--dry-run``: also the measured bytes of the real step on fake tensors,
+    :mod:`fmoe.dryrun`). Exit code 0, 2 for bad flags, 1 when a dry-run rank does not fit
+    ``--memory-gb``."""
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.loss_chunks < 1:
+        ap.error(f"--loss-chunks must be >= 1, got {args.loss_chunks}")
     for name in ("nproc", "tp", "dp_replicate", "batch", "seq", "grad_accum") + (("ep",) if args.ep else ()):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -72,9 +78,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = _load_config(model, args)
         plan = memory_plan(model, cfg, nproc=args.nproc, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
                            batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,
-                           grad_accum=args.grad_accum)
+                           grad_accum=args.grad_accum, master_dtype=args.master_dtype,
+                           optim_dtype=args.optim_dtype, loss_chunks=args.loss_chunks)
+        if args.dry_run:
+            result, code = dry.report(plan, model, cfg, args)
     except (ValueError, TypeError, OSError) as e:
         ap.error(str(e))
+    if args.dry_run:
+        print(json.dumps(result) if args.json else dry.format_report(result, args.memory_gb))
+        return code
     if args.memory_gb is not None:
         plan["memory_gb"] = args.memory_gb
         plan["fits"] = plan["max_total_bytes"] <= args.memory_gb * 1e9

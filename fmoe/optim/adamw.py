@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import tree as _tree
 from ..collectives import sum_over_world
+from ..precision import store
 from ..sharding import placed_like
 
 __all__ = ["AdamWConfig", "init", "update", "step", "global_norm"]
@@ -65,11 +66,13 @@ def _local(t: Any) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def init(params: Any) -> dict:
+def init(params: Any, dtype: Optional[torch.dtype] = None) -> dict:
     """Optimizer state: a step counter and first/second moments shaped (and placed) like ``params``.
 
     Args:
         params: parameter tree (plain tensors or DTensors).
+        dtype: dtype of the moments (default: each parameter's own; ``torch.bfloat16`` for the
+            pure-bf16 policy of :mod:`fmoe.precision`).
     Returns:
         ``{"step": int64 scalar, "m": tree, "v": tree}``.
 
@@ -77,7 +80,7 @@ def init(params: Any) -> dict:
         >>> sorted(init({"w": torch.ones(2)}))
         ['m', 'step', 'v']
     """
-    zeros = lambda _, p: placed_like(torch.zeros_like(_local(p)), p)  # noqa: E731
+    zeros = lambda _, p: placed_like(torch.zeros_like(_local(p), dtype=dtype), p)  # noqa: E731
     return {"step": torch.zeros((), dtype=torch.int64),
             "m": _tree.map_with_path(zeros, params), "v": _tree.map_with_path(zeros, params)}
 
@@ -118,8 +121,30 @@ def _decays(path: str, p: Any, cfg: AdamWConfig) -> bool:
     return not any(_tree.glob_match(g, path) for g in cfg.no_decay)
 
 
+#: elements per piece of a donated (in-place) update: its temporaries stay ~12 x 16 MB
+DONATE_PIECE = 1 << 22
+
+
+def _adam(g0, m0, v0, p0, hyper, finite, rounding):
+    """One AdamW update of local tensors, computed in at least float32 whatever the stored dtypes,
+    then stored back in them (bf16 weights stochastically rounded with ``rounding``)."""
+    scale, b1, b2, bc1, bc2, lr, wd, eps = hyper
+    cd = torch.promote_types(p0.dtype, torch.float32)
+    g = g0.to(cd) * scale.to(cd)
+    m = m0.to(cd) * b1 + g * (1 - b1)
+    v = v0.to(cd) * b2 + g.square() * (1 - b2)
+    pl = p0.to(cd)
+    if wd:
+        pl = pl * (1 - lr * wd)
+    denom = (v / bc2).sqrt().add_(eps)
+    pl = pl - lr * (m / bc1) / denom
+    pl, m, v = store(pl, p0.dtype, rounding), store(m, m0.dtype), store(v, v0.dtype)
+    return torch.where(finite, pl, p0), torch.where(finite, m, m0), torch.where(finite, v, v0)
+
+
 def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], cfg: AdamWConfig = AdamWConfig(),
-         mask: Optional[Any] = None) -> tuple[Any, dict, dict]:
+         mask: Optional[Any] = None, rounding: Optional[torch.Generator] = None,
+         donate: bool = False) -> tuple[Any, dict, dict]:
     """One AdamW step with global-norm clipping, and its statistics (what the trainer logs).
 
     Args:
@@ -132,6 +157,11 @@ def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], c
         cfg: hyper-parameters.
         mask: optional tree (or flat dict) of bools, True where a leaf is trained
             (:func:`fmoe.optim.masks.mask`); False leaves are left as they are.
+        rounding: random source of the stochastic rounding of bf16 weights
+            (:func:`fmoe.precision.round_generator`; None: round to nearest).
+        donate: write the new weights and moments into the given ones' storage (the same
+            numbers; the caller gives up the old trees, as JAX's buffer donation), by pieces of
+            :data:`DONATE_PIECE` elements, so no second copy of params and moments is held.
     Returns:
         ``(new_params, new_state, {"grad_norm", "clip_scale", "skipped"})`` (tensors); when the
         norm is NaN/Inf nothing changes (``skipped`` True, the counter does not advance).
@@ -162,15 +192,17 @@ def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], c
                 new_p[path], new_m[path], new_v[path] = p, flat_m[path], flat_v[path]
                 continue
             g0, m0, v0, p0 = _local(flat_g[path]), _local(flat_m[path]), _local(flat_v[path]), _local(p)
-            g = g0 * scale.to(g0.dtype)
-            m = m0 * b1 + g * (1 - b1)
-            v = v0 * b2 + g.square() * (1 - b2)
-            pl = p0
-            if _decays(path, p, cfg) and cfg.weight_decay:
-                pl = pl * (1 - lr * cfg.weight_decay)
-            denom = (v / bc2).sqrt().add_(cfg.eps)
-            pl = pl - lr * (m / bc1) / denom
-            pl, m, v = torch.where(finite, pl, p0), torch.where(finite, m, m0), torch.where(finite, v, v0)
+            hyper = (scale, b1, b2, bc1, bc2, lr, cfg.weight_decay if _decays(path, p, cfg) else 0.0, cfg.eps)
+            if donate and all(t.is_contiguous() for t in (p0, m0, v0)):   # in place, by pieces
+                fg, fp, fm, fv = g0.reshape(-1), p0.view(-1), m0.view(-1), v0.view(-1)
+                for a in range(0, fp.numel(), DONATE_PIECE):
+                    sl = slice(a, a + DONATE_PIECE)
+                    for old_t, new_t in zip((fp[sl], fm[sl], fv[sl]),
+                                            _adam(fg[sl], fm[sl], fv[sl], fp[sl], hyper, finite, rounding)):
+                        old_t.copy_(new_t)
+                new_p[path], new_m[path], new_v[path] = p, flat_m[path], flat_v[path]
+                continue
+            pl, m, v = _adam(g0, m0, v0, p0, hyper, finite, rounding)
             new_p[path] = placed_like(pl, p).requires_grad_(p.requires_grad)
             new_m[path], new_v[path] = placed_like(m, flat_m[path]), placed_like(v, flat_v[path])
     new_state = {"step": count, "m": _tree.unflatten(new_m, like=params), "v": _tree.unflatten(new_v, like=params)}

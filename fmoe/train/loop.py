@@ -19,6 +19,7 @@ import os
 import sys
 from dataclasses import asdict, is_dataclass
 
+from ..precision import dtype_of
 from . import balancing, options
 from .threads import threads_of
 
@@ -73,7 +74,7 @@ def _job_meta(args: argparse.Namespace, model, cfg, mesh) -> dict:
     return {"model": args.model, "preset": None if args.init_hf else args.preset, "init_hf": args.init_hf,
             "config": _config_dict(cfg), "hf_config": cfg.to_hf(), "seed": args.seed, "batch": args.batch,
             "seq": args.seq, "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
-            "clip": args.clip, "aux_weight": args.aux_weight, "param_dtype": "float32",
+            "clip": args.clip, "aux_weight": args.aux_weight, "param_dtype": str(dtype_of(args.master_dtype))[6:],
             "schedule": resume.schedule_record(args),
             "mesh": {"tp": mesh.tp, "ep": mesh.ep, "fsdp": mesh.fsdp, "dp_replicate": mesh.dp_replicate,
                      "world": mesh.world, "num_batches": mesh.num_batches}}
@@ -117,7 +118,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     if cfg.vocab_size < max(256, train_data.vocab_size or 0):
         raise ValueError(f"model vocab_size {cfg.vocab_size} cannot hold the data's token ids "
                          f"(vocabulary {train_data.vocab_size} of {train_data.name})")
-    full = fmoe.tree.map_with_path(lambda _, t: t.to(device), full)
+    full = fmoe.tree.map_with_path(lambda _, t: t.to(device, dtype_of(args.master_dtype)), full)  # trained dtype
     # the trainer's router carries the balance losses (fmoe.train.balancing); the exported config
     # records the Switch loss weight as transformers reads it
     hf_cfg = model.with_aux_loss(cfg, args.aux_weight if args.balance == "aux" else 0.0)
@@ -131,7 +132,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     params = fmoe.shard(fmoe.tree.map_with_path(
         lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")), full), plan, mesh)
     del full
-    opt_state = adamw_init(params)
+    opt_state = adamw_init(params, dtype=dtype_of(args.optim_dtype))
     start = 0
     if args.resume_path:
         start = ckpt.load(args.resume_path, params, opt_state, packed)["step"]

@@ -39,12 +39,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-batches", type=int, default=4, help="held-out batches per data-parallel rank")
     g.add_argument("--eval-fraction", type=float, default=0.05, help="tail of the data held out for evaluation")
     g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="compute dtype; bf16 keeps fp32 master weights, optimizer state and gradient reduction")
+                   help="compute dtype (autocast); the weights and moments keep --master-dtype / --optim-dtype")
+    g.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of the weights the optimizer updates (and their gradients and checkpoints); "
+                   "bf16 updates with stochastic rounding (fmoe.precision)")
+    g.add_argument("--optim-dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of AdamW's two moments")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: one GPU per local rank over NCCL; auto: cuda when available")
     g.add_argument("--remat", choices=("none", "layer", "moe"), default="none",
                    help="recompute each layer / MoE block in backward instead of keeping activations")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (each --batch rows)")
+    g.add_argument("--loss-chunks", type=int, default=1, help="compute the loss by N chunks of tokens, each "
+                   "recomputed in backward (no whole fp32 [tokens, vocab] log-softmax; fmoe.nn.chunked_loss)")
     g.add_argument("--router", default=None, help="NAME[:k=v,...] of fmoe.routing, or module:function[:k=v,...] "
                    "(default: the model's own router)")
     g.add_argument("--memory-gb", type=float, default=None, help="warn when the memory plan exceeds this per rank (default: no limit)")
@@ -55,7 +61,7 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     for name in ("eval_every",):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("eval_batches", "grad_accum"):
+    for name in ("eval_batches", "grad_accum", "loss_chunks"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0.0 < args.eval_fraction < 1.0:
@@ -234,7 +240,8 @@ def fit_vocab(cfg: Any, tokenizer: Any, tp: int) -> Any:
 
 def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> dict:
     """What ``meta.json`` records about these flags (the router spec as given)."""
-    return {"router": args.router, "dtype": args.dtype, "remat": args.remat, "grad_accum": args.grad_accum,
+    return {"router": args.router, "dtype": args.dtype, "master_dtype": args.master_dtype,
+            "optim_dtype": args.optim_dtype, "remat": args.remat, "grad_accum": args.grad_accum,
             "data": args.data, "tokenizer_flag": args.tokenizer, "tokenizer": tokenizer.name,
             "tokenizer_digest": tokenizer.digest,
             "device": device.type, "eval_fraction": args.eval_fraction}
@@ -243,7 +250,9 @@ def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> 
 def step_options(args: argparse.Namespace) -> dict:
     """Keyword arguments of :class:`fmoe.training.step.StepConfig` these flags set."""
     return {"router": router_from_spec(args.router) if args.router else None, "dtype": args.dtype,
-            "remat": args.remat, "grad_accum": args.grad_accum}
+            "remat": args.remat, "grad_accum": args.grad_accum,
+            "round_seed": args.seed if args.master_dtype == "bf16" else None, "donate": True,
+            "loss_chunks": args.loss_chunks}
 
 
 def should_eval(args: argparse.Namespace, step: int) -> bool:
@@ -262,7 +271,8 @@ def print_memory_plan(args: argparse.Namespace, model: Any, cfg: Any, model_plan
         return
     plan = memory_plan(model, cfg, nproc=world, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
                        batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,
-                       grad_accum=args.grad_accum, model_plan=model_plan)
+                       grad_accum=args.grad_accum, model_plan=model_plan, master_dtype=args.master_dtype,
+                       optim_dtype=args.optim_dtype, loss_chunks=args.loss_chunks)
     text = format_plan(plan, args.memory_gb)
     if args.quiet:
         text = "\n".join(line for line in text.splitlines() if line.startswith("WARNING"))

@@ -46,6 +46,8 @@ KEPT: dict[str, str] = {
     "router": "router",
     # load balancing (fmoe.train.balancing)
     "balance": "balance", "z_weight": "z_weight", "bias_rate": "bias_rate", "bias_update": "bias_update",
+    # the precision policy (fmoe.precision): the checkpoint holds weights and moments in these dtypes
+    "dtype": "dtype", "master_dtype": "master_dtype", "optim_dtype": "optim_dtype",
 }
 
 MIN_RATIO = 0.1     # the cosine ends at MIN_RATIO * lr

@@ -53,10 +53,12 @@ from . import global_balance as _global_balance
 from ..mesh import Mesh
 from ..model import model_of
 from ..nn import cross_entropy
+from ..nn.chunked_loss import chunked_cross_entropy
 from ..collectives import sum_over_world
 from ..fsdp import cast_shards, regather_in_backward
 from .grads import reduce_grads
 from ..optim import AdamWConfig, adamw
+from ..precision import round_generator
 
 __all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_dtype", "compute_params", "autocast", "DTYPES",
            "KEEP_MASTER"]
@@ -82,6 +84,12 @@ class StepConfig:
         dtype: compute dtype, ``"fp32"`` or ``"bf16"`` (bf16 copies of the fp32 master weights, once per step).
         remat: ``"none"``, ``"layer"`` or ``"moe"``: what to recompute in backward.
         grad_accum: micro-batches per step (the batch's rows are split into this many).
+        round_seed: seed of the stochastic rounding of bf16 weights after each update
+            (:mod:`fmoe.precision`; None: round to nearest).
+        donate: the optimizer writes into the given params and state (the trainer's loop gives
+            them up), so the update holds no second copy of them.
+        loss_chunks: > 1 computes the loss by that many chunks of tokens, each recomputed in
+            backward (:mod:`fmoe.nn.chunked_loss`): no whole fp32 ``[T, V]`` log-softmax.
     """
 
     opt: AdamWConfig = AdamWConfig()
@@ -93,6 +101,9 @@ class StepConfig:
     dtype: str = "fp32"
     remat: str = "none"
     grad_accum: int = 1
+    round_seed: Optional[int] = None
+    donate: bool = False
+    loss_chunks: int = 1
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -107,6 +118,8 @@ class StepConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
                 raise ValueError(f"StepConfig.{name} must be a finite number >= 0, got {v!r}")
+        if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int) or self.loss_chunks < 1:
+            raise ValueError(f"StepConfig.loss_chunks must be an int >= 1, got {self.loss_chunks!r}")
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -213,7 +226,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     for mt, my in zip(tokens.chunk(n_micro), targets.chunk(n_micro)):
         with regather_in_backward(), _remat.policy(step_cfg.remat):
             logits, aux = run(mt)
-            loss = cross_entropy(logits.float(), my)
+            loss = (cross_entropy(logits.float(), my) if step_cfg.loss_chunks == 1      # see fmoe.nn.chunked_loss
+                    else chunked_cross_entropy(logits, my, step_cfg.loss_chunks))
             aux_total, aux_named = _aux_terms(aux)
             total = loss if aux_total is None else loss + mesh.num_batches * aux_total
             total = total / n_micro if n_micro > 1 else total
@@ -240,7 +254,10 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     grads = reduce_grads(dict(zip(train_paths, acc)), {p: flat[p] for p in train_paths}, mesh, inplace=True)
     mean_loss = _world_mean(loss)
     if bool(torch.isfinite(mean_loss)):            # a non-finite loss or grad norm: no update at all
-        params, opt_state, stats = adamw.step(grads, opt_state, params, lr, step_cfg.opt)
+        rounding = None if step_cfg.round_seed is None else round_generator(   # bf16 weights: stochastic
+            step_cfg.round_seed, int(opt_state["step"]) + 1, mesh.rank, tokens.device)
+        params, opt_state, stats = adamw.step(grads, opt_state, params, lr, step_cfg.opt, rounding=rounding,
+                                              donate=step_cfg.donate)
     else:
         stats = {"grad_norm": adamw.global_norm(grads), "skipped": True}
     flat = _tree.flatten(params)

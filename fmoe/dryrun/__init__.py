@@ -1,0 +1,172 @@
+"""The dry run: the real train step of a full-size job, per rank role, on fake tensors.
+
+``python -m fmoe.plan --dry-run`` (:mod:`fmoe.dryrun.cli`) calls :func:`dry_run`. For each
+distinct **rank role** of the mesh (ranks whose local parameter shapes and token slices are the
+same measure the same, so one of them runs) it:
+
+1. starts torch's ``"fake"`` process group (``FakeStore``: collectives return at once, no peers)
+   as that rank of ``nproc`` and builds the job's :class:`fmoe.Mesh` on it;
+2. under ``FakeTensorMode`` (tensors with shapes and dtypes, no storage) creates this rank's
+   local parameter slices in the master dtype exactly as ``fmoe.shard`` would place them (the
+   model's plan plus the data-parallel splits) and AdamW's moments in the optimizer dtype;
+3. runs :func:`fmoe.training.step.train_step` — the same function the trainer calls: forward,
+   loss, backward, gradient reduction, AdamW with stochastic rounding for bf16 weights,
+   the optimizer writing in place as in the trainer — inside a :class:`StepTracker` (memory by
+   category at the peak), a :class:`CollectiveBytes` counter and the :class:`HostReads` rule.
+
+Routing cannot depend on data here: split sizes follow :mod:`fmoe.fake_splits` (every token on
+``min(K, ep)`` expert ranks, slots even over experts), which :mod:`fmoe.memory_plan` uses too.
+
+The step runs on the device given: ``cpu``, or ``cuda`` on a CUDA build of torch. A CPU-only
+build cannot run backward on fake CUDA tensors (the autograd engine asks the CUDA device guard
+for streams and aborts), so there ``--device cuda`` is refused with that reason; fake CPU tensors
+take the CPU paths (e.g. the blocked expert kernel for bf16 rows where CUDA takes
+``torch._grouped_mm``).
+
+Example:
+    >>> from fmoe.models import qwen3_moe
+    >>> out = dry_run(qwen3_moe, qwen3_moe.Config.tiny(), nproc=2, ep=2, batch=1, seq=8)
+    >>> [r["rank"] for r in out["ranks"]], out["ranks"][0]["measured"]["peak_bytes"] > 0
+    ([0, 1], True)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import tree as _tree
+from ..memory_plan import VirtualMesh
+from ..plan import local_shape
+from ..precision import Precision
+from .tracker import CATEGORIES, CollectiveBytes, HostReads, StepTracker
+
+__all__ = ["dry_run", "rank_roles", "check_device", "StepTracker", "CollectiveBytes", "HostReads", "CATEGORIES"]
+
+
+def check_device(device: str) -> torch.device:
+    """The dry run's device; ``ValueError`` for ``cuda`` on a torch without CUDA (see above)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"dry run: device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.backends.cuda.is_built():
+        raise ValueError("dry run --device cuda: this torch build has no CUDA; its autograd engine aborts on "
+                         "fake CUDA tensors in backward, so the step cannot run. Use --device cpu (same shapes "
+                         "and dtypes, CPU expert kernels) or a CUDA build of torch")
+    return torch.device(device)
+
+
+def _placements(model: Any, cfg: Any, mesh) -> tuple[dict, dict]:
+    """Full meta shapes and this rank's placements (the trainer's plan, data-parallel splits)."""
+    from ..model import model_of
+
+    with torch.device("meta"):
+        full = model.init(cfg)
+    m = model_of(model)
+    plan = m.build_plan(cfg, m.build_plan(cfg, mesh=mesh), mesh, full, data_parallel=True)
+    return _tree.flatten(full), _tree.flatten(plan.resolve(full, mesh))
+
+
+def rank_roles(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] = None,
+               dp_replicate: int = 1, tokens: int = 1) -> list[list[int]]:
+    """Ranks grouped by role: equal local shapes of every leaf and equal token slice (the TP
+    slice a rank dispatches) measure the same, so the dry run runs the first of each group.
+
+    Example:
+        >>> from fmoe.models import qwen3_moe
+        >>> rank_roles(qwen3_moe, qwen3_moe.Config.tiny(), nproc=4, tp=2, ep=4, tokens=8)
+        [[0, 1, 2, 3]]
+    """
+    from ..ep.token_dispatch import tp_slice_bounds
+
+    roles: dict[tuple, list[int]] = {}
+    for r in range(nproc):
+        mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate)
+        full, placed = _placements(model, cfg, mesh)
+        a, b = tp_slice_bounds(tokens, tp, mesh.rank_in("tp"))
+        key = (b - a,) + tuple(local_shape(tuple(t.shape), placed[p], mesh) for p, t in full.items())
+        roles.setdefault(key, []).append(r)
+    return list(roles.values())
+
+
+def _fake_params(model: Any, cfg: Any, mesh, dtype: torch.dtype, device: torch.device) -> Any:
+    """This rank's parameter slices as fake DTensors, placed as ``fmoe.shard`` places them."""
+    from ..sharding import from_local_slice
+
+    full, placed = _placements(model, cfg, mesh)
+    out = {}
+    for path, t in full.items():
+        local = torch.empty(local_shape(tuple(t.shape), placed[path], mesh), dtype=dtype, device=device)
+        leaf = from_local_slice(local, t.shape, placed[path], mesh)
+        out[path] = leaf.requires_grad_(not path.endswith("expert_bias"))
+    return _tree.unflatten(out)
+
+
+def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq, precision: Precision,
+              remat, grad_accum, device, aux_weight, loss_chunks) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .. import Mesh
+    from ..model import model_of
+    from ..optim import AdamWConfig
+    from ..optim.adamw import init as adamw_init
+    from ..training.step import StepConfig, train_step
+
+    if dist.is_initialized():
+        raise RuntimeError("dry run: a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nproc)
+    try:
+        mesh = Mesh(tp=tp, ep=ep, dp_replicate=dp_replicate, device_type=device.type)
+        cfg = model_of(model).with_aux_loss(cfg, aux_weight)
+        step_cfg = StepConfig(opt=AdamWConfig(), dtype=precision.compute, remat=remat, grad_accum=grad_accum,
+                              round_seed=0 if precision.master == "bf16" else None, donate=True,
+                              loss_chunks=loss_chunks)
+        t0 = time.perf_counter()
+        with FakeTensorMode(), HostReads():
+            params = _fake_params(model, cfg, mesh, precision.master_dtype, device)
+            opt_state = adamw_init(params, dtype=precision.optim_dtype)
+            tokens = torch.zeros(batch * grad_accum, seq, dtype=torch.int64, device=device)
+            tracker, comm = StepTracker(), CollectiveBytes()
+            tracker.tag(params, "params")
+            tracker.tag(opt_state, "optimizer")
+            with tracker, comm:
+                train_step(model, cfg, params, opt_state, (tokens, tokens), mesh=mesh, step_cfg=step_cfg, lr=1e-4)
+        measured = {**tracker.peak(), "collective_bytes": sum(comm.bytes.values()), "collectives": comm.bytes}
+        return {"rank": rank, "measured": measured, "seconds": round(time.perf_counter() - t0, 2)}
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1,
+            batch: int = 1, seq: int = 64, dtype: str = "fp32", master_dtype: str = "fp32",
+            optim_dtype: str = "fp32", remat: str = "none", grad_accum: int = 1, loss_chunks: int = 1,
+            device: str = "cpu", aux_weight: float = 0.01) -> dict:
+    """Measure one train step of every rank role on fake tensors (module docstring).
+
+    Args:
+        model, cfg: a model module of :mod:`fmoe.models` and its Config (any size: no weights).
+        nproc, tp, ep, dp_replicate: the mesh, as the job's flags.
+        batch, seq, dtype, master_dtype, optim_dtype, remat, grad_accum, loss_chunks: the job's flags.
+        device: ``"cpu"`` or ``"cuda"`` (see :func:`check_device`).
+        aux_weight: the router loss weight, as ``--aux-weight``.
+    Returns:
+        ``{"roles": [[ranks]], "ranks": [{"rank", "role", "measured": {"peak_bytes",
+        "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+        "temporaries_bytes", "collective_bytes", "collectives": {op: bytes}}, "seconds"}]}``,
+        every rank listed (a rank reports its role's measurement).
+    """
+    precision = Precision(dtype, master_dtype, optim_dtype)
+    dev = check_device(device)
+    VirtualMesh(nproc, 0, tp, ep, dp_replicate)                      # mesh errors before any work
+    roles = rank_roles(model, cfg, nproc=nproc, tp=tp, ep=ep, dp_replicate=dp_replicate, tokens=batch * seq)
+    ranks = {}
+    for i, members in enumerate(roles):
+        run = _run_rank(model, cfg, members[0], nproc=nproc, tp=tp, ep=ep, dp_replicate=dp_replicate,
+                        batch=batch, seq=seq, precision=precision, remat=remat, grad_accum=grad_accum,
+                        device=dev, aux_weight=aux_weight, loss_chunks=loss_chunks)
+        for r in members:
+            ranks[r] = {**run, "rank": r, "role": i, "measured_rank": members[0]}
+    return {"roles": roles, "ranks": [ranks[r] for r in range(nproc)]}

@@ -1,0 +1,100 @@
+"""The peak of one train step, by phase: what :mod:`fmoe.memory_plan` predicts the dry run measures.
+
+A step's memory peaks at one of four moments, and the plan takes the largest:
+
+- **start of backward**: parameters + moments + every activation kept for backward + the
+  loss's backward temporaries (no gradient yet);
+- **the first layer's backward**: the same with the log-softmax and that layer's activations gone and its
+  backward's temporaries there (:func:`layer_temporaries`: FSDP-split weights gathered again,
+  their full-size gradients and the reduce-scatter's buffer, gradients of its expert rows);
+- **the last layer's backward**: the same temporaries, only the logits (``b T V``, the step
+  holds them until backward ends) left, every other layer's gradient made (where gradients per layer outweigh
+  activations per layer, this is the larger);
+- **optimizer**: parameters + moments + every reduced gradient + the temporaries of the
+  global gradient norm (an fp64 copy and its square of the largest local gradient, 16 bytes
+  per element) — the donated in-place AdamW update itself works by small pieces.
+
+Activations, per rank, with ``b`` the activation dtype's bytes (2 for bf16 compute or bf16
+weights), ``T`` tokens per micro-batch, ``q`` / ``kv`` the rank's query / key-value widths
+after tp, ``A`` the routing slots this rank's experts compute (:mod:`fmoe.fake_splits`, the
+rule the dry run uses)::
+
+    MoE layer     b * (T * (8 D + q + kv) + A * (4 D + 3 I))
+    dense layer   b * T * (8 D + q + kv + 3 I_dense / tp)
+    once          b * T * (V + 4 D)            the gathered logits and the embedding side
+    loss          + 4 T V kept (one fp32 log-softmax) with --loss-chunks 1
+
+``remat="layer"`` keeps ``b * T * D`` per layer (the layer inputs) plus one layer's
+activations; ``remat="moe"`` drops the ``A`` term of all layers but one. The loss's backward
+temporaries are ``8 T V`` (two fp32 ``[T, V]``) in one piece, ``2 b T V`` by chunks (the
+chunks' gradients and their concatenation). The coefficients were fitted to dry runs of
+Qwen3-30B-A3B layer shapes on tp 8 / 4 / 1 meshes (``benchmarks/RESULTS.md``, issue 21) and
+are checked against a reduced-size dry run by ``tests/test_dryrun.py``.
+
+Example:
+    >>> peak = step_peak(params=10, grads=10, optimizer=20, activations=50, loss_temps=5, norm_temps=4)
+    >>> peak["phase"], peak["total_bytes"], peak["grads_bytes"]
+    ('backward', 85, 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["layer_activations", "global_activations", "loss_temporaries", "layer_temporaries", "step_peak"]
+
+
+def layer_activations(w: dict, *, tokens: int, slots: int, tp: int, b: int, moe: bool) -> int:
+    """Activation bytes one decoder layer keeps for backward (module docstring).
+
+    Args:
+        w: layer widths as a dict (:meth:`fmoe.model.Model.widths`, ``._asdict()``).
+        tokens: T; slots: A, routing slots computed by this rank's experts; tp: tensor parallel
+        size; b: activation bytes per element; moe: a MoE layer (else a dense MLP layer).
+    """
+    D = w["D"]
+    q, kv = w["H"] * w["hd"] // tp, w["G"] * w["hd"] // tp
+    attn = tokens * (8 * D + q + kv)
+    ffn = slots * (4 * D + 3 * w["I"]) if moe else tokens * 3 * w["Id"] // tp
+    return b * (attn + ffn)
+
+
+def global_activations(w: dict, *, tokens: int, b: int, loss_chunks: int) -> int:
+    """Activation bytes kept once per step: logits, embedding side, the loss's log-softmax."""
+    kept = b * tokens * (w["V"] + 4 * w["D"])
+    return kept + (4 * tokens * w["V"] if loss_chunks == 1 else 0)
+
+
+def loss_temporaries(w: dict, *, tokens: int, b: int, loss_chunks: int) -> int:
+    """Bytes the loss's backward allocates at the start of backward."""
+    return 8 * tokens * w["V"] if loss_chunks == 1 else 2 * b * tokens * w["V"]
+
+
+def layer_temporaries(*, gathered: int, expert_acts: int) -> int:
+    """Bytes one layer's backward allocates: its FSDP-split weights gathered again, their
+    full-size gradients and the reduce-scatter's buffer (3 x the gathered bytes), and
+    gradients the size of its expert activations."""
+    return 3 * gathered + expert_acts
+
+
+def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss_temps: int,
+              norm_temps: int, layer_acts: int = 0, layer_temps: int = 0, last_acts: int = 0,
+              last_grads: int = 0) -> dict[str, Any]:
+    """The largest of the phases, with its bytes by category (``total_bytes`` the peak): the
+    start of backward; the first layer's backward (the log-softmax and its own activations going,
+    its temporaries ``layer_temps`` there, no gradient yet); the last layer's backward (only
+    ``last_acts`` left, ``last_grads`` of gradients already made); the optimizer."""
+    phases = [
+        ("backward", {"grads_bytes": 0, "activations_bytes": activations, "temporaries_bytes": loss_temps}),
+        ("first layer backward", {"grads_bytes": 0, "activations_bytes": activations - layer_acts,
+                                  "temporaries_bytes": layer_temps}),
+        ("last layer backward", {"grads_bytes": last_grads, "activations_bytes": last_acts,
+                                 "temporaries_bytes": layer_temps}),
+        ("optimizer", {"grads_bytes": grads, "activations_bytes": 0, "temporaries_bytes": norm_temps}),
+    ]
+    best = None
+    for name, cats in phases:
+        total = params + optimizer + sum(cats.values())
+        if best is None or total > best["total_bytes"]:
+            best = {"phase": name, "total_bytes": total, "params_bytes": params, "optimizer_bytes": optimizer, **cats}
+    return best

@@ -1,0 +1,121 @@
+"""Precision policies of training: which dtype the weights, the gradients and AdamW's moments live in.
+
+A policy is three names (``--dtype``, ``--master-dtype``, ``--optim-dtype``), each ``"fp32"``
+or ``"bf16"``:
+
+- ``compute``: the matmuls' dtype (``torch.autocast`` over the weights);
+- ``master``: the weights the optimizer updates, stored (and checkpointed) in this dtype; the
+  gradients autograd returns have it too, so the gradient reduction runs in it;
+- ``optim``: AdamW's two moments.
+
+``Precision("bf16", "fp32", "fp32")`` is mixed precision with fp32 masters (16 bytes per
+parameter for weights, gradients and moments); ``Precision("bf16", "bf16", "bf16")`` is pure
+bf16 as the reference trains (8 bytes per parameter).
+
+Pure bf16 needs care in one place: an AdamW step is often smaller than half a bf16 ulp of the
+weight (8 bits of mantissa: ``|w| * 2**-8``), and round-to-nearest then drops it, every step,
+forever. The update therefore runs in fp32 on upcast copies and is written back with
+**stochastic rounding** (:func:`stochastic_round`): rounded up with probability equal to the
+fraction of the ulp, so the stored weight is unbiased and small steps accumulate in
+expectation. (Kahan-compensated updates need a second bf16 buffer per weight, 10 bytes per
+parameter instead of 8; ``benchmarks/RESULTS.md`` measures the chosen rule against fp32
+masters.) The moments are rounded to nearest (their relative precision is what matters). The
+random bits come from a generator seeded by ``(seed, step, rank)``, so a resumed run on the
+same mesh repeats them bit for bit.
+
+Example:
+    >>> pol = Precision(compute="bf16", master="bf16", optim="bf16")
+    >>> pol.master_dtype, pol.bytes_per_param()
+    (torch.bfloat16, 8)
+    >>> x = torch.full((4096,), 1.0 + 2 ** -9)         # a quarter ulp (2**-7) above 1.0 in bf16
+    >>> r = stochastic_round(x, torch.Generator().manual_seed(0))
+    >>> sorted(set(r.tolist())), 0.2 < (r > 1).float().mean().item() < 0.3
+    ([1.0, 1.0078125], True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["DTYPES", "Precision", "dtype_of", "stochastic_round", "store", "round_generator"]
+
+#: policy names -> torch dtypes
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def dtype_of(name: str, field: str = "dtype") -> torch.dtype:
+    """The torch dtype of a policy name (``ValueError`` naming ``field`` and the valid names)."""
+    if name not in DTYPES:
+        raise ValueError(f"{field} must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A training precision policy (see the module docstring).
+
+    Attributes:
+        compute: ``--dtype``; master: ``--master-dtype``; optim: ``--optim-dtype``.
+    """
+
+    compute: str = "fp32"
+    master: str = "fp32"
+    optim: str = "fp32"
+
+    def __post_init__(self):
+        for field in ("compute", "master", "optim"):
+            dtype_of(getattr(self, field), f"Precision.{field}")
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return DTYPES[self.master]
+
+    @property
+    def optim_dtype(self) -> torch.dtype:
+        return DTYPES[self.optim]
+
+    def bytes_per_param(self) -> int:
+        """Weights + gradients + two moments, bytes per trained parameter."""
+        m, o = self.master_dtype.itemsize, self.optim_dtype.itemsize
+        return 2 * m + 2 * o
+
+
+def round_generator(seed: int, step: int, rank: int, device: torch.device) -> torch.Generator:
+    """The generator of one update's stochastic rounding: the same bits for the same
+    ``(seed, step, rank)`` (a resumed run repeats them)."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
+    return g
+
+
+def stochastic_round(x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """fp32 ``x`` rounded to bf16 stochastically: up with probability equal to the dropped
+    fraction of the bf16 ulp (unbiased: ``E[round(x)] = x``). Adds 16 random bits below the
+    bf16 mantissa and truncates; infinities and NaNs stay what they are.
+
+    Args:
+        x: float32 tensor.
+        generator: the random source (:func:`round_generator`).
+    Returns:
+        a bfloat16 tensor of ``x``'s shape.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round: x must be float32, got {x.dtype}")
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, dtype=torch.int32, device=x.device)
+    finite = torch.isfinite(x)
+    rounded = torch.where(finite, (bits + noise) & -65536, bits & -65536)    # -65536 = 0xFFFF0000
+    return rounded.view(torch.float32).to(torch.bfloat16)   # exact: the low 16 bits are zero
+
+
+def store(x: torch.Tensor, dtype: torch.dtype, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """An fp32 result written back in ``dtype``: itself for fp32, stochastically rounded to
+    bf16 when a ``generator`` is given, rounded to nearest otherwise."""
+    if dtype == x.dtype:
+        return x
+    if dtype == torch.bfloat16 and generator is not None and x.dtype == torch.float32:
+        return stochastic_round(x, generator)
+    return x.to(dtype)
