@@ -317,12 +317,12 @@ def test_no_module_level_mutable_state():
 
 # ------------------------------------------------------------------------------- layers (ARCHITECTURE.md)
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
-    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.testing", "fmoe.transforms", "fmoe.activations")),
+    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.activations")),
     (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding")),
     (2, ("fmoe.experts", "fmoe.expert_blocks", "fmoe.grouped_mm", "fmoe.fsdp", "fmoe.global_stats", "fmoe.load_stats", "fmoe.remat")),
     (3, ("fmoe.routing", "fmoe.ep", "fmoe.aux_losses")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
-    (5, ("fmoe.model", "fmoe.train", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan", "fmoe.plan.__main__",
+    (5, ("fmoe.model", "fmoe.testing", "fmoe.train", "fmoe.checkpoint", "fmoe.generate", "fmoe.data", "fmoe.memory_plan", "fmoe.plan.__main__",
          "fmoe.plot")),
     (6, ("fmoe.models",)),
 ]
