@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "__main__" in b]
 
 

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _section() -> str:

@@ -73,7 +73,7 @@ def test_help_gives_every_flag_a_meaning_and_a_default():
         if a.option_strings and a.dest != "help":
             assert a.help and "(default: " in fmt._get_help_string(a), a.dest
     assert "(default: runs/fmoe)" in text and "exit codes" in text and "Schedule rule" in text
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     assert "runs/fmoe" in readme
 
 
@@ -365,7 +365,7 @@ def test_notebooks_readme_clears_outputs_with_installed_tools_only(tmp_path):
     import re
 
     import nbformat
-    root = os.path.join(os.path.dirname(__file__), "..")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
     text = open(os.path.join(root, "notebooks", "README.md")).read()
     assert "nbconvert" not in text or importlib.util.find_spec("nbconvert") is not None
     script = re.search(r"```bash\n(python - <<'EOF'\n.*?\nEOF)\n```", text, re.S).group(1)

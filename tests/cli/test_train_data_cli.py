@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-from data_cases import train_tokenizer, write_corpus
 from train_cases import read_log, train_cli
 
 BASE = ["--model", "qwen3_moe", "--preset", "tiny", "--batch", "2", "--seq", "32", "--lr", "1e-2", "--warmup", "2",
@@ -23,13 +22,6 @@ cli, log = train_cli, read_log
 def meta(out_dir, step):
     with open(os.path.join(out_dir, f"step-{step}", "meta.json")) as f:
         return json.load(f)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("cli_data"))
-    d = write_corpus(root)
-    return root, d, train_tokenizer(root, d)
 
 
 def test_text_and_tokenizer_train_eval_shards_and_resume(corpus, tmp_path):

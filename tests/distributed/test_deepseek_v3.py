@@ -19,7 +19,7 @@ import fmoe
 import fmoe.nn as nn
 from fmoe.models import deepseek_v3 as ds
 from fmoe.testing import spawn
-from test_models_hf import close, hf_model, read_all
+from helpers import close, hf_model, read_all
 
 transformers = pytest.importorskip("transformers")
 

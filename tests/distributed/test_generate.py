@@ -17,7 +17,7 @@ import fmoe
 from fmoe.generate import left_pad
 from fmoe.models import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
 from fmoe.testing import spawn
-from test_models_hf import close, hf_model
+from helpers import close, hf_model
 
 transformers = pytest.importorskip("transformers")
 

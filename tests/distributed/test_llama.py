@@ -10,16 +10,12 @@ import fmoe.nn as nn
 from fmoe import P
 from fmoe.models import llama
 from fmoe.testing import spawn
+from helpers import close
 
 LLAMA3 = tuple(sorted({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}.items()))
 BIASED_TIED = replace(llama.Config.tiny(), attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
                       rope_scaling=LLAMA3)
-
-
-def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    # rtol 1e-5; the atol (1e-6 of the tensor's scale) only covers elements that cancel to ~0
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, b.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 def with_grad(params: dict) -> dict:

@@ -29,6 +29,7 @@ import fmoe.nn as nn
 from fmoe import P
 from fmoe.models import gpt_oss, mixtral, qwen3_moe
 from fmoe.testing import spawn
+from helpers import close
 
 B, S = 2, 8
 MODELS = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "gpt_oss": gpt_oss}
@@ -43,11 +44,6 @@ CFGS = {  # initializer_range 0.2: routing far from uniform, so every expert see
 # instead of the vocabulary, and the routers split over fsdp (gathered for compute).
 OVERRIDE = {"layers.1.attn.w[qkv]": "colwise_gather", "layers.1.attn.wo": "replicate",
             "embed": P(None, "tp"), "layers.*.moe.router": P("fsdp", None)}
-
-
-def close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = 1e-6) -> None:
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=atol * max(1.0, b.abs().max().item()),
-                               msg=lambda m: f"{what}: {m}")
 
 
 def tokens_of(cfg, b: int) -> torch.Tensor:

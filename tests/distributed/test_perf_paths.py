@@ -19,7 +19,7 @@ from fmoe.ep import pack_ids, unpack_ids
 from fmoe.experts import expert_mlp
 from fmoe.testing import spawn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def reference(x, counts, wgu, wd, scale):

@@ -2,7 +2,6 @@
 failure is the test's failure, naming the rank."""
 
 import pytest
-import torch
 import torch.distributed as dist
 
 

@@ -13,6 +13,7 @@ import fmoe
 import fmoe.nn as nn
 from fmoe import P, Plan
 from fmoe.testing import spawn
+from helpers import close
 
 TP = 4
 D, HQ, HKV, HD, I, V = 8, 8, 4, 2, 8, 16  # per rank: 2 query heads, 1 KV head, I/4 per half, V/4 rows
@@ -120,11 +121,6 @@ def _ranks(rank, world):
     except ValueError as e:
         bad += " | " + str(e)
     return run(sharded, make_inputs()), local, bad
-
-
-def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    # rtol 1e-5; the atol (1e-6 of the tensor's scale) only covers elements that cancel to ~0
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, b.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 def test_every_tp_style_matches_single_process():

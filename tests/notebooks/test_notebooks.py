@@ -15,7 +15,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NB_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+NB_DIR = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(p.name for p in NB_DIR.glob("*.ipynb"))
 KERNEL = "fmoe-notebooks-test"
 

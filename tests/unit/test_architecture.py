@@ -17,7 +17,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 #: torch.distributed functions that move data between ranks (process-group bookkeeping such as
 #: get_rank / get_world_size / new_group / init_process_group is allowed anywhere).

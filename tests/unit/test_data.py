@@ -9,16 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from data_cases import train_tokenizer, write_corpus
 from fmoe.data import (ByteTokenizer, TokenStream, documents, load_tokenizer, open_data, open_shards, prepare,
                        write_shards)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    d = write_corpus(str(root))
-    return str(root), d, train_tokenizer(str(root), d)
 
 
 def test_documents_read_txt_and_jsonl_text_fields_in_sorted_order(corpus):

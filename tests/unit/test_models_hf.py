@@ -18,21 +18,16 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 import fmoe
 import fmoe.nn as nn
 from fmoe.models import gpt_oss, mixtral, qwen3_moe
+from helpers import close, hf_model, read_all
 
 transformers = pytest.importorskip("transformers")
 
 B, S = 2, 12  # S above every sliding window below, so the windows matter
-
-
-def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, b.abs().max().item()),
-                               msg=lambda m: f"{what}: {m}")
 
 
 CASES = {  # id -> (model module, fmoe config, transformers class name)
@@ -50,31 +45,10 @@ CASES = {  # id -> (model module, fmoe config, transformers class name)
 }
 
 
-def hf_model(cfg, cls_name: str, seed: int = 0):
-    """A transformers model built from ``cfg.to_hf()``, with weights redrawn at a larger scale."""
-    cls = getattr(transformers, cls_name)
-    model = cls(cls.config_class(**cfg.to_hf(), attn_implementation="eager")).float().eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g) * 0.2
-            p.copy_(1 + noise if "norm" in name else noise)
-    return model
-
-
 def hf_logits_and_grads(model, tokens: torch.Tensor):
     logits = model(tokens).logits
     nn.cross_entropy(logits[:, :-1], tokens[:, 1:]).backward()
     return logits.detach()
-
-
-def read_all(path: str) -> dict:
-    out = {}
-    for name in os.listdir(path):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(path, name), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -9,16 +9,12 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import fmoe.nn as nn
+from helpers import close
 
 
 def rnd(*shape, seed=0, grad=False):
     t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
     return t.requires_grad_() if grad else t
-
-
-def close(a, b, what=""):
-    # rtol 1e-5; the atol (1e-6 of the tensor's scale) only covers elements that cancel to ~0
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, b.abs().max().item()), msg=lambda m: f"{what}: {m}")
 
 
 def test_linear_embedding_mlp_match_torch():
