@@ -39,17 +39,19 @@ __all__ = ["Pools"]
 
 
 class Pools:
-    """The session's warm ranks: one :class:`Pool`, replaced by a bigger one when a test asks for
-    more ranks than it has (smaller worlds run on its first ranks)."""
+    """The session's warm ranks: one :class:`Pool` of at least ``min_size`` ranks, replaced by a
+    bigger one when a test asks for more ranks than it has (smaller worlds run on its first ranks).
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, min_size: int = 4) -> None:
         self.pool: Optional[Pool] = None
+        self.min_size = min_size
 
     def get(self, world: int) -> Pool:
         """A pool with at least ``world`` ranks."""
         if self.pool is None or self.pool.size < world:
             self.close()
-            self.pool = Pool(world)
+            self.pool = Pool(max(world, self.min_size))
         return self.pool
 
     def run(self, fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, **kw: Any) -> list[Any]:

@@ -9,7 +9,8 @@ group and one round trip (milliseconds). Each call is as if the ranks were fresh
 - process state restored after the call: environment variables, working directory,
   ``sys.path``, warning filters, torch's default dtype, grad mode, deterministic-algorithms flag,
   the random generators (torch, ``random``, numpy) reset to the pool's start state, ``fmoe.ep``
-  registrations, ``torch._dynamo`` caches; the call's tensors are collected before the next call.
+  registrations, ``torch._dynamo`` caches, DTensor's sharding and redistribute caches (they hold
+  the call's meshes); the call's tensors are collected before the next call.
   Module-level state of imported modules (yours included) lives as long as the rank does.
 
 The guarantees are :mod:`fmoe.launch`'s: the first failing rank's exception is re-raised with its
@@ -257,3 +258,11 @@ class _State:
             fmoe.ep.register(name, impl)
         if "torch._dynamo" in sys.modules:
             sys.modules["torch._dynamo"].reset()
+        if "torch.distributed.tensor" in sys.modules:
+            # DTensor caches its sharding decisions and redistribute plans by DeviceMesh, and an
+            # equal mesh of the next call would find the plan that holds this call's (destroyed)
+            # groups: "Could not resolve the process group registered under the name ..."
+            from torch.distributed.tensor import _redistribute, debug
+
+            debug._clear_sharding_prop_cache()
+            _redistribute.clear_redistribute_planner_cache()

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import fmoe
 from fmoe import P, Plan
 from fmoe.routing import Routing
-from fmoe.testing import spawn
+from helpers import on_ranks
 from moe_cases import D, E, I, full_params
 
 COLLECTIVES = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
@@ -77,6 +77,6 @@ def _check(rank, world):
 
 
 def test_bad_input_raises_before_any_collective():
-    for rank, results in enumerate(spawn(_check, 2, timeout=300)):
+    for rank, results in enumerate(on_ranks(_check, 2, timeout=300)):
         bad = [(name, problem, calls) for name, problem, calls in results if problem or calls]
         assert not bad, f"rank {rank}: {bad}"

@@ -21,6 +21,7 @@ import fmoe
 from fmoe import P, Plan
 from fmoe.checkpoint import Cat, Checkpoint, Deinterleave, Key, Stack, Transpose, load_hf, save_hf
 from fmoe.testing import spawn
+from helpers import on_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,7 +411,7 @@ def _distributed(rank, world, dirs, out_dir, grad_dir):
 
 def test_sharded_load_reads_only_own_slices_and_equals_shard(dirs, tmp_path):
     total = data_bytes(dirs["hf"])
-    results = spawn(_distributed, 4, dirs, str(tmp_path / "out"), str(tmp_path / "grads"), timeout=180)
+    results = on_ranks(_distributed, 4, dirs, str(tmp_path / "out"), str(tmp_path / "grads"), timeout=180)
     for rank, res in enumerate(results):
         for layout in ("single", "sharded", "fused"):
             same, read, local_bytes, cfg_ok = res[layout]

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe import collectives as C
-from fmoe.testing import spawn
+from helpers import on_ranks
 
 W = 4
 
@@ -77,7 +77,7 @@ def _check(rank, world):
 
 
 def test_collectives_forward_backward_on_four_ranks():
-    for rank, res in enumerate(spawn(_check, W)):
+    for rank, res in enumerate(on_ranks(_check, W)):
         assert all(res.values()), (rank, {k: v for k, v in res.items() if not v})
 
 

@@ -18,8 +18,7 @@ import torch
 import fmoe
 import fmoe.nn as nn
 from fmoe.models import deepseek_v3 as ds
-from fmoe.testing import spawn
-from helpers import close, hf_model, read_all
+from helpers import close, hf_model, on_ranks, read_all
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,7 +128,7 @@ def test_four_ranks_tp2_ep4_and_tp1_ep4_match_one_process(tmp_path):
     cases = [("deepseek_v3", paths["deepseek_v3"], 2, 4, None, str(tmp_path / "saved")),
              ("deepseek_v3", paths["deepseek_v3"], 1, 4, None),
              ("deepseek_v3-plain_q", paths["deepseek_v3-plain_q"], 2, 4, None)]
-    results = spawn(_dist_ranks, 4, cases, timeout=600)
+    results = on_ranks(_dist_ranks, 4, cases, timeout=600)
     tmd.check(cases, results)
     a, b = read_all(paths["deepseek_v3"]), read_all(str(tmp_path / "saved"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -147,7 +146,7 @@ def test_training_matches_single_process_on_four_ranks():
     """Three AdamW steps with the expert-bias update (split over fsdp on tp1/ep4)."""
     from test_train import compare
     meshes = [dict(tp=1, ep=4), dict(tp=2, ep=4)]
-    compare(spawn(_train, 4, meshes, timeout=900)[0], "deepseek_v3")
+    compare(on_ranks(_train, 4, meshes, timeout=900)[0], "deepseek_v3")
 
 
 def test_main_job_from_a_transformers_checkpoint(tmp_path):

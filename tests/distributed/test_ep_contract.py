@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import fmoe
 from fmoe import P, Plan, ep
-from fmoe.testing import spawn
+from helpers import on_ranks
 from moe_cases import batch, full_params
 
 
@@ -60,7 +60,7 @@ def _user_pair_on_four(rank, world):
 
 
 def test_a_user_pair_runs_like_the_builtin_and_folds_statistics_the_same_way():
-    for out in spawn(_user_pair_on_four, 4, timeout=300):
+    for out in on_ranks(_user_pair_on_four, 4, timeout=300):
         for kw, (same, log, folds) in out.items():
             assert same == {"user_a2a": True, "user_fn": True}, kw
             assert log == [folds], (kw, log)          # the layer passed the statistics iff the pair folds
@@ -142,5 +142,5 @@ def test_compiled_layer_stops_recompiling_after_warmup():
     """Nothing per-call crosses the dispatch's graph break as a guarded object (the statistics
     were once matched by ``id()``, so every call recompiled the frame after the break until
     Dynamo's recompile limit sent it back to eager)."""
-    for graphs in spawn(_compiled_steps, 2, timeout=600):
+    for graphs in on_ranks(_compiled_steps, 2, timeout=600):
         assert graphs[3] == graphs[-1], graphs

@@ -16,8 +16,7 @@ import torch
 import fmoe
 from fmoe.generate import left_pad
 from fmoe.models import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
-from fmoe.testing import spawn
-from helpers import close, hf_model
+from helpers import close, hf_model, on_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,7 +134,7 @@ def _ranks(rank, world):
 
 
 def test_four_ranks_tp2_ep4_and_ep_equal_tp_give_one_process_ids():
-    results = spawn(_ranks, 4, timeout=600)
+    results = on_ranks(_ranks, 4, timeout=600)
     for case in DIST:
         model, cfg, full = _dist_params(case)
         want = fmoe.generate(model, full, cfg, PROMPTS, 8)

@@ -9,8 +9,7 @@ import fmoe
 import fmoe.nn as nn
 from fmoe import P
 from fmoe.models import llama
-from fmoe.testing import spawn
-from helpers import close
+from helpers import close, on_ranks
 
 LLAMA3 = tuple(sorted({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}.items()))
@@ -145,7 +144,7 @@ def check_against_single_process(results) -> None:
 
 
 def test_tp2_default_plan_and_user_override_match_single_process():
-    results = spawn(_ranks, 2, [None, OVERRIDE], timeout=180)
+    results = on_ranks(_ranks, 2, [None, OVERRIDE], timeout=180)
     check_against_single_process(results)
     placed = results[0][1][3]
     assert placed["layers.0.attn.wq"] == P() and placed["layers.1.attn.wq"] == P("tp", None)
@@ -154,7 +153,7 @@ def test_tp2_default_plan_and_user_override_match_single_process():
 
 
 def test_tp2_fsdp2_matches_sum_of_single_process_gradients():
-    results = spawn(_ranks, 4, [FSDP], timeout=180)
+    results = on_ranks(_ranks, 4, [FSDP], timeout=180)
     assert [r[0][0] for r in results] == [0, 0, 1, 1]
     check_against_single_process(results)
     assert results[0][0][3]["layers.1.attn.wo"] == P("fsdp", "tp")

@@ -5,7 +5,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import fmoe
 from fmoe.models import llama
-from fmoe.testing import spawn
+from helpers import on_ranks
 
 
 def _hf_dir(tmp_path):
@@ -40,4 +40,4 @@ def _sharded(rank, world, path):
 
 def test_sharded_load_equals_shard(tmp_path):
     _, _, path = _hf_dir(tmp_path)
-    assert spawn(_sharded, 2, path) == [True, True]
+    assert on_ranks(_sharded, 2, path) == [True, True]

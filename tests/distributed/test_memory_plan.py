@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fmoe
+from helpers import on_ranks
 from fmoe.memory_plan import format_plan, memory_plan
 
 MESHES = [(1, 1, 1, 1), (4, 1, 4, 1), (4, 2, 4, 1), (4, 1, 2, 2)]   # nproc, tp, ep, dp_replicate
@@ -92,7 +93,7 @@ def test_plan_matches_measured_bytes(mesh):
     if nproc == 1:
         per_rank = [_measure_all(0, 1, tp, ep, dpr, cases)]
     else:
-        per_rank = fmoe.testing.spawn(_measure_all, nproc, tp, ep, dpr, cases, timeout=300)
+        per_rank = on_ranks(_measure_all, nproc, tp, ep, dpr, cases, timeout=300)
     for i, case in enumerate(cases):
         print(case, mesh, [round(r, 3) for r in _check([r[i] for r in per_rank])])
 

@@ -2,7 +2,7 @@ import pytest
 import torch.distributed as dist
 
 import fmoe
-from fmoe.testing import spawn
+from helpers import on_ranks
 
 REFERENCE_EP_TP2 = {  # expert ranges per rank, from reference/ep-tp-behaviour.md
     2: [range(0, 4), range(4, 8)] * 4,
@@ -112,7 +112,7 @@ def _eight_rank_layouts(rank, world):
 
 @pytest.mark.slow
 def test_eight_rank_layouts_match_reference():
-    results = spawn(_eight_rank_layouts, 8, timeout=240)
+    results = on_ranks(_eight_rank_layouts, 8, timeout=240)
     for rank, (out, configs, errors) in enumerate(results):
         for ep, want in REFERENCE_EP_TP2.items():
             assert out[ep]["range"] == want[rank]

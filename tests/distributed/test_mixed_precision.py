@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 import fmoe
+from helpers import on_ranks
 
 STEPS_BF16, STEPS, B, S = 30, 4, 2, 16
 
@@ -60,7 +61,7 @@ def _close(a, b, rtol):
 
 
 def test_bf16_remat_and_grad_accum_match_fp32_on_four_ranks():
-    r = fmoe.testing.spawn(_all_variants, 4, timeout=900)[0]
+    r = on_ranks(_all_variants, 4, timeout=900)[0]
     fp32, bf16 = r["fp32"][0], r["bf16"][0]
     print(f"loss after {STEPS_BF16} steps: fp32 {fp32[-1]:.5f} bf16 {bf16[-1]:.5f} (step 1: {fp32[0]:.4f})")
     assert r["bf16"][2] == {"torch.float32"} and r["fp32"][2] == {"torch.float32"}   # masters and moments fp32

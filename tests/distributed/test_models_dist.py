@@ -28,8 +28,7 @@ import fmoe
 import fmoe.nn as nn
 from fmoe import P
 from fmoe.models import gpt_oss, mixtral, qwen3_moe
-from fmoe.testing import spawn
-from helpers import close
+from helpers import close, on_ranks
 
 B, S = 2, 8
 MODELS = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "gpt_oss": gpt_oss}
@@ -128,7 +127,7 @@ def test_four_ranks_tp2_ep4_user_override_gpt_oss_and_mixtral(tmp_path):
              ("qwen3_moe", paths["qwen3_moe"], 2, 4, OVERRIDE),
              ("gpt_oss", paths["gpt_oss"], 2, 4, None, saved["gpt_oss"]),
              ("mixtral", paths["mixtral"], 4, 4, None, saved["mixtral"])]
-    results = spawn(_ranks, 4, cases, timeout=600)
+    results = on_ranks(_ranks, 4, cases, timeout=600)
     check(cases, results)
     for n, path in paths.items():  # save_hf of sharded params gathers them back into the same checkpoint
         a, b = load_file(os.path.join(path, "model.safetensors")), load_file(os.path.join(saved[n], "model.safetensors"))
@@ -147,6 +146,6 @@ def test_eight_ranks_the_four_reference_meshes(tmp_path):
              ("qwen3_moe", paths["qwen3_moe"], 1, 4, None),      # tp1, fsdp8, ep4
              ("qwen3_moe", paths["qwen3_moe"], 2, 4, None),      # tp2, fsdp4, ep4
              ("qwen3_moe-kv8", paths["qwen3_moe-kv8"], 8, 8, None)]  # tp8, ep8
-    results = spawn(_ranks, 8, cases, timeout=900)
+    results = on_ranks(_ranks, 8, cases, timeout=900)
     assert [r[1]["ep_batches"] for r in results] == [[0, 1, 2, 3]] * 4 + [[4, 5, 6, 7]] * 4
     check(cases, results)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import fmoe
 from fmoe import P, Plan
 from fmoe.routing import Routing
-from fmoe.testing import spawn
+from helpers import on_ranks
 from moe_cases import D, E, I, RandomRouter, batch, check_case, full_params
 
 
@@ -150,7 +150,7 @@ example = st.tuples(st.sampled_from(MESHES), st.lists(st.integers(0, 6), min_siz
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(examples=st.lists(example, min_size=12, max_size=12))
 def test_auto_registry_and_random_routings_on_four_ranks(examples):
-    for rank, out in enumerate(spawn(_auto_registry_and_properties, 4, examples, timeout=300)):
+    for rank, out in enumerate(on_ranks(_auto_registry_and_properties, 4, examples, timeout=300)):
         assert out["auto_is_all_reduce"] and out["auto_grad_is_all_to_all"] and out["custom_called"]
         assert "requires ep == tp" in out["all_reduce_rule"] and "ep=2, tp=1" in out["all_reduce_rule"]
         assert not out["property_fails"], "\n".join(out["property_fails"])

@@ -3,7 +3,7 @@
 import pytest
 
 import fmoe
-from fmoe.testing import spawn
+from helpers import on_ranks
 from moe_cases import ROUTERS, check_case
 
 ALL_ROUTERS = list(ROUTERS)
@@ -43,16 +43,16 @@ def _eight_ranks(rank, world):
 
 
 def test_parity_two_ranks():
-    fails = sum(spawn(_two_ranks, 2, timeout=300), [])
+    fails = sum(on_ranks(_two_ranks, 2, timeout=300), [])
     assert not fails, "\n".join(fails)
 
 
 def test_parity_four_ranks():
-    fails = sum(spawn(_four_ranks, 4, timeout=600), [])
+    fails = sum(on_ranks(_four_ranks, 4, timeout=600), [])
     assert not fails, "\n".join(fails)
 
 
 @pytest.mark.slow
 def test_parity_eight_ranks():
-    fails = sum(spawn(_eight_ranks, 8, timeout=600), [])
+    fails = sum(on_ranks(_eight_ranks, 8, timeout=600), [])
     assert not fails, "\n".join(fails)

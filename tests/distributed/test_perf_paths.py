@@ -17,7 +17,7 @@ import fmoe
 from fmoe import P
 from fmoe.ep import pack_ids, unpack_ids
 from fmoe.experts import expert_mlp
-from fmoe.testing import spawn
+from helpers import on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -166,7 +166,7 @@ def _split_to_checks(rank):
 
 def test_token_dispatch_uses_three_collectives_forward_two_backward_and_split_to():
     """tp=1, ep=world: the expert group is the fsdp group, so the layer's statistics need no all-reduce."""
-    for fwd, bwd, rows, want_rows, split_ok in spawn(_count_collectives, 2):
+    for fwd, bwd, rows, want_rows, split_ok in on_ranks(_count_collectives, 2):
         assert fwd.count("c10d::alltoall_base_") == 3, fwd     # split sizes, payload (rows+weights+ids), combine
         assert fwd.count("c10d::allreduce_") == 0, fwd          # routing statistics ride in the split exchange
         assert bwd.count("c10d::alltoall_base_") == 2, bwd     # the two data exchanges in reverse
@@ -238,7 +238,7 @@ def _prefetch_checks(rank, world):
 def test_prefetch_gathers_a_layer_in_one_collective_per_group_and_dtype():
     """Forward: one all-gather per dtype instead of one per weight; backward: one reduce-scatter
     per dtype, one re-gather for all the saved fp32 weights (the fp64 one is not saved)."""
-    for same, per_leaf, prefetched in spawn(_prefetch_checks, 2):
+    for same, per_leaf, prefetched in on_ranks(_prefetch_checks, 2):
         assert same                                   # losses and gradients equal
         assert per_leaf == (4, 2, 4), per_leaf        # per weight (the two saved ones re-gathered)
         assert prefetched == (2, 1, 2), prefetched    # per dtype (fp32 a, b, n, unused; fp64 h)
@@ -278,7 +278,7 @@ def _fold_and_prefetch_on_four(rank, world):
 
 
 def test_stats_fold_with_tp_and_prefetch_on_a_model():
-    for stats_reduces, same, gathers, leaves, layers in spawn(_fold_and_prefetch_on_four, 4, timeout=300):
+    for stats_reduces, same, gathers, leaves, layers in on_ranks(_fold_and_prefetch_on_four, 4, timeout=300):
         assert stats_reduces == 0
         assert same
         # per layer: one dense group (fsdp) and one expert group (efsdp); 3 top-level leaves

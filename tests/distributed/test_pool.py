@@ -62,6 +62,20 @@ def test_state_set_by_one_call_is_not_seen_by_the_next(pool, tmp_path):
     assert after == before                                 # generators too: each rank's start state
 
 
+def _sharded_round_trip(rank, world):
+    mesh = fmoe.Mesh(tp=2, ep=2)
+    w = fmoe.shard({"w": torch.arange(8.0).reshape(4, 2)}, {"w": fmoe.P("tp", None)}, mesh)["w"]
+    g = torch.func.grad(lambda w: (fmoe.to_local(w) * (1 + rank)).sum())(w)   # Partial over fsdp
+    return fmoe.gather({"w": w * 2, "g": g + g})          # DTensor ops: cached sharding decisions
+
+
+def test_dtensor_caches_do_not_carry_one_calls_meshes_into_the_next(pool):
+    first, second = pool.run(_sharded_round_trip), pool.run(_sharded_round_trip)
+    assert torch.equal(first[0]["w"], 2 * torch.arange(8.0).reshape(4, 2))
+    for a, b in zip(first, second):                      # the second call redistributes on its own groups
+        assert torch.equal(a["w"], b["w"]) and torch.equal(a["g"], b["g"])
+
+
 def _raise_while_others_block(rank, world):
     if rank == 2:
         raise ValueError("bad shard on this rank")

@@ -6,7 +6,7 @@ import torch
 
 import fmoe
 from fmoe import P, Plan, aux_losses, routing
-from fmoe.testing import spawn
+from helpers import on_ranks
 from moe_cases import E, SHARED_TP_RULES, batch, check_router_case, full_params, shared_params
 
 
@@ -104,5 +104,5 @@ def _four_ranks(rank, world):
 
 
 def test_routers_and_aux_losses_on_four_ranks():
-    fails = sum(spawn(_four_ranks, 4, timeout=600), [])
+    fails = sum(on_ranks(_four_ranks, 4, timeout=600), [])
     assert not fails, "\n".join(fails[:40])

@@ -4,7 +4,7 @@ from torch.distributed.tensor import DTensor
 
 import fmoe
 from fmoe import P, Plan
-from fmoe.testing import spawn
+from helpers import on_ranks
 
 
 def full_params():
@@ -65,7 +65,7 @@ def _shard_gather(rank, world):
 
 
 def test_shard_gather_round_trip_four_ranks():
-    for slices_ok, all_dtensor, round_trip, grads_ok, rep_grad, placements, uneven, mat in spawn(_shard_gather, 4):
+    for slices_ok, all_dtensor, round_trip, grads_ok, rep_grad, placements, uneven, mat in on_ranks(_shard_gather, 4):
         assert mat[0] and torch.equal(mat[1], torch.full((4, 2), 3.0))   # (0+1) + (1+1) over fsdp
         assert all(slices_ok.values()), slices_ok
         assert all_dtensor

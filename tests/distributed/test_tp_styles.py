@@ -12,8 +12,7 @@ from einops import rearrange
 import fmoe
 import fmoe.nn as nn
 from fmoe import P, Plan
-from fmoe.testing import spawn
-from helpers import close
+from helpers import close, on_ranks
 
 TP = 4
 D, HQ, HKV, HD, I, V = 8, 8, 4, 2, 8, 16  # per rank: 2 query heads, 1 KV head, I/4 per half, V/4 rows
@@ -126,7 +125,7 @@ def _ranks(rank, world):
 def test_every_tp_style_matches_single_process():
     params = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(), make_params())
     ref_out, ref_dx, ref_grads = run(params, make_inputs())
-    results = spawn(_ranks, TP, timeout=180)
+    results = on_ranks(_ranks, TP, timeout=180)
     for rank, ((out, dx, grads), local, bad) in enumerate(results):
         for k in ref_out:
             close(out[k], ref_out[k], f"rank {rank} output {k}")

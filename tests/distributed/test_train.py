@@ -7,7 +7,7 @@ import torch
 
 import fmoe
 from fmoe import P
-from fmoe.testing import spawn
+from helpers import on_ranks
 from fmoe.train import step as step_module
 from fmoe.train.optim import AdamWConfig, adamw_init, adamw_update, global_norm, lr_at
 from train_cases import train
@@ -68,7 +68,7 @@ def _reduce_inplace_ok(sh, mesh):
 
 def test_global_norm_counts_every_element_once_on_every_mesh():
     """Also: reduce_grads(inplace=False) leaves the given gradients unchanged, inplace=True agrees."""
-    for want, got in spawn(_norms, 4):
+    for want, got in on_ranks(_norms, 4):
         for g in got[1::2]:
             assert g is True
         for g in got[::2]:
@@ -108,12 +108,12 @@ def compare(results, name, cfg=None):
 
 def test_llama_training_matches_single_process_on_four_ranks():
     meshes = [dict(tp=2), dict(tp=1), dict(tp=2, dp_replicate=2)]
-    compare(spawn(_train_meshes, 4, "llama", meshes, timeout=600)[0], "llama")
+    compare(on_ranks(_train_meshes, 4, "llama", meshes, timeout=600)[0], "llama")
 
 
 def test_qwen3_moe_training_matches_single_process_on_four_ranks():
     meshes = [dict(tp=1, ep=4), dict(tp=2, ep=4), dict(tp=1, ep=2, dp_replicate=2), dict(tp=2, ep=2)]
-    compare(spawn(_train_meshes, 4, "qwen3_moe", meshes, timeout=900)[0], "qwen3_moe")
+    compare(on_ranks(_train_meshes, 4, "qwen3_moe", meshes, timeout=900)[0], "qwen3_moe")
 
 
 @pytest.mark.slow
@@ -121,7 +121,7 @@ def test_qwen3_moe_training_reference_configs_on_eight_ranks():
     # the four eight-rank configurations of the reference, plus HSDP with efsdp > 1
     meshes = [dict(tp=4, ep=4), dict(tp=1, ep=4), dict(tp=2, ep=4), dict(tp=8, ep=8),
               dict(tp=2, ep=2, dp_replicate=2)]
-    results = spawn(_train_meshes, 8, "qwen3_moe", meshes, timeout=1200)[0]
+    results = on_ranks(_train_meshes, 8, "qwen3_moe", meshes, timeout=1200)[0]
     assert [(kw, nb) for kw, nb, *_ in results] == [(meshes[0], 2), (meshes[1], 8), (meshes[2], 4),
                                                     (meshes[3], 1), (meshes[4], 4)]
     compare(results, "qwen3_moe")

@@ -30,7 +30,7 @@ from fmoe import P, Plan
 from fmoe.mesh import DATA_AXES
 from fmoe.models import qwen3_moe
 from fmoe.routing import Routing
-from fmoe.testing import spawn
+from helpers import on_ranks
 
 MATMULS = ["grouped", "loop"]
 B, S = 2, 6
@@ -250,7 +250,7 @@ def _grads_on_meshes(rank, world, ckpt):
 def test_grads_over_sharded_trees_are_the_gradient_of_the_sum_of_the_batches(tmp_path):
     cfg = qwen3_moe.Config.tiny(initializer_range=0.2)
     qwen3_moe.save_hf(qwen3_moe.init(cfg, seed=0), cfg, tmp_path / "ckpt")
-    for rank, fails in enumerate(spawn(_grads_on_meshes, 4, str(tmp_path / "ckpt"), timeout=900)):
+    for rank, fails in enumerate(on_ranks(_grads_on_meshes, 4, str(tmp_path / "ckpt"), timeout=900)):
         assert not [f for per_mesh in fails for f in per_mesh], f"rank {rank}: {fails}"
 
 
@@ -296,5 +296,5 @@ def _jvp_and_compile_on_meshes(rank, world):
 
 
 def test_jvp_and_compile_on_four_ranks():
-    for out in spawn(_jvp_and_compile_on_meshes, 4, timeout=900):
+    for out in on_ranks(_jvp_and_compile_on_meshes, 4, timeout=900):
         assert out["break_lines"] == [("token_dispatch.py", "_exchange_splits")], out["break_lines"]

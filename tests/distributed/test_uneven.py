@@ -21,7 +21,7 @@ import fmoe
 from fmoe import P
 from fmoe.models import mixtral, qwen3_moe
 from fmoe.placement import chunk_range, chunk_sizes
-from fmoe.testing import spawn
+from helpers import on_ranks
 
 UNEVEN = {"qwen3_moe-v97": (qwen3_moe, qwen3_moe.Config.tiny(initializer_range=0.2, vocab_size=97)),
           "mixtral-v101": (mixtral, mixtral.Config.tiny(initializer_range=0.2, vocab_size=101, sliding_window=5))}
@@ -68,7 +68,7 @@ def test_vocab_97_and_101_on_tp2_load_sharded_and_match_one_process(tmp_path):
     cases = [("qwen3_moe-v97", paths["qwen3_moe-v97"], 2, 4, None),
              ("qwen3_moe-v97", paths["qwen3_moe-v97"], 2, 4, {"embed": P("fsdp", None)}),
              ("mixtral-v101", paths["mixtral-v101"], 2, 2, None)]
-    results = spawn(_load_ranks, 4, cases, timeout=600)
+    results = on_ranks(_load_ranks, 4, cases, timeout=600)
     tmd.check(cases, [r[0] for r in results])
     for rank, (_, reads) in enumerate(results):
         for (name, _, tp, _, plan), (read, local, embed) in zip(cases, reads):
@@ -89,7 +89,7 @@ def test_training_with_uneven_fsdp_and_vocab_matches_one_process():
     from test_train import compare
 
     meshes = [dict(tp=2, ep=4), dict(tp=1, ep=2), dict(tp=1, ep=1)]   # the last: efsdp=4 on uneven expert dims
-    results = spawn(_train_ranks, 4, meshes, None, timeout=900)[0]
+    results = on_ranks(_train_ranks, 4, meshes, None, timeout=900)[0]
     import types
 
     from fmoe.fsdp import data_parallel_plan
@@ -124,7 +124,7 @@ def test_checkpoint_of_uneven_shards_resumes_on_another_mesh(tmp_path):
     from fmoe.train import ckpt
     from fmoe.train.optim import adamw_init
 
-    results = spawn(_resume_ranks, 4, str(tmp_path / "ck"), timeout=600)
+    results = on_ranks(_resume_ranks, 4, str(tmp_path / "ck"), timeout=600)
     want = fmoe.tree.flatten(qwen3_moe.init(TRAIN_CFG, seed=0))
     for res in results:
         for name in ("a", "b"):
