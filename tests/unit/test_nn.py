@@ -1,5 +1,5 @@
 """fmoe.nn layer functions in one process: parity with transformers' modules and plain torch,
-and input validation. (Tensor-parallel behaviour: tests/test_tp_styles.py.)"""
+and input validation. (Tensor-parallel behaviour: tests/distributed/test_tp_styles.py.)"""
 
 from types import SimpleNamespace
 
