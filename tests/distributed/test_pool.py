@@ -62,18 +62,19 @@ def test_state_set_by_one_call_is_not_seen_by_the_next(pool, tmp_path):
     assert after == before                                 # generators too: each rank's start state
 
 
-def _sharded_round_trip(rank, world):
-    mesh = fmoe.Mesh(tp=2, ep=2)
-    w = fmoe.shard({"w": torch.arange(8.0).reshape(4, 2)}, {"w": fmoe.P("tp", None)}, mesh)["w"]
-    g = torch.func.grad(lambda w: (fmoe.to_local(w) * (1 + rank)).sum())(w)   # Partial over fsdp
-    return fmoe.gather({"w": w * 2, "g": g + g})          # DTensor ops: cached sharding decisions
+def _moe_parity(rank, world):
+    from moe_cases import check_case
+
+    return check_case(fmoe.Mesh(tp=2, ep=2), "all_to_all", "top2", [5, 3])
 
 
 def test_dtensor_caches_do_not_carry_one_calls_meshes_into_the_next(pool):
-    first, second = pool.run(_sharded_round_trip), pool.run(_sharded_round_trip)
-    assert torch.equal(first[0]["w"], 2 * torch.arange(8.0).reshape(4, 2))
-    for a, b in zip(first, second):                      # the second call redistributes on its own groups
-        assert torch.equal(a["w"], b["w"]) and torch.equal(a["g"], b["g"])
+    """DTensor caches sharding decisions and redistribute plans by (equal) DeviceMesh; the pool
+    clears them after each call. Without that, test_moe + test_moe_parity + test_routing_parity in
+    one session failed ("Could not resolve the process group registered under the name 133");
+    this short loop alone passes without it too, so it guards the calls, not the cause."""
+    for _ in range(3):
+        assert pool.run(_moe_parity) == [[]] * 4
 
 
 def _raise_while_others_block(rank, world):
