@@ -25,7 +25,7 @@ Not differentiable (bookkeeping and buffers that autograd never sees): ``all_gat
 ``sum_over_world``, ``barrier``, ``broadcast_object`` and ``all_gather_objects``.
 
 This module is the only one in the package that calls ``torch.distributed`` collectives
-(``tests/test_architecture.py`` checks it); process-group bookkeeping (``get_rank``,
+(``tests/unit/test_architecture.py`` checks it); process-group bookkeeping (``get_rank``,
 ``get_world_size``, ``new_group``) may live elsewhere.
 
 ``all_gather`` is the exact adjoint for a gathered tensor that each rank uses in a *different*

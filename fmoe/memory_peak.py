@@ -29,7 +29,7 @@ activations; ``remat="moe"`` drops the ``A`` term of all layers but one. The los
 temporaries are ``8 T V`` (two fp32 ``[T, V]``) in one piece, ``2 b T V`` by chunks (the
 chunks' gradients and their concatenation). The coefficients were fitted to dry runs of
 Qwen3-30B-A3B layer shapes on tp 8 / 4 / 1 meshes (``benchmarks/RESULTS.md``, issue 21) and
-are checked against a reduced-size dry run by ``tests/test_dryrun.py``.
+are checked against a reduced-size dry run by ``tests/cli/test_dryrun.py``.
 
 Example:
     >>> peak = step_peak(params=10, grads=10, optimizer=20, activations=50, loss_temps=5, norm_temps=4)

@@ -25,7 +25,7 @@ query / KV widths after tp; R = T * K / tp expert rows per rank on average)::
 
 plus ``12 T D + 4 T V`` for the embedding, final norm and logits. The coefficients were counted
 on Qwen3-MoE (saved tensors of one forward, several shapes) and are checked against measured
-saved bytes on several meshes by ``tests/test_memory_plan.py`` (within 25%; routing imbalance
+saved bytes on several meshes by ``tests/distributed/test_memory_plan.py`` (within 25%; routing imbalance
 moves R). ``remat="layer"`` keeps one ``[T, D]`` input per layer plus one layer recomputed in
 backward; ``remat="moe"`` drops the expert rows of all but one layer. With ``dtype="bf16"``
 autocast halves the matmul-side activations, keeps the fp32 logits copy for the loss, and saves

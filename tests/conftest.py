@@ -1,8 +1,36 @@
-"""Shared test settings: small thread counts keep many gloo ranks workable on 2 cores."""
+"""Shared test settings: small thread counts keep many gloo ranks workable on 2 cores.
+
+The fmoe pytest plugin (``fmoe.testing.plugin``: ``@pytest.mark.ranks``, the ``fmoe_pools``
+fixture) is loaded through its ``pytest11`` entry point once fmoe is installed; a checkout whose
+installed metadata predates the entry point loads it here."""
 
 import os
+from importlib.metadata import entry_points
 
+import pytest
 import torch
+
+import helpers
+from data_cases import train_tokenizer, write_corpus
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+_INSTALLED = any(ep.value == "fmoe.testing.plugin" for ep in entry_points(group="pytest11"))
+pytest_plugins = ["pytester"] + ([] if _INSTALLED else ["fmoe.testing.plugin"])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_ranks(fmoe_pools):
+    """``helpers.on_ranks`` runs on the plugin's session pool (started on first use)."""
+    helpers.use_pools(fmoe_pools)
+    yield
+    helpers.use_pools(None)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A tiny text corpus and a BPE tokenizer trained on it: ``(root, corpus dir, tokenizer dir)``."""
+    root = str(tmp_path_factory.mktemp("data"))
+    d = write_corpus(root)
+    return root, d, train_tokenizer(root, d)

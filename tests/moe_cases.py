@@ -133,7 +133,7 @@ class RandomRouter:
 
 
 # ---------------------------------------------------------------------------------------------
-# Routing kit (tests/test_routing_parity.py): any router, extra params (expert_bias, shared
+# Routing kit (tests/distributed/test_routing_parity.py): any router, extra params (expert_bias, shared
 # experts), per-batch router inputs, and the layer's global aux (losses, rates, load).
 
 SHARED_TP_RULES = {"shared.w_gate_up": "packed_colwise", "shared.w_down": "rowwise"}

@@ -248,9 +248,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif args.nproc == 1:
             rows = run(0, 1, args)
         else:
-            from fmoe.testing import spawn
+            from fmoe import launch
 
-            rows = spawn(run, args.nproc, args, timeout=1800)[0]
+            rows = launch.run(run, args.nproc, args, timeout=1800)[0]
     except (ValueError, TypeError) as e:
         print(f"fmoe.generate: error: {e}", file=sys.stderr)
         return 1

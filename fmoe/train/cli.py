@@ -136,13 +136,13 @@ def _train(args: argparse.Namespace) -> Optional[dict]:
         _prepare_out(args)
         if args.nproc == 1:
             return run(0, 1, args)
-        from fmoe.testing import spawn
+        from fmoe import launch
 
         previous = os.environ.get("FMOE_SPAWNED")
         os.environ["FMOE_SPAWNED"] = "1"      # read by the ranks; not left behind in this process,
         try:                                   # whose later torchrun children must not inherit it
-            return spawn(_spawned, args.nproc, args, timeout=args.timeout * max(1, args.steps),
-                         collective_timeout=args.timeout, threads=threads_of(args))[0]
+            return launch.run(_spawned, args.nproc, args, timeout=args.timeout * max(1, args.steps),
+                              collective_timeout=args.timeout, threads=threads_of(args))[0]
         finally:
             if previous is None:
                 os.environ.pop("FMOE_SPAWNED", None)

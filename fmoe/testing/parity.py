@@ -1,0 +1,224 @@
+"""``assert_parity``: a function of a parameter tree, sharded by a plan on a mesh, equals itself
+on one process: outputs and the gathered gradients of every parameter leaf and input.
+
+The check the project writes by hand in its distributed tests, as one call:
+
+1. the one-process reference: ``out = fn(params, inputs, mesh=None)``, then the gradients of
+   ``loss = sum(out * probe)`` (``probe``: a fixed random cotangent shaped like ``out``) with
+   respect to every parameter leaf and every floating-point input leaf;
+2. on each mesh (``"tp2/ep2"``: sizes per axis, ``tp``, ``ep``, ``fsdp``, ``dp`` for
+   ``dp_replicate``), on every rank: ``fmoe.shard(params, plan, mesh)``, this rank's data-parallel
+   batch of ``inputs`` (split along dim 0 into ``mesh.num_batches`` pieces, ``torch.tensor_split``;
+   TP ranks share one), ``out = fn(sharded, batch, mesh=mesh)``, the same loss on the batch's
+   slice of ``probe``, backward, and ``fmoe.gather`` of the parameter gradients (the gradient of
+   the sum over the batches, as the one process computes it);
+3. every rank compares its output with the reference's slice, each gathered gradient with the
+   reference gradient and its input gradients with the reference's slice. A value passes when
+   ``max|got - want| <= atol + rtol * max|want|``.
+
+The ``AssertionError`` lists what differs, worst first (by the ratio of the error to its
+tolerance), each line naming the mesh, the rank, the leaf by its dotted path and the leaf's
+placement on that mesh.
+
+Example (a test file; any function of a tree works, here one MoE layer)::
+
+    import torch, fmoe
+    from fmoe import P
+
+    def layer(params, x, mesh=None):
+        return fmoe.moe(params, x, router=fmoe.routing.topk(2), mesh=mesh)[0]
+
+    def test_my_layer():
+        g = torch.Generator().manual_seed(0)
+        params = {"router": torch.randn(8, 16, generator=g),
+                  "w_gate_up": torch.randn(8, 32, 16, generator=g) / 4,
+                  "w_down": torch.randn(8, 16, 16, generator=g) / 4}
+        plan = fmoe.Plan({"w_*": P("ep", None, None)}, default=P())
+        fmoe.testing.assert_parity(layer, params, torch.randn(32, 16, generator=g), plan,
+                                   meshes=["tp1/ep4", "tp2/ep2"])
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from fmoe import tree as _tree
+from fmoe.mesh import Mesh, RankLayout
+from fmoe.plan import Plan
+from fmoe.sharding import gather, placement_of, shard
+from fmoe.testing.pool import Pool
+
+__all__ = ["assert_parity", "parse_mesh"]
+
+_AXIS = re.compile(r"^(tp|ep|fsdp|dp)(\d+)$")
+_FIELD = {"tp": "tp", "ep": "ep", "fsdp": "fsdp", "dp": "dp_replicate"}
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"tp2/ep2"`` -> ``{"tp": 2, "ep": 2}`` (the ``fmoe.Mesh`` keyword arguments).
+
+    Example:
+        >>> parse_mesh("tp2/ep4/dp2")
+        {'tp': 2, 'ep': 4, 'dp_replicate': 2}
+    """
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"assert_parity: a mesh is a string like 'tp2/ep2', got {spec!r}")
+    sizes: dict[str, int] = {}
+    for part in spec.split("/"):
+        m = _AXIS.match(part)
+        if m is None or int(m.group(2)) < 1 or _FIELD[m.group(1)] in sizes:
+            raise ValueError(f"assert_parity: mesh {spec!r}: bad part {part!r}; write axis and size "
+                             "joined by '/', each of tp, ep, fsdp, dp (dp_replicate) once, e.g. 'tp2/ep2'")
+        sizes[_FIELD[m.group(1)]] = int(m.group(2))
+    return sizes
+
+
+def _implied_world(sizes: dict[str, int]) -> int:
+    dp = sizes.get("dp_replicate", 1)
+    return max(sizes.get("tp", 1) * sizes.get("fsdp", 1) * dp, sizes.get("ep", 1) * dp)
+
+
+def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
+                  plan: Union[Plan, Any, Callable[[Mesh], Plan]],
+                  meshes: Sequence[str] = ("tp1/ep4", "tp2/ep2"), grads: bool = True,
+                  rtol: Optional[float] = None, atol: Optional[float] = None, world: Optional[int] = None,
+                  pool: Optional[Pool] = None, timeout: float = 300.0, seed: int = 0) -> None:
+    """Assert that ``fn`` on each mesh equals ``fn`` on one process (see the module docstring).
+
+    Args:
+        fn: ``fn(params, inputs, mesh=None) -> Tensor`` (plain tensor; cloudpicklable).
+        params: tree of full parameter tensors.
+        inputs: a tensor or tree of tensors, split over the data-parallel batches along dim 0.
+        plan: a ``fmoe.Plan`` (or its rules), or ``plan(mesh) -> Plan``.
+        meshes: mesh strings, e.g. ``["tp1/ep4", "tp2/ep2"]``.
+        grads: also compare the gradients (of every parameter leaf and floating input).
+        rtol: relative tolerance (default ``100 * eps`` of the output's dtype: about 1e-5 in
+            float32; enough for sums reordered over a few thousand terms, far below an O(1) bug).
+        atol: absolute tolerance (default ``rtol * 1e-3``: leaves whose reference is near zero).
+        world: ranks per mesh (default: the largest any mesh implies, e.g. 4 for ``tp1/ep4``).
+        pool: a :class:`fmoe.testing.Pool` to run on (default: a pool for this call).
+        timeout: seconds per mesh.
+        seed: seed of the cotangent ``probe``.
+    Raises:
+        AssertionError: naming the worst leaf, its mesh, rank and placement.
+        ValueError / TypeError: bad arguments, before any rank starts.
+    """
+    if not callable(fn):
+        raise TypeError(f"assert_parity: fn must be callable, got {type(fn).__name__}")
+    if isinstance(meshes, str) or not meshes:
+        raise ValueError(f"assert_parity: meshes must be a non-empty list of strings like 'tp2/ep2', got {meshes!r}")
+    specs = {m: parse_mesh(m) for m in meshes}
+    world = world if world is not None else max(_implied_world(s) for s in specs.values())
+    for name, sizes in specs.items():
+        try:
+            RankLayout(world, 0, **sizes)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"assert_parity: mesh {name!r} on {world} ranks: {e}") from None
+    if not (callable(plan) and not isinstance(plan, Plan)):
+        plan = plan if isinstance(plan, Plan) else Plan(plan)
+        plan.resolve(params)                      # unknown leaves / globs raise here, not on ranks
+    ref = _reference(fn, params, inputs, grads, seed)
+    dtype = ref["out"].dtype if ref["out"].is_floating_point() else torch.float32
+    rtol = 100 * torch.finfo(dtype).eps if rtol is None else rtol
+    atol = rtol * 1e-3 if atol is None else atol
+    own = pool is None
+    pool = Pool(world) if own else pool
+    failures: list = []
+    checks = 0
+    try:
+        for name, sizes in specs.items():
+            results = pool.run(_on_rank, fn, params, inputs, plan, sizes, ref, grads, rtol, atol,
+                               timeout=timeout, world=world)
+            for r, (n, fails) in enumerate(results):
+                checks += n
+                failures += [(ratio, f"{name} rank {r}: {what}") for ratio, what in fails]
+    finally:
+        if own:
+            pool.close()
+    if failures:
+        failures.sort(key=lambda f: -f[0])
+        lines = "\n".join(f"  {w}" for _, w in failures[:20])
+        raise AssertionError(f"assert_parity: {len(failures)} of {checks} checks differ from the one-process "
+                             f"run (rtol {rtol:.1e}, atol {atol:.1e}); worst: {failures[0][1]}\n{lines}")
+
+
+def _batch(t: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    return torch.tensor_split(t, n, dim=0)[b]
+
+
+def _leaves(tree: Any, grads: bool) -> Any:
+    """Fresh copies of the leaves, floating ones requiring grad (when grads are compared)."""
+    return _tree.map_with_path(lambda _, t: t.detach().clone().requires_grad_(grads and t.is_floating_point()), tree)
+
+
+def _grads(tree: Any) -> dict[str, Any]:
+    return {p: t.grad for p, t in _tree.flatten(tree).items() if t.requires_grad}
+
+
+def _call(fn, params, inputs, mesh) -> torch.Tensor:
+    out = fn(params, inputs, mesh=mesh)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"assert_parity: fn must return a torch.Tensor, got {type(out).__name__}")
+    return out
+
+
+def _reference(fn, params, inputs, grads, seed) -> dict:
+    """The one-process run: output, cotangent probe, gradients of every leaf (zeros if unused)."""
+    p, x = _leaves(params, grads), _leaves(inputs, grads)
+    out = _call(fn, p, x, None)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    ref = {"out": out.detach(), "probe": probe}
+    if grads:
+        if out.requires_grad:
+            (out * probe).sum().backward()
+        for key, tree in (("grads", p), ("input_grads", x)):
+            flat = _tree.flatten(tree)
+            ref[key] = {k: (g if g is not None else torch.zeros_like(flat[k])) for k, g in _grads(tree).items()}
+    return ref
+
+
+def _compare(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> Optional[tuple]:
+    """None when ``got`` matches ``want``; else ``(error / tolerance, description)``."""
+    if tuple(got.shape) != tuple(want.shape):
+        return float("inf"), f"{what}: shape {tuple(got.shape)}, one process {tuple(want.shape)}"
+    if not got.numel():
+        return None
+    got, want = got.detach().double(), want.detach().double()
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    tol = atol + rtol * scale if want.is_floating_point() else 0.0
+    if err <= tol:
+        return None
+    return (err / tol if tol > 0 else float("inf"),
+            f"{what}: max |diff| {err:.2e} > tolerance {tol:.2e} (max |one process| {scale:.2e})")
+
+
+def _on_rank(rank: int, world: int, fn, params, inputs, plan, sizes, ref, grads, rtol, atol) -> tuple:
+    """One rank of one mesh: run, compare with the reference; ``(number of checks, failures)``."""
+    mesh = Mesh(**sizes)
+    sharded = shard(_leaves(params, grads), plan(mesh) if callable(plan) and not isinstance(plan, Plan) else plan,
+                    mesh)
+    places = {p: repr(placement_of(t)) for p, t in _tree.flatten(sharded).items()}
+    b, n = mesh.batch_index, mesh.num_batches
+    x = _leaves(_tree.map_with_path(lambda _, t: _batch(t, b, n), inputs), grads)
+    out = _call(fn, sharded, x, mesh)
+    results = [_compare("output", out, _batch(ref["out"], b, n), rtol, atol)]
+    if grads and results[0] is None:
+        if out.requires_grad:
+            (out * _batch(ref["probe"], b, n)).sum().backward()
+        flat, got = _tree.flatten(sharded), _grads(sharded)
+        missing = sorted(p for p, g in got.items() if g is None)
+        full = gather({p: g if g is not None else torch.zeros_like(flat[p]) for p, g in got.items()})
+        for p, want in ref["grads"].items():
+            if p in missing:
+                results.append((float("inf"), f"grad params.{p}: no gradient on this rank (placement {places[p]})"))
+                continue
+            r = _compare(f"grad params.{p}", full[p], want, rtol, atol)
+            results.append(None if r is None else (r[0], f"{r[1]}, placement {places[p]}"))
+        for p, g in _grads(x).items():
+            want = _batch(ref["input_grads"][p], b, n)
+            name = f"grad inputs.{p}" if p else "grad inputs"
+            results.append((float("inf"), f"{name}: no gradient") if g is None else _compare(name, g, want, rtol, atol))
+    return len(results), [r for r in results if r is not None]

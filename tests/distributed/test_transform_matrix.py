@@ -1,0 +1,274 @@
+"""The transform matrix: every transform x setting x model cell equals an independent reference
+or raises its documented error. README's "Transforms" table is generated from ``CELLS`` below
+(``python tests/distributed/test_transform_matrix.py`` prints it; a test checks README holds it verbatim).
+
+References (each independent of the transform under test):
+- one process, float64: central differences (``grad``, ``vjp``, ``jvp``, both HVPs along a random
+  direction), ``jacrev`` (``jacfwd``), a Python loop (the ``vmap`` cells), eager (the compiled cells,
+  fp32 / fp64 for the whole step);
+- meshes (4 gloo ranks, fp32): the one-process result on full parameters (gradients: of the sum
+  of the distinct batches' losses), eager for the compiled cells.
+
+A cell's outcome is ``"equal"`` or ``(ExceptionType, regex)``. The distributed cells run in one
+spawn per mesh (all models and transforms of that mesh in one set of ranks).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.func import grad, grad_and_value, jacfwd, jacrev, jvp, vjp, vmap
+
+import fmoe
+import fmoe.nn as nn
+from fmoe.models import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
+from fmoe.optim import adamw
+
+MODELS = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "gpt_oss": gpt_oss, "llama": llama, "deepseek_v3": deepseek_v3}
+ONE, MESHES = "one process", ["tp1/ep4", "tp2/ep2", "fsdp (tp2/ep2, fsdp2)"]
+SETTINGS = [ONE] + MESHES
+B, S = 3, 5
+
+NESTED = (NotImplementedError, "inside another torch.func transform .* not supported on a mesh")
+VMAP_EP = (NotImplementedError, r"vmap over fmoe.moe with expert parallelism .* not supported")
+REMAT = (NotImplementedError, r"remat policy 'layer' under a torch.func transform")
+
+
+def outcome(transform: str, setting: str, model: str) -> Any:
+    """The documented outcome of one cell."""
+    if transform == "remat under grad":
+        return REMAT
+    if setting == ONE:
+        return "equal"
+    if model != "llama" and (transform == "vmap(grad)" or (transform == "vmap(forward)" and setting == "tp1/ep4")):
+        return VMAP_EP      # the all_to_all dispatch refuses first (tp2/ep2's forward runs all_reduce)
+    if transform in ("vmap(grad)", "hvp rev-over-rev"):
+        return NESTED
+    return "equal"
+
+
+ONE_PROCESS = ["grad", "vjp", "jvp", "jacfwd", "hvp fwd-over-rev", "hvp rev-over-rev", "vmap(forward)",
+               "vmap(grad)", "vmap ensemble", "compile(forward)", "compile(grad)", "compiled step",
+               "remat under grad"]
+ON_MESH = ["grad", "vjp", "grad arithmetic", "hvp rev-over-rev", "vmap(forward)",
+           "vmap(grad)", "remat under grad"]
+TRANSFORMS = list(dict.fromkeys(ONE_PROCESS + ON_MESH))
+CELLS = [(t, s, m) for t in TRANSFORMS for s in SETTINGS for m in MODELS
+         if t in (ONE_PROCESS if s == ONE else ON_MESH)]
+
+
+# ------------------------------------------------------------------------------ helpers
+def tokens(cfg, seed=0, b=B):
+    return torch.randint(0, cfg.vocab_size, (b, S), generator=torch.Generator().manual_seed(seed))
+
+
+def lm_loss(model, cfg, toks, mesh=None):
+    return lambda p: nn.cross_entropy(model.forward(p, toks, cfg, mesh)[:, :-1], toks[:, 1:])
+
+
+def tmap(fn, *trees):
+    return fmoe.tree.map_with_path(lambda _, *xs: fn(*xs), *trees)
+
+
+def dot(a, b) -> torch.Tensor:
+    fa, fb = fmoe.tree.flatten(a), fmoe.tree.flatten(b)
+    return sum((fa[k] * fb[k]).sum() for k in fa)
+
+
+def close(got, want, what, rtol):
+    fg, fw = fmoe.tree.flatten(got) if isinstance(got, dict) else {"": got}, \
+        fmoe.tree.flatten(want) if isinstance(want, dict) else {"": want}
+    assert set(fg) == set(fw), what
+    for k in fw:
+        g, w = fg[k], fw[k]
+        assert g.shape == w.shape, f"{what} {k}: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        scale = max(w.abs().max().item(), 1e-3)
+        err = (g - w).abs().max().item()
+        assert err <= rtol * scale, f"{what} {k}: max error {err:.3g} > {rtol:g} x {scale:.3g}"
+
+
+def fd(f, p, t, h=1e-6):
+    """Central difference of ``f`` (tensor or tree valued) at ``p`` along ``t`` (float64)."""
+    hi, lo = f(tmap(lambda a, b: a + h * b, p, t)), f(tmap(lambda a, b: a - h * b, p, t))
+    return tmap(lambda a, b: (a - b) / (2 * h), hi, lo) if isinstance(hi, dict) else (hi - lo) / (2 * h)
+
+
+def _check(cell, fn):
+    """Run one cell; ``None`` when it meets its documented outcome, else a message."""
+    want = outcome(*cell)
+    try:
+        fn()
+    except Exception as e:                                   # noqa: BLE001  (the outcome decides)
+        if want != "equal" and isinstance(e, want[0]) and re.search(want[1], str(e)):
+            return None
+        return f"{cell}: expected {want}, raised {type(e).__name__}: {str(e)[:300]}"
+    return None if want == "equal" else f"{cell}: expected {want[0].__name__}, returned normally"
+
+
+# ------------------------------------------------------------------------------ one process
+def one_process_cell(transform: str, name: str) -> Callable[[], None]:
+    model = MODELS[name]
+    cfg = model.Config.tiny()
+    p64 = tmap(lambda t: t.double(), model.init(cfg, seed=0))
+    toks = tokens(cfg)
+    loss = lm_loss(model, cfg, toks)
+    tan = tmap(lambda t: torch.randn(t.shape, dtype=t.dtype, generator=torch.Generator().manual_seed(t.numel())), p64)
+
+    def run():
+        if transform == "grad":
+            close(dot(grad(loss)(p64), tan), fd(loss, p64, tan), "grad . t vs central differences", 1e-6)
+        elif transform == "vjp":
+            _, fn = vjp(loss, p64)
+            close(dot(fn(torch.ones((), dtype=torch.float64))[0], tan), fd(loss, p64, tan), "vjp", 1e-6)
+        elif transform == "jvp":
+            close(jvp(loss, (p64,), (tan,))[1], fd(loss, p64, tan), "jvp vs central differences", 1e-6)
+        elif transform == "jacfwd":
+            f = lambda w: model.forward({**p64, "norm": w}, toks, cfg)[0, -1]  # noqa: E731  [V] of [D]
+            close(jacfwd(f)(p64["norm"]), jacrev(f)(p64["norm"]), "jacfwd vs jacrev", 1e-9)
+        elif transform == "hvp fwd-over-rev":
+            close(jvp(grad(loss), (p64,), (tan,))[1], fd(grad(loss), p64, tan), "jvp(grad) vs differences of grad", 1e-4)
+        elif transform == "hvp rev-over-rev":
+            hv = grad(lambda q: dot(grad(loss)(q), tan))(p64)
+            close(hv, fd(grad(loss), p64, tan), "grad(grad . t) vs differences of grad", 1e-4)
+        elif transform == "vmap(forward)":
+            fwd = lambda t: model.forward(p64, t[None], cfg)[0]  # noqa: E731
+            close(vmap(fwd)(toks), torch.stack([fwd(t) for t in toks]), "vmap(forward) vs a loop", 1e-10)
+        elif transform == "vmap(grad)":
+            per = grad(lambda p, t: lm_loss(model, cfg, t[None])(p))
+            got = vmap(per, in_dims=(None, 0))(p64, toks)
+            want = [per(p64, t) for t in toks]
+            close(got, tmap(lambda *xs: torch.stack(xs), *want), "vmap(grad) vs a loop", 1e-10)
+        elif transform == "vmap ensemble":
+            trees = [p64, tmap(lambda a, b: a + 0.01 * b, p64, tan)]
+            stacked = tmap(lambda *xs: torch.stack(xs), *trees)
+            fwd = lambda p: model.forward(p, toks, cfg)  # noqa: E731
+            close(vmap(fwd)(stacked), torch.stack([fwd(t) for t in trees]), "ensemble vs a loop", 1e-10)
+        elif transform == "compile(forward)":
+            torch._dynamo.reset()
+            p32 = model.init(cfg, seed=0)
+            fwd = lambda p: model.forward(p, toks, cfg)  # noqa: E731
+            close(torch.compile(fwd, fullgraph=True)(p32), fwd(p32), "compiled forward vs eager", 1e-5)
+        elif transform == "compile(grad)":
+            torch._dynamo.reset()
+            p32 = model.init(cfg, seed=0)
+            close(torch.compile(grad(loss), fullgraph=True)(p32), grad(loss)(p32), "compiled grad vs eager", 1e-5)
+        elif transform == "compiled step":
+            torch._dynamo.reset()
+
+            def step(p, s):
+                g, value = grad_and_value(loss)(p)
+                p, s = adamw.update(g, s, p, lr=1e-2)
+                return p, s, value
+
+            def train(f):
+                p, s = p64, adamw.init(p64)
+                for _ in range(3):
+                    p, s, _ = f(p, s)
+                return p
+            close(train(torch.compile(step, fullgraph=True)), train(step), "compiled AdamW step vs eager", 1e-9)
+        elif transform == "remat under grad":
+            with fmoe.remat.policy("layer"):
+                grad(loss)(p64)
+    return run
+
+
+@pytest.mark.parametrize("transform,name", [(t, m) for (t, s, m) in CELLS if s == ONE])
+def test_one_process_cell(transform, name):
+    failure = _check((transform, ONE, name), one_process_cell(transform, name))
+    assert failure is None, failure
+
+
+# ------------------------------------------------------------------------------ meshes
+def _mesh_of(setting):
+    if setting == "tp1/ep4":
+        return fmoe.Mesh(tp=1, ep=4), False
+    return fmoe.Mesh(tp=2, ep=2), setting.startswith("fsdp")
+
+
+def _mesh_cells(rank, world, setting):
+    from fmoe.fsdp import data_parallel_plan
+    mesh, fsdp = _mesh_of(setting)
+    fails = []
+    for name, model in MODELS.items():
+        cfg = model.Config.tiny()
+        full = model.init(cfg, seed=0)
+        plan = model.plan(cfg)
+        sh = fmoe.shard(full, data_parallel_plan(plan, full, mesh) if fsdp else plan, mesh)
+        nb = mesh.num_batches
+        mine = tokens(cfg, seed=10 + mesh.batch_index, b=2)
+        loss = lm_loss(model, cfg, mine, mesh)
+        every = [tokens(cfg, seed=10 + b, b=2) for b in range(nb)]
+        ref_grad = grad(lambda p: sum(lm_loss(model, cfg, t)(p) for t in every))(full)
+
+        def run(transform):
+            if transform == "grad":
+                close(fmoe.gather(grad(loss)(sh)), ref_grad, "gathered grad vs one process", 1e-4)
+            elif transform == "vjp":
+                _, fn = vjp(loss, sh)
+                close(fmoe.gather(fn(torch.ones(()))[0]), ref_grad, "gathered vjp vs one process", 1e-4)
+            elif transform == "grad arithmetic":
+                g = grad(loss)(sh)
+                new = tmap(lambda p, g: p - 0.1 * g + (g + g) * 0.0, sh, g)
+                close(fmoe.gather(new), tmap(lambda p, g: p - 0.1 * g, full, ref_grad), "SGD on sharded grads", 1e-4)
+            elif transform == "hvp rev-over-rev":
+                grad(lambda q: sum((g.to_local() if hasattr(g, "to_local") else g).sum()
+                                   for g in fmoe.tree.leaves(grad(loss)(q))))(sh)
+            elif transform == "vmap(forward)":
+                seqs = tokens(cfg, seed=20 + mesh.batch_index, b=2)
+                got = vmap(lambda t: model.forward(sh, t[None], cfg, mesh)[0])(seqs)
+                close(got, model.forward(full, seqs, cfg), "vmap(forward) vs one process", 1e-4)
+            elif transform == "vmap(grad)":
+                vmap(grad(lambda p, t: lm_loss(model, cfg, t[None], mesh)(p)), in_dims=(None, 0))(sh, mine)
+            elif transform == "remat under grad":
+                with fmoe.remat.policy("layer"):
+                    grad(loss)(sh)
+
+        for transform in ON_MESH:
+            f = _check((transform, setting, name), lambda: run(transform))
+            if f:
+                fails.append(f)
+    return fails
+
+
+@pytest.mark.parametrize("setting", MESHES)
+def test_mesh_cells(setting):
+    from fmoe.testing import spawn
+    for rank, fails in enumerate(spawn(_mesh_cells, 4, setting, timeout=1500)):
+        assert fails == [], f"rank {rank}: " + "\n".join(fails)
+
+
+# ------------------------------------------------------------------------------ README table
+def _mark(o) -> str:
+    return "equal" if o == "equal" else f"raises {o[0].__name__}"
+
+
+def readme_table() -> str:
+    """The README's "Transforms" matrix: one row per transform, one column per setting (the cell
+    holds for all five models unless it names them)."""
+    lines = ["| transform | " + " | ".join(SETTINGS) + " |", "|---|" + "---|" * len(SETTINGS)]
+    for t in TRANSFORMS:
+        row = []
+        for s in SETTINGS:
+            per = {m: _mark(outcome(t, s, m)) for m in MODELS if (t, s, m) in CELLS}
+            if not per:
+                row.append("not run")
+                continue
+            kinds = sorted(set(per.values()), key=list(per.values()).index)
+            row.append(kinds[0] if len(kinds) == 1 else
+                       "; ".join(f"{k} ({', '.join(m for m, v in per.items() if v == k)})" for k in kinds))
+        lines.append(f"| {t} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def test_readme_transforms_table_is_the_generated_matrix():
+    import pathlib
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert readme_table() in readme, "README's Transforms table is stale: run python tests/distributed/test_transform_matrix.py"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(readme_table() + "\n")

@@ -1,0 +1,67 @@
+"""Helpers shared by the test folders (importable as ``helpers``: ``tests/`` is on ``sys.path``
+through ``tests/conftest.py``, in the pytest process and in every rank).
+
+- ``close``: ``torch.testing.assert_close`` at fp32 parity tolerances, naming what differs;
+- ``hf_model`` / ``read_all``: a transformers oracle model with redrawn weights; the tensors of
+  a safetensors directory;
+- ``on_ranks``: ``fn(rank, world, *args)`` on the session's warm ranks (the fmoe plugin's
+  ``fmoe_pools``, handed over by ``tests/conftest.py``), or on fresh ones outside pytest.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str = "", atol: float = 1e-6) -> None:
+    """``a`` equals ``b`` at rtol 1e-5; the atol (``atol`` times the tensor's scale, at least 1)
+    only covers elements that cancel to ~0."""
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=atol * max(1.0, b.abs().max().item()),
+                               msg=lambda m: f"{what}: {m}")
+
+
+def hf_model(cfg, cls_name: str, seed: int = 0):
+    """A transformers model built from ``cfg.to_hf()``, with weights redrawn at a larger scale."""
+    import transformers
+
+    cls = getattr(transformers, cls_name)
+    model = cls(cls.config_class(**cfg.to_hf(), attn_implementation="eager")).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.2
+            p.copy_(1 + noise if "norm" in name else noise)
+    return model
+
+
+def read_all(path: str) -> dict:
+    """Every tensor of the ``.safetensors`` files in directory ``path``, by key."""
+    from safetensors import safe_open
+
+    out = {}
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+class _Session:
+    pools: Any = None          # the plugin's Pools, set by tests/conftest.py for the session
+
+
+def use_pools(pools: Any) -> None:
+    """Route :func:`on_ranks` to ``pools`` (``None``: fresh ranks per call)."""
+    _Session.pools = pools
+
+
+def on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, **kw: Any) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks: warm ones in a pytest session."""
+    if _Session.pools is None:
+        from fmoe.testing import spawn
+
+        return spawn(fn, world, *args, timeout=timeout, **kw)
+    return _Session.pools.run(fn, world, *args, timeout=timeout, **kw)

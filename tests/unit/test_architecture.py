@@ -1,0 +1,590 @@
+"""The package's structure, read from its source (AST): the rules of ``ARCHITECTURE.md``.
+
+- no import cycle between modules of ``fmoe`` (and ``models``, installed as ``fmoe.models``),
+  counting imports inside functions, and counting an import of ``a.b.c`` from outside package
+  ``a.b`` as importing ``a.b`` too (its ``__init__`` runs first);
+- ``torch.distributed`` collectives are called only in ``fmoe/collectives.py``;
+- every ``torch.autograd.Function`` is new style (``forward`` without ``ctx``, plus
+  ``setup_context``);
+- ``fmoe/routing`` (pure functions of the logits) and ``models/`` (math only) never import
+  ``torch.distributed``;
+- imports point down the layers of ``ARCHITECTURE.md``, the programs (layer 7) above the models
+  and the training library: the library imports no program, ``fmoe/train/`` holds only the CLI,
+  ``python -m fmoe.plan`` is a handover to ``fmoe.memplan``;
+- no compatibility aliases (alias modules, second names, parameter aliases);
+- one model registry (``fmoe.models``): no ``import_module`` of a model and no table of model
+  names elsewhere, no guessed config fields;
+- ``fmoe.moe`` chooses an expert-parallel implementation by the registry's declared properties,
+  naming no built-in.
+
+Each rule also runs on a small bad example (so a passing rule means something).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+#: torch.distributed functions that move data between ranks (process-group bookkeeping such as
+#: get_rank / get_world_size / new_group / init_process_group is allowed anywhere).
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+    "all_to_all", "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+    "broadcast_object_list", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv",
+    "barrier", "monitored_barrier", "all_reduce_coalesced", "all_gather_coalesced", "batch_isend_irecv",
+    "gather_object", "scatter_object_list", "_reduce_scatter_base", "_all_gather_base",
+}
+
+
+def _module_files() -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for fmoe/ and models/ (as fmoe.models)."""
+    out = {}
+    for top, prefix in (("fmoe", "fmoe"), ("models", "fmoe.models")):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / top).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([prefix, *parts])] = path
+    return out
+
+
+MODULES = _module_files()
+TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name: str) -> set[str]:
+    """Modules of the package that ``name`` imports (anywhere in the file)."""
+    found: set[str] = set()
+    base = name if _is_package(name) else name.rpartition(".")[0]
+    for node in ast.walk(TREES[name]):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                pkg = base.split(".")
+                pkg = pkg[:len(pkg) - node.level + 1]
+                mod = ".".join(pkg + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # "from pkg import sub" needs the module pkg.sub; "from pkg import name" needs pkg itself
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+        for t in targets:
+            while t and t not in MODULES:          # "fmoe.nn.linear.linear" -> "fmoe.nn.linear"
+                t = t.rpartition(".")[0]
+            if not t or t == name:
+                continue
+            found.add(t)
+            parent = t.rpartition(".")[0]          # the parent package runs first
+            while parent and not (name == parent or name.startswith(parent + ".")):
+                found.add(parent)
+                parent = parent.rpartition(".")[0]
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as a list of modules (first == last), or [] when there is none."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str]:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                cycle = visit(m)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[n] = 2
+        return []
+
+    for n in sorted(graph):
+        if n not in state:
+            cycle = visit(n)
+            if cycle:
+                return cycle
+    return []
+
+
+def _dist_aliases(tree: ast.AST) -> tuple[set[str], dict[str, str]]:
+    """Names bound to the ``torch.distributed`` module, and names imported from it."""
+    modules, funcs = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "torch.distributed":
+                    modules.add(a.asname or "torch.distributed")
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed" and not node.level:
+            for a in node.names:
+                funcs[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and not node.level:
+            for a in node.names:
+                if a.name == "distributed":
+                    modules.add(a.asname or "distributed")
+    return modules, funcs
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = _dotted(node.value)
+        return f"{inner}.{node.attr}" if inner else ""
+    return ""
+
+
+def collective_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, name)`` of every torch.distributed collective called (or looked up) in ``tree``."""
+    modules, funcs = _dist_aliases(tree)
+    modules |= {"torch.distributed"}
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and _dotted(node.value) in modules:
+            hits.append((node.lineno, f"{_dotted(node.value)}.{node.attr}"))
+        elif isinstance(node, ast.Name) and funcs.get(node.id) in COLLECTIVES:
+            hits.append((node.lineno, node.id))
+    return hits
+
+
+def _is_autograd_function(cls: ast.ClassDef) -> bool:
+    return any(_dotted(b).endswith("autograd.Function") or _dotted(b) == "Function" for b in cls.bases)
+
+
+def old_style_functions(tree: ast.AST) -> list[str]:
+    """Autograd Functions whose ``forward`` takes ``ctx`` or that lack ``setup_context``."""
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and _is_autograd_function(node):
+            methods = {m.name: m for m in node.body if isinstance(m, ast.FunctionDef)}
+            fwd = methods.get("forward")
+            first = fwd.args.args[0].arg if fwd is not None and fwd.args.args else None
+            if first == "ctx" or "setup_context" not in methods:
+                bad.append(f"{node.name} (line {node.lineno})")
+    return bad
+
+
+def imports_torch_distributed(tree: ast.AST) -> list[int]:
+    """Lines that import ``torch.distributed`` (or anything under it)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("torch.distributed"):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "distributed" for a in node.names):
+            lines.append(node.lineno)
+    return lines
+
+
+# ------------------------------------------------------------------------------- the rules
+def test_no_import_cycles():
+    graph = {name: _imports(name) for name in MODULES}
+    assert find_cycle(graph) == []
+
+
+def test_collectives_only_in_fmoe_collectives():
+    found = {name: collective_calls(tree) for name, tree in TREES.items() if name != "fmoe.collectives"}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert collective_calls(TREES["fmoe.collectives"])       # the rule can see a collective
+
+
+def test_every_autograd_function_is_new_style():
+    found = {name: old_style_functions(tree) for name, tree in TREES.items()}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert any("class _" in MODULES[n].read_text() and "autograd.Function" in MODULES[n].read_text()
+               for n in MODULES)                              # there are Functions to check
+
+
+@pytest.mark.parametrize("prefix", ["fmoe.routing", "fmoe.models"])
+def test_routing_and_models_do_not_import_torch_distributed(prefix):
+    checked = [n for n in MODULES if n == prefix or n.startswith(prefix + ".")]
+    assert checked
+    found = {n: imports_torch_distributed(TREES[n]) for n in checked}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+# ------------------------------------------------------------------------------- the rules can fail
+def test_the_checks_catch_what_they_look_for():
+    """Each rule flags a small bad example (so a passing rule means something)."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) == []
+    calls = ast.parse("import torch.distributed as dist\nfrom torch.distributed import all_reduce as ar\n"
+                      "def f(x):\n    dist.all_to_all_single(x, x)\n    ar(x)\n    torch.distributed.barrier()\n"
+                      "    dist.get_rank()\n")
+    assert [n for _, n in collective_calls(calls)] == ["dist.all_to_all_single", "ar", "torch.distributed.barrier"] \
+        or sorted(n for _, n in collective_calls(calls)) == sorted(["dist.all_to_all_single", "ar",
+                                                                   "torch.distributed.barrier"])
+    old = ast.parse("import torch\nclass F(torch.autograd.Function):\n    @staticmethod\n"
+                    "    def forward(ctx, x):\n        return x\n    @staticmethod\n"
+                    "    def backward(ctx, g):\n        return g\n")
+    new = ast.parse("import torch\nclass F(torch.autograd.Function):\n    @staticmethod\n"
+                    "    def forward(x):\n        return x\n    @staticmethod\n"
+                    "    def setup_context(ctx, inputs, output):\n        pass\n")
+    assert old_style_functions(old) == ["F (line 2)"] and old_style_functions(new) == []
+    assert imports_torch_distributed(ast.parse("from torch.distributed.tensor import DTensor")) == [1]
+    assert imports_torch_distributed(ast.parse("import torch.nn")) == []
+
+
+def test_a_submodule_import_counts_its_package():
+    """``fmoe.x`` importing ``fmoe.routing.core`` runs ``fmoe/routing/__init__`` first: an edge."""
+    assert "fmoe.routing" in _imports("fmoe.moe")
+    assert "fmoe.routing" not in _imports("fmoe.routing.topk")     # inside the package: no edge
+
+
+# ------------------------------------------------------------------------------- the model interface
+MODEL_FILES = sorted(n for n in MODULES if n.startswith("fmoe.models.") and not n.rpartition(".")[2].startswith("_"))
+GENERIC = [n for n in MODULES if n.startswith(("fmoe.models", "fmoe.train", "fmoe.checkpoint", "fmoe.generate"))
+           or n in ("fmoe.model", "fmoe.memory_plan", "fmoe.plan.__main__") or n.startswith(("fmoe.training", "fmoe.memplan"))]
+
+
+def probes(tree: ast.AST) -> list[str]:
+    """``sys.modules``, ``inspect.signature`` and any ``hasattr`` (on a model, its config or a
+    tensor: what a model offers is declared on its ``Model``; reading an optional, documented
+    field with ``getattr(obj, name, default)`` is not probing)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _dotted(node) in ("sys.modules", "inspect.signature"):
+            found.append(f"{_dotted(node)} (line {node.lineno})")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr":
+            what = _dotted(node.args[0]) if node.args else ""
+            found.append(f"hasattr({what}, ...) (line {node.lineno})")
+    return found
+
+
+def test_models_are_used_through_their_declared_interface_not_probed():
+    found = {n: probes(TREES[n]) for n in GENERIC}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert sorted(probes(ast.parse("import sys\nm = sys.modules[__name__]\nhasattr(model, 'check_plan')\n"
+                                   "hasattr(cfg, 'output_router_logits')"))) == [
+        "hasattr(cfg, ...) (line 4)", "hasattr(model, ...) (line 3)", "sys.modules (line 2)"]
+
+
+@pytest.mark.parametrize("name", MODEL_FILES)
+def test_every_model_module_declares_one_model(name):
+    import importlib
+
+    from fmoe.model import Model, model_of
+
+    module = importlib.import_module(name)
+    declared = model_of(module)
+    assert isinstance(declared, Model) and declared.name == name.rpartition(".")[2]
+    for attr in ("Config", "init", "forward", "plan", "hf_specs"):
+        assert getattr(declared, attr) is getattr(module, attr), attr
+    for wrapper in ("check_plan", "shard", "load_hf", "save_hf"):   # written once, in fmoe.model
+        assert getattr(module, wrapper) == getattr(declared, wrapper), wrapper
+
+
+# ------------------------------------------------------------------------------- no hidden state
+def module_state(tree: ast.AST) -> list[str]:
+    """``global`` statements anywhere, and module-level names bound to a mutable container
+    (dict / list / set displays or calls, ``weakref`` / ``collections`` objects) that the module
+    itself mutates (subscript assignment, or a call of a mutating method on the name)."""
+    found = [f"global (line {n.lineno})" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    containers = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set)) or (
+            isinstance(value, ast.Call) and _dotted(value.func).split(".")[-1] in
+            ("dict", "list", "set", "defaultdict", "OrderedDict", "WeakValueDictionary", "WeakKeyDictionary"))
+        for t in targets:
+            if mutable and isinstance(t, ast.Name):
+                containers[t.id] = node.lineno
+    mutators = {"append", "extend", "update", "pop", "popitem", "setdefault", "clear", "add", "remove", "discard",
+                "insert", "__setitem__"}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            for t in (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]):
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in containers:
+                    found.append(f"{t.value.id} (line {containers[t.value.id]}) changed at line {node.lineno}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutators
+              and isinstance(node.func.value, ast.Name) and node.func.value.id in containers):
+            found.append(f"{node.func.value.id} (line {containers[node.func.value.id]}) changed at line {node.lineno}")
+    return found
+
+
+def test_no_module_level_mutable_state():
+    """The one registry by design: ``fmoe.ep`` (``ep.register`` fills it)."""
+    found = {n: module_state(t) for n, t in TREES.items() if n != "fmoe.ep"}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert module_state(TREES["fmoe.ep"])                               # the rule sees the registry
+    bad = ast.parse("_ACTIVE: dict = {}\ndef f(k, v):\n    _ACTIVE[k] = v\n_STATS = {'n': 0}\n"
+                    "def g():\n    global X\n    _STATS.update(n=1)\n")
+    assert module_state(bad) == ["global (line 6)", "_ACTIVE (line 1) changed at line 3",
+                                 "_STATS (line 4) changed at line 7"]
+
+
+# ------------------------------------------------------------------------------- layers (ARCHITECTURE.md)
+#: The command-line programs: they parse, lock, launch and report, above the library and the
+#: models (a program's ``__main__`` inside a library package counts as a program).
+PROGRAMS = ("fmoe.train", "fmoe.memplan", "fmoe.plan.__main__", "fmoe.generate.__main__", "fmoe.data.__main__",
+            "fmoe.plot", "fmoe.plot_metric")
+#: Library modules still inside the CLI package, each moving out in parallel work of issue 23
+#: (``fmoe/train/optim.py`` to ``fmoe/optim/``, ``fmoe/train/ckpt.py`` to ``fmoe/checkpoint/``):
+#: layer 5; importing one also runs ``fmoe/train/__init__.py``, which may import only them.
+#: Delete an entry when its module has moved (``test_pending_moves_are_still_pending`` says so).
+PENDING_MOVES: tuple = ()   # library modules still inside fmoe/train/ (none left)
+#: The modules of the CLI package ``fmoe/train/``: nothing else lives there.
+TRAIN_CLI = ("fmoe.train", "fmoe.train.__main__", "fmoe.train.cli", "fmoe.train.flags", "fmoe.train.parse",
+             "fmoe.train.loop", "fmoe.train.options", "fmoe.train.outdir", "fmoe.train.resume", "fmoe.train.export",
+             "fmoe.train.balancing", "fmoe.train.threads", "fmoe.train.api")
+
+LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
+    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.activations", "fmoe.dtypes",
+         "fmoe.fake_splits")),
+    (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding")),
+    (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat", "fmoe.precision")),
+    (3, ("fmoe.routing", "fmoe.ep")),
+    (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
+    (5, ("fmoe.model", "fmoe.testing", "fmoe.training", "fmoe.optim", "fmoe.tree_io", "fmoe.checkpoint", "fmoe.generate",
+         "fmoe.data", "fmoe.memory_plan", "fmoe.memory_peak", "fmoe.dryrun", *PENDING_MOVES)),
+    (6, ("fmoe.models",)),
+    (7, PROGRAMS),
+]
+
+
+def layer_of(name: str) -> int:
+    if name == "fmoe":                 # the public namespace: re-exports layers 0-5
+        return 5
+    best = None
+    for layer, prefixes in LAYERS:
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (layer, len(p))
+    assert best is not None, f"{name} is in no layer of ARCHITECTURE.md"
+    return best[0]
+
+
+IMPORTS = {name: _imports(name) for name in MODULES}
+
+
+def upward_imports(modules) -> list[str]:
+    """Imports of a higher layer than the importer's (the namespace ``fmoe`` aside; the edge
+    ``n -> fmoe.train`` that importing a :data:`PENDING_MOVES` module implies, too)."""
+    return sorted(f"{n} (layer {layer_of(n)}) imports {m} (layer {layer_of(m)})"
+                  for n in modules for m in IMPORTS[n]
+                  if n != "fmoe" and layer_of(m) > layer_of(n)
+                  and not (m == "fmoe.train" and IMPORTS[n] & set(PENDING_MOVES)))
+
+
+def test_imports_point_down_the_layers():
+    assert upward_imports(MODULES) == []
+    assert layer_of("fmoe.models.qwen3_moe") == 6 and layer_of("fmoe.experts.blocked") == 2
+    assert layer_of("fmoe.plan.__main__") == 7 and layer_of("fmoe.plan") == 1 and layer_of("fmoe.training.step") == 5
+
+
+def test_the_library_and_the_models_import_no_program():
+    """Programs sit above the library (layer 5) and the models (6): nothing below imports one,
+    so the library is usable without any command line."""
+    below = [n for n in MODULES if n != "fmoe" and layer_of(n) < 7]
+    assert [u for u in upward_imports(below) if "(layer 7)" in u] == []
+    assert {n for n in MODULES if layer_of(n) == 7} >= {"fmoe.train.cli", "fmoe.memplan.cli", "fmoe.plan.__main__"}
+
+
+def test_the_train_package_holds_the_cli_only():
+    """Every library module has left ``fmoe/train/`` (no pending moves remain), so importing
+    ``fmoe.train`` loads the CLI's entry point and nothing that a library caller needs."""
+    assert PENDING_MOVES == ()
+    assert IMPORTS["fmoe.train"] <= set(TRAIN_CLI) | {m for m in MODULES if layer_of(m) < 5}
+
+
+def cli_package_strays(modules) -> list[str]:
+    """Modules of ``fmoe/train/`` that are neither the CLI nor a pending move (library code
+    belongs in :mod:`fmoe.training`)."""
+    return sorted(n for n in modules if (n == "fmoe.train" or n.startswith("fmoe.train."))
+                  and n not in TRAIN_CLI and n not in PENDING_MOVES)
+
+
+def handover_only(tree: ast.AST, imports: set) -> list[str]:
+    """What keeps a program module inside a lower-layer package from being a handover: more
+    than 8 statements, or imports (``imports``: its package modules) of anything but the
+    program package it hands over to."""
+    problems = [f"{len(tree.body)} statements"] if len(tree.body) > 8 else []
+    return problems + [f"imports {m}" for m in sorted(imports) if not m.startswith("fmoe.memplan")]
+
+
+def test_programs_apart_from_the_library():
+    """The CLI package holds only the CLI; the memory-plan program is its own package and
+    ``python -m fmoe.plan`` a few lines inside the sharding package that hand over to it."""
+    assert cli_package_strays(MODULES) == []
+    assert handover_only(TREES["fmoe.plan.__main__"], IMPORTS["fmoe.plan.__main__"]) == []
+    assert IMPORTS["fmoe.plan"] <= {m for m in MODULES if layer_of(m) <= 1}
+    assert cli_package_strays(["fmoe.train.step", "fmoe.train.cli", "fmoe.train.optim"]) == ["fmoe.train.optim", "fmoe.train.step"]
+    old = ast.parse("import sys\n" * 9)
+    assert handover_only(old, {"fmoe.memory_plan", "fmoe.memplan.cli"}) == ["9 statements", "imports fmoe.memory_plan"]
+
+
+# ------------------------------------------------------------------------------- explicit data, not identity
+BUILTIN_IMPLS = {"ALL_TO_ALL", "ALL_REDUCE", "LOCAL",
+                 "folds_stats", "_token_dispatch", "_exchange_splits"}
+
+
+def identity_dispatch(tree: ast.AST) -> list[str]:
+    """``x is <name>`` / ``x is not <name>`` comparisons against a function or implementation
+    object (a path chosen by object identity), and references to a built-in expert-parallel
+    implementation by attribute (``ep.ALL_TO_ALL``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for op, right in zip(node.ops, node.comparators):
+                name = _dotted(right)
+                if isinstance(op, (ast.Is, ast.IsNot)) and name and name.split(".")[-1] not in ("None", "True", "False"):
+                    found.append(f"line {node.lineno}: is {name}")
+        if isinstance(node, ast.Attribute) and node.attr in BUILTIN_IMPLS:
+            found.append(f"line {node.lineno}: {_dotted(node)}")
+    return found
+
+
+def test_the_layer_treats_every_implementation_alike_and_paths_are_chosen_by_data():
+    """``fmoe.moe`` runs every expert-parallel implementation through ``ep.run`` (no built-in
+    named, no identity test), and no module picks a compute path by ``act is swiglu``."""
+    assert identity_dispatch(TREES["fmoe.moe"]) == []
+    assert {n: f for n, t in TREES.items() if n.startswith(("fmoe.experts", "fmoe.ep", "fmoe.nn", "fmoe.shared_experts"))
+            for f in [[x for x in identity_dispatch(t) if " is " in x]] if f} == {}
+    bad = ast.parse("def f(act, ep):\n    if act is swiglu:\n        pass\n    return ep.ALL_TO_ALL\n")
+    assert identity_dispatch(bad) == ["line 2: is swiglu", "line 4: ep.ALL_TO_ALL"]
+
+
+# ------------------------------------------------------------------------------- no compat layer
+def _docstring_or_all(node: ast.stmt) -> bool:
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)) \
+        or (isinstance(node, ast.Assign) and [_dotted(t) for t in node.targets] == ["__all__"])
+
+
+def alias_module(tree: ast.AST) -> bool:
+    """A module (not a package ``__init__``) made only of imports, its docstring and
+    ``__all__`` aside: a second name for code that lives elsewhere."""
+    body = [n for n in tree.body if not _docstring_or_all(n)]
+    return bool(body) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in body)
+
+
+def name_aliases(tree: ast.AST) -> list[str]:
+    """Module-level ``new = old`` where ``old`` is a function, class or import of the module
+    (one object under two names), and a parameter that, when given, overwrites another one
+    (``if impl is not None: matmul = impl``)."""
+    bound = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    found = [f"{node.targets[0].id} = {node.value.id} (line {node.lineno})" for node in tree.body
+             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+             and isinstance(node.value, ast.Name) and node.value.id in bound]
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+        for node in ast.walk(fn):
+            test = node.test if isinstance(node, ast.If) else None
+            if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id in params
+                    and isinstance(test.ops[0], ast.IsNot) and _dotted(test.comparators[0]) == ""):
+                continue
+            for st in node.body:
+                if (isinstance(st, ast.Assign) and isinstance(st.value, ast.Name) and st.value.id == test.left.id
+                        and any(isinstance(t, ast.Name) and t.id in params for t in st.targets)):
+                    found.append(f"{fn.name}({test.left.id}=) overrides {st.targets[0].id} (line {st.lineno})")
+    return found
+
+
+def test_no_compatibility_aliases():
+    """No alias modules, no second names, no parameter aliases: a rename updates every caller."""
+    assert sorted(n for n, t in TREES.items() if not _is_package(n) and alias_module(t)) == []
+    assert {n: f for n, t in TREES.items() for f in [name_aliases(t)] if f} == {}
+    assert alias_module(ast.parse('"""Former home."""\nfrom .routing.aux_losses import *\n'
+                                  'from .routing.aux_losses import __all__\n'))
+    assert not alias_module(ast.parse("import sys\nfrom .cli import main\nsys.exit(main())\n"))
+    old = ast.parse("from .x import unshard\ndef grad_sum(x):\n    return x\ncopy_to = grad_sum\nmaterialize = unshard\n"
+                    "N = 3\ndef mlp(x, matmul='auto', *, impl=None):\n    if impl is not None:\n        matmul = impl\n")
+    assert name_aliases(old) == ["copy_to = grad_sum (line 4)", "materialize = unshard (line 5)",
+                                 "mlp(impl=) overrides matmul (line 9)"]
+
+
+# ------------------------------------------------------------------------------- one model registry
+MODEL_NAMES = {n.rpartition(".")[2] for n in MODEL_FILES}
+
+
+def model_lookups(tree: ast.AST) -> list[str]:
+    """Models found by name around the registry: ``import_module`` of an ``fmoe.models`` path,
+    and tables (tuple, list, set, dict keys) that list two or more models by name."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _dotted(node.func).endswith("import_module") and node.args:
+            arg = node.args[0]
+            head = arg.values[0] if isinstance(arg, ast.JoinedStr) and arg.values else arg
+            if isinstance(head, ast.Constant) and str(head.value).startswith("fmoe.models"):
+                found.append(f"import_module (line {node.lineno})")
+        items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
+        named = [i.value for i in items if isinstance(i, ast.Constant) and i.value in MODEL_NAMES]
+        if len(named) >= 2:
+            found.append(f"table of {len(named)} models (line {node.lineno})")
+    return found
+
+
+def test_one_model_registry():
+    """Every program finds a model through ``fmoe.models.get`` (models/__init__.py, the one
+    place that lists them); what a model offers is declared on its ``Model``."""
+    assert MODEL_NAMES >= {"qwen3_moe", "llama"}
+    assert {n: f for n, t in TREES.items() if n != "fmoe.models" for f in [model_lookups(t)] if f} == {}
+    assert IMPORTS["fmoe.models"] >= set(MODEL_FILES)                   # the registry holds every model
+    old = ast.parse('import importlib\nMODELS = ("qwen3_moe", "mixtral", "llama")\n'
+                    'REMAT = {"qwen3_moe": ("layer", "moe"), "llama": ("layer",)}\n'
+                    'def load(name):\n    return importlib.import_module(f"fmoe.models.{name}")\n')
+    assert sorted(model_lookups(old)) == ["import_module (line 5)", "table of 2 models (line 3)",
+                                          "table of 3 models (line 2)"]
+
+
+def guessed_fields(tree: ast.AST) -> list[str]:
+    """``getattr(cfg, name, default)`` on a config or model: a field guessed, not declared."""
+    return [f"getattr({_dotted(n.args[0])}, ...) (line {n.lineno})" for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and _dotted(n.func) == "getattr" and len(n.args) == 3
+            and _dotted(n.args[0]).rpartition(".")[2] in ("cfg", "config", "model")]
+
+
+def test_memory_plan_and_programs_read_declared_fields():
+    """The memory plan reads a model's widths from ``Model.widths`` (declared ``width_fields``),
+    the programs the preset widening from ``Model.preset``: no guessed field names."""
+    checked = [n for n in MODULES if n in ("fmoe.memory_plan", "fmoe.model") or layer_of(n) == 7]
+    assert {n: f for n in checked for f in [guessed_fields(TREES[n])] if f} == {}
+    old = ast.parse('g = lambda *names: next(getattr(cfg, n) for n in names if getattr(cfg, n, None))\n'
+                    'kv = getattr(cfg, "num_key_value_heads", None)\n')
+    assert sorted(guessed_fields(old)) == ["getattr(cfg, ...) (line 1)", "getattr(cfg, ...) (line 2)"]
+
+
+# ------------------------------------------------------------------------------- choice by declared properties
+def builtin_impl_names() -> set[str]:
+    """The names ``fmoe/ep/__init__.py`` registers at import (``register("all_to_all", ...)``)."""
+    return {node.value.args[0].value for node in TREES["fmoe.ep"].body
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and _dotted(node.value.func) == "register"
+            and node.value.args and isinstance(node.value.args[0], ast.Constant)}
+
+
+def named_impls(tree: ast.AST, names: set) -> list[str]:
+    """String constants (docstrings aside) equal to a built-in implementation's name: a choice
+    made by name."""
+    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body]
+    docs = {id(s.body[0].value) for s in scopes if isinstance(s.body[0], ast.Expr)}
+    return [f"{node.value!r} (line {node.lineno})" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in docs]
+
+
+def test_moe_chooses_the_implementation_by_declared_properties():
+    """``fmoe.moe`` reads what the registry declares (``ep.declared``, ``ep.auto``), so a name
+    registered again is never swapped for a built-in behind the user's back."""
+    names = builtin_impl_names()
+    assert names == {"local", "all_to_all", "all_reduce"}
+    assert named_impls(TREES["fmoe.moe"], names) == []
+    old = ast.parse('def _choose(impl, single):\n    """Pick "local"."""\n'
+                    '    if single and impl in ("all_to_all", "all_reduce"):\n        return "local"\n    return impl\n')
+    assert sorted(named_impls(old, names)) == ["'all_reduce' (line 3)", "'all_to_all' (line 3)", "'local' (line 4)"]
