@@ -10,7 +10,7 @@ import torch
 import fmoe
 from fmoe.routing import balance as B
 from fmoe.routing.metrics import load_metrics, maxvio
-from fmoe.testing import spawn
+from helpers import on_ranks
 from fmoe.train import balancing
 from balance_cases import run, settings
 
@@ -166,7 +166,7 @@ def _ranks(rank, world):
 def test_each_method_on_four_ranks_equals_one_process():
     """Losses (with the aux terms), gradient norms and parameters after 2 steps, the expert bias
     included, on two meshes (4 batches; 2 batches with tp=2) against one process on the union."""
-    results = spawn(_ranks, 4, timeout=900)[0]
+    results = on_ranks(_ranks, 4, timeout=900)[0]
     flags = {(n, b): (f, ga) for n, b, f, ga in CASES}
     for kw, nb, name, balance, losses, norms, params in results:
         f, ga = flags[(name, balance)]

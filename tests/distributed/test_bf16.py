@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from helpers import on_ranks
+
 import fmoe
 from fmoe.experts import LocalExperts, expert_mlp, weighted_expert_sum
 from fmoe.experts.ops import expert_mlp_offs, offsets
@@ -207,8 +209,8 @@ def _gather_bytes(rank, world, dtype):
 
 
 def test_fsdp_gathers_bf16_weights_half_the_bytes():
-    r32 = fmoe.testing.spawn(_gather_bytes, 2, "fp32", timeout=300)[0]
-    r16 = fmoe.testing.spawn(_gather_bytes, 2, "bf16", timeout=300)[0]
+    r32 = on_ranks(_gather_bytes, 2, "fp32", timeout=300)[0]
+    r16 = on_ranks(_gather_bytes, 2, "bf16", timeout=300)[0]
     assert r32[0] and len(r16[0]) == len(r32[0])
     assert {d for _, d, _ in r16[0]} == {torch.bfloat16} and {d for _, d, _ in r32[0]} == {torch.float32}
     assert sum(b for *_, b in r16[0]) * 2 == sum(b for *_, b in r32[0])

@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from helpers import on_ranks
+
 import fmoe
 from fmoe.precision import Precision, round_generator, stochastic_round
 
@@ -82,7 +84,7 @@ def _variants(rank, world):
 
 
 def test_policies_chunked_loss_and_donation_on_four_ranks():
-    r = fmoe.testing.spawn(_variants, 4, timeout=900)[0]
+    r = on_ranks(_variants, 4, timeout=900)[0]
     fp32, pure, moments = r["fp32"][0], r["pure"][0], r["moments"][0]
     print(f"loss after {STEPS_LONG} steps: fp32 {fp32[-1]:.4f} pure bf16 {pure[-1]:.4f} bf16 moments {moments[-1]:.4f}")
     assert r["pure"][2] == ({"torch.bfloat16"}, {"torch.bfloat16"})

@@ -236,8 +236,8 @@ def _mesh_cells(rank, world, setting):
 
 @pytest.mark.parametrize("setting", MESHES)
 def test_mesh_cells(setting):
-    from fmoe.testing import spawn
-    for rank, fails in enumerate(spawn(_mesh_cells, 4, setting, timeout=1500)):
+    from helpers import on_ranks
+    for rank, fails in enumerate(on_ranks(_mesh_cells, 4, setting, timeout=1500)):
         assert fails == [], f"rank {rank}: " + "\n".join(fails)
 
 

@@ -17,7 +17,7 @@ import torch
 import fmoe
 from fmoe.models import qwen3_moe
 from fmoe.optim import adamw
-from fmoe.testing import spawn
+from helpers import on_ranks
 
 
 def test_round_trip_of_a_nested_tree_is_bitwise(tmp_path):
@@ -85,5 +85,5 @@ def _reshard(rank, world, path):
 
 
 def test_save_on_tp2_ep2_load_on_tp1_ep4_and_one_process(tmp_path):
-    for rank, fails in enumerate(spawn(_reshard, 4, str(tmp_path / "tree"), timeout=600)):
+    for rank, fails in enumerate(on_ranks(_reshard, 4, str(tmp_path / "tree"), timeout=600)):
         assert fails == [], f"rank {rank}: {fails[:5]}"
