@@ -82,6 +82,8 @@ def _check_numbers(args: argparse.Namespace, error) -> None:
     """The float flags argparse cannot range-check (also re-run on the values a resume keeps)."""
     for name in ("aux_weight", "weight_decay"):
         v = getattr(args, name)
+        if v is None and name == "aux_weight":      # no loss applies (fmoe.train.balancing resolves it)
+            continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v!r}")
 

@@ -59,6 +59,11 @@ def schedule_record(args: argparse.Namespace) -> dict:
             "total": args.schedule_total, "min_ratio": MIN_RATIO}
 
 
+#: kept values that may be null: the preset of an --init-hf run, and the balancing weights a run's
+#: methods did not use (fmoe.train.balancing records them as None, then re-resolves them).
+NULLABLE = ("preset", "aux_weight", "z_weight", "bias_rate", "bias_update")
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -73,8 +78,8 @@ def check_kept_value(action: argparse.Action, key: str, value: Any, file: str) -
         "meta.json: 'lr' is nan, not a value --lr accepts (--lr must be a number > 0, got nan)"
     """
     flag = _flag(action.dest)
-    if value is None:                # (a run started from --init-hf records no preset)
-        return None if action.default is None or key == "preset" else f"{file}: {key!r} is null; {flag} needs a value"
+    if value is None:                # no preset (--init-hf); a balancing weight that did not apply
+        return None if action.default is None or key in NULLABLE else f"{file}: {key!r} is null; {flag} needs a value"
     if action.choices is not None and value not in action.choices:
         return f"{file}: {key!r} is {value!r}, not one of {flag}'s choices {list(action.choices)}"
     if action.type is None:
