@@ -169,7 +169,11 @@ def one_process_cell(transform: str, name: str) -> Callable[[], None]:
                 for _ in range(3):
                     p, s, _ = f(p, s)
                 return p
-            close(train(torch.compile(step, fullgraph=True)), train(step), "compiled AdamW step vs eager", 1e-9)
+            # Adam normalises each entry's step (lr m / (sqrt(v) + eps)): for gradient entries near
+            # zero, last-bit differences between compiled and eager gradients become step differences
+            # far above float64 eps (measured 6e-6 relative after 3 steps); the bug this cell guards
+            # (zero expert gradients) was 1e-1
+            close(train(torch.compile(step, fullgraph=True)), train(step), "compiled AdamW step vs eager", 1e-4)
         elif transform == "remat under grad":
             with fmoe.remat.policy("layer"):
                 grad(loss)(p64)

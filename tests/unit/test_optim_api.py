@@ -115,4 +115,8 @@ def test_compiled_whole_step_equals_eager_float64():
     start = fmoe.tree.flatten(p0)
     for k in want:
         assert (want[k] - start[k]).abs().max() > 1e-3, f"{k} did not move (zero gradient?)"
-        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-11, msg=lambda m: f"{k}: {m}")
+        # Adam normalises each entry's step, so last-bit gradient differences of near-zero entries
+        # become step differences well above float64 eps (~6e-6 relative measured); zero expert
+        # gradients (the bug) gave 1e-1
+        scale = want[k].abs().max().item()
+        assert (got[k] - want[k]).abs().max().item() <= 1e-4 * scale, k
