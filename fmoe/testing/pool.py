@@ -230,7 +230,7 @@ class _State:
         s.torch_rng, s.py_rng = torch.get_rng_state(), random.getstate()
         np = sys.modules.get("numpy")
         s.np_rng = np.random.get_state() if np is not None else None
-        s.impls = {n: fmoe.ep.get(n) for n in fmoe.ep.registered()}
+        s.impls = {n: fmoe.ep.declared(n) for n in fmoe.ep.registered()}   # with declared properties
         return s
 
     def restore(self) -> None:
@@ -254,8 +254,8 @@ class _State:
             sys.modules["numpy"].random.set_state(self.np_rng)
         for name in set(fmoe.ep.registered()) - set(self.impls):
             del fmoe.ep._REGISTRY[name]     # the registry has no public unregister
-        for name, impl in self.impls.items():
-            fmoe.ep.register(name, impl)
+        for name, d in sorted(self.impls.items(), key=lambda kv: kv[1].one_rank is not None):
+            fmoe.ep.register(name, d.impl, shared_batch=d.shared_batch, one_rank=d.one_rank)
         if "torch._dynamo" in sys.modules:
             sys.modules["torch._dynamo"].reset()
         if "torch.distributed.tensor" in sys.modules:
