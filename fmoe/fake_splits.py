@@ -34,6 +34,8 @@ def is_fake(t: torch.Tensor) -> bool:
     """Whether ``t`` is a fake tensor (shape without data): host reads of it follow this rule."""
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
+    if torch.compiler.is_compiling():  # Dynamo's own fakes are real tensors to the traced code
+        return False
     return bool(_is_fake(t))
 
 
