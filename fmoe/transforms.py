@@ -39,8 +39,8 @@ __all__ = ["vmapping", "compiling", "forward_mode", "higher_order", "func_active
 
 def vmapping() -> bool:
     """Whether a ``torch.func.vmap`` is active (at any level)."""
-    if compiling() and torch._C._functorch.peek_interpreter_stack() is None:
-        return False                # no transform under Dynamo: no graph break on the interpreter list
+    if compiling():                 # Dynamo traces no vmap of fmoe's layers: no graph break on the interpreter list
+        return False
     return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 
