@@ -26,12 +26,13 @@ from torch.utils.checkpoint import checkpoint
 
 from ..transforms import data_checks_enabled
 from ._tp import check_tensor
+from ..dtypes import upcast
 
 __all__ = ["chunked_cross_entropy"]
 
 
 def _chunk_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+    return F.cross_entropy(upcast(logits), targets, ignore_index=ignore_index, reduction="sum")
 
 
 def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunks: int,
@@ -39,12 +40,12 @@ def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunks: i
     """Mean next-token cross-entropy, as :func:`fmoe.nn.cross_entropy`, by ``chunks`` pieces of rows.
 
     Args:
-        logits: ``[..., V]`` full logits (any float dtype; each chunk is upcast to fp32).
+        logits: ``[..., V]`` full logits (any float dtype; each chunk computes in at least fp32).
         targets: integer ``[...]``, values in ``[0, V)`` or ``ignore_index``.
         chunks: pieces of rows (``>= 1``; more pieces than rows gives one row per piece).
         ignore_index: target value excluded from the mean.
     Returns:
-        scalar fp32 loss (NaN if every target is ignored).
+        scalar loss in at least fp32 (float64 logits give a float64 loss) (NaN if every target is ignored).
     """
     check_tensor("chunked_cross_entropy", "logits", logits)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -65,4 +66,4 @@ def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunks: i
     for lc, tc in zip(flat_l.chunk(chunks), flat_t.chunk(chunks)):
         s = checkpoint(_chunk_sum, lc, tc, ignore_index, use_reentrant=False)
         total = s if total is None else total + s
-    return total / (flat_t != ignore_index).sum().float()
+    return total / (flat_t != ignore_index).sum().to(total.dtype)

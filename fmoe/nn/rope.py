@@ -21,6 +21,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from ..dtypes import at_least_f32
+
 __all__ = ["rope_frequencies", "rope_cos_sin", "apply_rope", "yarn_mscale", "ROPE_TYPES"]
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -127,7 +129,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scal
         positions: integer positions ``[S]`` or ``[B, S]``.
         inv_freq: ``[hd / 2]`` from :func:`rope_frequencies`.
         attention_scaling: factor applied to both tables (YaRN), 1.0 otherwise.
-        dtype: dtype of the returned tables (computed in fp32).
+        dtype: dtype of the returned tables, computed in at least fp32 (fp64 stays fp64, so a
+            float64 model is float64 end to end; bf16/fp16 tables are computed in fp32).
     Returns:
         ``(cos, sin)``, each ``[..., S, hd]``.
 
@@ -136,7 +139,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scal
         >>> cos.shape
         torch.Size([3, 4])
     """
-    freqs = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
+    work = at_least_f32(dtype)
+    freqs = positions[..., None].to(work) * inv_freq.to(device=positions.device, dtype=work)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
 

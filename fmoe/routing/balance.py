@@ -34,6 +34,7 @@ import torch
 from ..global_stats import GlobalStat
 from .aux_losses import normalized_sigmoid, softmax_probs
 from .core import Router, Routing, _accepted, call, check_k, check_logits
+from ..dtypes import upcast
 
 __all__ = ["reads_bias", "SCORES", "biased_topk", "biased_topk_softmax", "with_balance_sums", "global_balance_loss",
            "BALANCE_SUMS"]
@@ -85,7 +86,7 @@ def biased_topk(k: int, normalize: bool = True) -> Router:
 
     def router(logits: torch.Tensor, *, expert_bias: Optional[torch.Tensor] = None) -> Routing:
         check_logits(logits, k)
-        probs = torch.softmax(logits.float(), dim=-1)                            # [T, E]
+        probs = torch.softmax(upcast(logits), dim=-1)                            # [T, E]
         b = _bias(expert_bias, logits.shape[1])
         if b is None:
             weights, ids = torch.topk(probs, k, dim=-1)                          # [T, K]
@@ -114,10 +115,10 @@ def biased_topk_softmax(k: int) -> Router:
         check_logits(logits, k)
         b = _bias(expert_bias, logits.shape[1])
         if b is None:
-            top, ids = torch.topk(logits.float(), k, dim=-1)                     # [T, K]
+            top, ids = torch.topk(upcast(logits), k, dim=-1)                     # [T, K]
         else:
-            ids = (logits.detach().float() + b).topk(k, dim=-1).indices
-            top = logits.float().gather(1, ids)
+            ids = (upcast(logits.detach()) + b).topk(k, dim=-1).indices
+            top = upcast(logits).gather(1, ids)
         return Routing(torch.softmax(top, dim=-1), ids, {})
 
     return router

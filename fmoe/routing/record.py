@@ -36,6 +36,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from .core import Router, Routing, call, check_logits
+from ..dtypes import upcast
 
 __all__ = ["recording", "save_record", "load_record", "replay", "record_writer", "REPLAY_SCORES"]
 
@@ -142,9 +143,9 @@ def replay(record: Union[str, os.PathLike, Sequence[torch.Tensor]], *, scores: s
                              f"{logits.shape[0]} tokens; replay the same batches as the recording")
         position[0] = i + 1
         if scores == "topk_softmax":
-            weights = torch.softmax(logits.float().gather(1, ids), dim=-1)
+            weights = torch.softmax(upcast(logits).gather(1, ids), dim=-1)
         else:
-            s = torch.softmax(logits.float(), dim=-1) if scores == "softmax" else torch.sigmoid(logits.float())
+            s = torch.softmax(upcast(logits), dim=-1) if scores == "softmax" else torch.sigmoid(upcast(logits))
             weights = s.gather(1, ids)                                             # [T, K]
             if normalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if scores == "sigmoid" else 0.0))

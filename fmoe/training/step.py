@@ -59,6 +59,7 @@ from ..fsdp import cast_shards, regather_in_backward
 from .grads import reduce_grads
 from ..optim import AdamWConfig, adamw
 from ..precision import round_generator
+from ..dtypes import upcast
 
 __all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_dtype", "compute_params", "autocast", "DTYPES",
            "KEEP_MASTER"]
@@ -163,7 +164,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _world_mean(x: torch.Tensor) -> torch.Tensor:
-    x = x.detach().clone().float()
+    x = upcast(x.detach().clone())
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         x = sum_over_world(x) / dist.get_world_size()
     return x
@@ -226,7 +227,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     for mt, my in zip(tokens.chunk(n_micro), targets.chunk(n_micro)):
         with regather_in_backward(), _remat.policy(step_cfg.remat):
             logits, aux = run(mt)
-            loss = (cross_entropy(logits.float(), my) if step_cfg.loss_chunks == 1      # see fmoe.nn.chunked_loss
+            loss = (cross_entropy(upcast(logits), my) if step_cfg.loss_chunks == 1      # see fmoe.nn.chunked_loss
                     else chunked_cross_entropy(logits, my, step_cfg.loss_chunks))
             aux_total, aux_named = _aux_terms(aux)
             total = loss if aux_total is None else loss + mesh.num_batches * aux_total
