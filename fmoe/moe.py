@@ -48,7 +48,7 @@ from .mesh import Mesh
 from .global_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .shared_experts import check_shared, shared_expert
-from .transforms import peel
+from .transforms import peel, refuse_compiled_transform
 
 __all__ = ["moe"]
 
@@ -183,6 +183,7 @@ def moe(
     E, D, I = _check_params(params, x)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"moe: mesh must be an fmoe.Mesh or None, got {type(mesh).__name__}")
+    refuse_compiled_transform(mesh)
     if not callable(router):
         raise TypeError(f"moe: router must be callable (e.g. fmoe.routing.topk(2)), got {router!r}")
     check_matmul("moe", "matmul", matmul)          # before any gather or dispatch

@@ -16,14 +16,11 @@ Example:
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
-import re
 import sys
 from typing import Optional, Sequence
 
-from .plot_metric import plot_metric, save_png
+from .plot_metric import latest_meta, log_rows, plot_metric, save_png
 
 __all__ = ["load_run", "label", "plot_runs", "main", "PANELS", "DEFAULT_OUT"]
 
@@ -40,35 +37,16 @@ def load_run(out: str) -> dict:
     Raises:
         ValueError: ``out`` has no ``log.jsonl`` or a line is not JSON.
     """
-    path = os.path.join(out, "log.jsonl")
-    if not os.path.isfile(path):
-        raise ValueError(f"{out!r} has no log.jsonl (not a run directory of python -m fmoe.train)")
     series: dict[str, tuple[list, list]] = {k: ([], []) for k, _ in PANELS}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n} is not JSON ({e.msg})") from None
-            for key, _ in PANELS:
-                v = row.get(key)
-                if isinstance(v, list):                        # per MoE layer: the layers' mean
-                    v = sum(v) / len(v) if v else None
-                if isinstance(v, (int, float)) and "step" in row:
-                    series[key][0].append(row["step"])
-                    series[key][1].append(float(v))
-    meta = {}
-    steps = sorted(glob.glob(os.path.join(out, "step-*", "meta.json")),
-                   key=lambda p: int(re.findall(r"step-(\d+)", p)[-1]))
-    if steps:
-        try:
-            with open(steps[-1]) as f:
-                meta = json.load(f)
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{steps[-1]} is not readable JSON ({e})") from None
-    return {"steps": series, "meta": meta if isinstance(meta, dict) else {}, "out": out}
+    for row in log_rows(out):
+        for key, _ in PANELS:
+            v = row.get(key)
+            if isinstance(v, list):                        # per MoE layer: the layers' mean
+                v = sum(v) / len(v) if v else None
+            if isinstance(v, (int, float)) and "step" in row:
+                series[key][0].append(row["step"])
+                series[key][1].append(float(v))
+    return {"steps": series, "meta": latest_meta(out), "out": out}
 
 
 def label(run: dict) -> str:

@@ -19,9 +19,35 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
-__all__ = ["series", "smooth", "latest_meta", "settings_label", "plot_metric", "save_png"]
+__all__ = ["log_rows", "series", "smooth", "latest_meta", "settings_label", "plot_metric", "save_png"]
+
+
+def log_rows(out: str) -> Iterator[dict]:
+    """The rows of ``OUT/log.jsonl`` (blank lines skipped), in order.
+
+    Args:
+        out: a run directory of ``python -m fmoe.train``.
+    Returns:
+        an iterator of dicts.
+    Raises:
+        ValueError: ``out`` has no ``log.jsonl`` or a line is not JSON.
+
+    Example:
+        >>> # for row in log_rows("runs/a"): print(row["step"], row["loss"])
+    """
+    path = os.path.join(out, "log.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"fmoe.plot: {out!r} has no log.jsonl (not a run directory of python -m fmoe.train)")
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"fmoe.plot: {path} line {n} is not JSON ({e.msg})") from None
 
 
 def series(out: str, metric: str) -> tuple[list, list]:
@@ -30,25 +56,15 @@ def series(out: str, metric: str) -> tuple[list, list]:
     Raises:
         ValueError: no ``log.jsonl``, a line that is not JSON, or no row with the metric.
     """
-    path = os.path.join(out, "log.jsonl")
-    if not os.path.isfile(path):
-        raise ValueError(f"fmoe.plot: {out!r} has no log.jsonl (not a run directory of python -m fmoe.train)")
     steps, values = [], []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"fmoe.plot: {path} line {n} is not JSON ({e.msg})") from None
-            v = row.get(metric)
-            if "step" in row and (isinstance(v, (int, float)) and not isinstance(v, bool) or
-                                  isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)):
-                steps.append(row["step"])
-                values.append(v)
+    for row in log_rows(out):
+        v = row.get(metric)
+        if "step" in row and (isinstance(v, (int, float)) and not isinstance(v, bool) or
+                              isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)):
+            steps.append(row["step"])
+            values.append(v)
     if not steps:
-        raise ValueError(f"fmoe.plot: {path} has no row with {metric!r}")
+        raise ValueError(f"fmoe.plot: {os.path.join(out, 'log.jsonl')} has no row with {metric!r}")
     return steps, values
 
 
@@ -66,13 +82,23 @@ def smooth(values: Sequence[float], n: int) -> list[float]:
 
 
 def latest_meta(out: str) -> dict:
-    """The ``meta.json`` of a run directory's latest ``step-N`` checkpoint ({} when none)."""
+    """The ``meta.json`` of a run directory's latest ``step-N`` checkpoint ({} when none, or
+    when it holds no JSON object).
+
+    Raises:
+        ValueError: the file is not readable JSON.
+    """
     found = [(int(m.group(1)), os.path.join(out, d, "meta.json")) for d in os.listdir(out)
              for m in [re.fullmatch(r"step-(\d+)", d)] if m and os.path.isfile(os.path.join(out, d, "meta.json"))]
     if not found:
         return {}
-    with open(max(found)[1]) as f:
-        return json.load(f)
+    path = max(found)[1]
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e})") from None
+    return meta if isinstance(meta, dict) else {}
 
 
 def settings_label(run: dict) -> str:

@@ -36,6 +36,10 @@ from .placement import P, chunk_range
 from .plan import Plan, local_shape
 
 from .transforms import apply, compiling, peel, without_jvp
+from .dtensor_rules import BATCHED_TANGENTS, NESTED, batched, check_levels
+from .dtensor_rules import install as _install_dtensor_rules
+
+_install_dtensor_rules()          # forward mode (jvp / jacfwd) over DTensor trees
 
 __all__ = ["shard", "gather", "placement_of", "to_local", "grad_placements", "placed_like", "local_part",
            "dtensor_placements", "slice_for_rank", "rank_blocks", "from_local_slice"]
@@ -44,6 +48,10 @@ __all__ = ["shard", "gather", "placement_of", "to_local", "grad_placements", "pl
 #: gathers its output). Set by :func:`from_local_slice` / :func:`placed_like`, read by
 #: :func:`placement_of`; everything else about a placement is read from the DTensor's spec.
 _GATHER_OUTPUT = "_fmoe_gather_output"
+#: A packed placement's part count, kept beside the spec's ``_StridedShard`` for
+#: :func:`placement_of` under ``torch.compile``: Dynamo cannot read ``_StridedShard.split_factor``
+#: (a C++ descriptor), so compiled code reads this attribute instead (eager reads the spec).
+_PACKED = "_fmoe_packed"
 
 
 def dtensor_placements(p: P, mesh: Mesh):
@@ -133,6 +141,8 @@ def from_local_slice(local: torch.Tensor, full_shape: Sequence[int], p: P, mesh:
                              stride=torch.empty(full_shape, device="meta").stride())
     if p.gather:
         setattr(out, _GATHER_OUTPUT, True)
+    if p.packed > 1:
+        setattr(out, _PACKED, p.packed)
     return out
 
 
@@ -180,8 +190,9 @@ def placed_like(local: torch.Tensor, ref: Any, spec: Optional[DTensorSpec] = Non
     else:
         out = DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
                                  shape=ref.shape, stride=ref.stride())
-    if getattr(ref, _GATHER_OUTPUT, False):
-        setattr(out, _GATHER_OUTPUT, True)
+    for attr in (_GATHER_OUTPUT, _PACKED):
+        if getattr(ref, attr, None):
+            setattr(out, attr, getattr(ref, attr))
     return out
 
 
@@ -261,8 +272,10 @@ def placement_of(t: Any) -> P:
         if isinstance(pl, Shard) or isinstance(pl, _StridedShard):
             cur = entries[pl.dim]
             entries[pl.dim] = name if cur is None else (tuple(cur) if isinstance(cur, tuple) else (cur,)) + (name,)
-            if isinstance(pl, _StridedShard) and pl.split_factor > 1:
-                packed = pl.split_factor
+            if isinstance(pl, _StridedShard):
+                k = getattr(t, _PACKED, None) if compiling() else None
+                k = pl.split_factor if k is None else k
+                packed = k if k > 1 else packed
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries, packed=packed, gather=getattr(t, _GATHER_OUTPUT, False))
@@ -283,6 +296,8 @@ def to_local(t: Any, partial_grad: Sequence[str] = ()) -> torch.Tensor:
     if not isinstance(d, DTensor):
         return t
     grad_pl = grad_placements(d, partial_grad)
+    if not compiling():
+        check_levels(t)
     if compiling():                  # DTensor's own to_local: Dynamo traces it (and its backward)
         return t.to_local(grad_placements=grad_pl)
     return apply(_ToLocal, _ToLocalTraced, t, grad_pl)
@@ -329,17 +344,14 @@ class _ToLocal(torch.autograd.Function):
             level = maybe_get_level(g)       # DTensor, then re-enter the level, so that what the
             g = get_unwrapped(g)             # transform returns is a DTensor of real storage
             if is_functorch_wrapped_tensor(g):
-                raise NotImplementedError(
-                    "a gradient of sharded (DTensor) parameters inside another torch.func transform "
-                    "(grad of grad, vmap of grad, jvp of grad) is not supported on a mesh: the DTensor "
-                    "cannot carry the outer transform's wrapper. Instead take the outer derivative "
-                    "with torch.autograd.grad(..., create_graph=True), loop over examples in Python, "
-                    "or use plain (unsharded) parameters")
+                raise NotImplementedError(NESTED)
         out = _grad_dtensor(ctx, g)
         return (out if level is None else _wrap_for_grad(out, level)), None
 
     @staticmethod
     def jvp(ctx, dt, _):                           # linear: the tangent's local slice
+        if batched(dt):                           # jacfwd: vmap-batched tangents
+            raise NotImplementedError(BATCHED_TANGENTS)
         d = peel(dt)
         return d._local_tensor.view_as(d._local_tensor) if isinstance(d, DTensor) else dt.view_as(dt)
 

@@ -34,7 +34,7 @@ import torch
 from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-__all__ = ["vmapping", "compiling", "forward_mode", "higher_order", "func_active", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
+__all__ = ["refuse_compiled_transform", "vmapping", "compiling", "forward_mode", "higher_order", "func_active", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
 
 
 def vmapping() -> bool:
@@ -91,6 +91,29 @@ def data_checks_enabled() -> bool:
     from torch._guards import active_fake_mode
 
     return not compiling() and not vmapping() and active_fake_mode() is None
+
+
+COMPILED_TRANSFORM = (
+    "torch.compile of a torch.func transform (torch.compile(torch.func.grad(loss)), a compiled functional "
+    "train step) on a mesh ({mesh}) is not supported: Dynamo cannot trace the transform's wrappers around "
+    "sharded (DTensor) parameters. Instead run torch.func.grad eagerly on the mesh (torch.compile(forward) "
+    "works there), use loss.backward() (fmoe.training.train_step), or compile the whole step on one process")
+
+
+def refuse_compiled_transform(mesh: Any) -> None:
+    """Raise ``NotImplementedError`` when Dynamo traces a ``torch.func`` transform of a function
+    that runs on a multi-rank ``mesh`` (every rank raises alike, before any collective).
+
+    Args:
+        mesh: the :class:`fmoe.Mesh` the layer runs on, or None.
+    Returns:
+        None.
+
+    Example:
+        >>> refuse_compiled_transform(None)      # eager, or one process: nothing to refuse
+    """
+    if mesh is not None and getattr(mesh, "world", 1) > 1 and compiling() and func_active():
+        raise NotImplementedError(COMPILED_TRANSFORM.format(mesh=mesh))
 
 
 def peel(t: Any) -> Any:

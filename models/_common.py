@@ -258,6 +258,7 @@ def decoder(attention: Callable, params: dict, tokens: torch.Tensor, cfg: Any, m
     if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
                             for layer in params["layers"] if "moe" in layer):
         raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
+    fmoe.transforms.refuse_compiled_transform(mesh)
     inv_freq, scaling = rope(cfg, rope_dim)
     step = nn.cache.begin(tokens, cache, positions)
     h = nn.embedding(tokens, params["embed"])  # [B, S, D]

@@ -128,7 +128,7 @@ class _GatherLayer(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.group, ctx.dims = inputs[0], inputs[1]
-        leaves = inputs[3:]
+        leaves = [peel(t) for t in inputs[3:]]          # (wrapped when a transform is active)
         ctx.specs = [t._spec for t in leaves]
         ctx.shapes = [t._local_tensor.shape for t in leaves]
         ctx.dtype, ctx.device = leaves[0].dtype, leaves[0]._local_tensor.device

@@ -343,7 +343,7 @@ TRAIN_CLI = ("fmoe.train", "fmoe.train.__main__", "fmoe.train.cli", "fmoe.train.
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
     (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.activations", "fmoe.dtypes",
          "fmoe.fake_splits")),
-    (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding")),
+    (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding", "fmoe.dtensor_rules")),
     (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat", "fmoe.precision")),
     (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
