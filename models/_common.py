@@ -207,7 +207,12 @@ def _moe(m: dict, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict]:
 
 def _layer(layer: dict, h: torch.Tensor, i: int, ctx: Context, entry: Optional[dict],
            attention: Callable) -> tuple[torch.Tensor, Optional[dict], Any]:
-    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block or None, cache entry)``."""
+    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block or None, cache entry)``.
+
+    The layer's FSDP-split weights are gathered inside it (one collective per process group), so
+    under ``remat.policy("layer")`` the recomputation gathers them again instead of the checkpoint
+    keeping the gathered weights alive from forward to backward as its inputs."""
+    layer = fmoe.unshard_layer(layer)
     eps = ctx.cfg.rms_norm_eps
     y, entry = attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], eps), i, ctx, entry)
     h = h + y
@@ -265,7 +270,7 @@ def decoder(attention: Callable, params: dict, tokens: torch.Tensor, cfg: Any, m
     cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
     ctx = Context(cfg, cos, sin, step, mesh, impl, router, act)
     auxes, entries = [], []
-    for i, layer in enumerate(fmoe.unsharded_layers(params["layers"])):  # FSDP: one gather per layer
+    for i, layer in enumerate(params["layers"]):                  # FSDP: gathered inside each layer
         h, aux, entry = fmoe.remat.call("layer", _layer, layer, h, i, ctx,
                                         None if cache is None else cache["layers"][i], attention)
         entries.append(entry)
