@@ -184,7 +184,12 @@ def one_process_cell(transform: str, name: str) -> Callable[[], None]:
             # lr m / (sqrt(v) + eps) amplifies a relative gradient error d by at most
             # lr / eps * |g| d ~ 1e6 * 1e-2 * 1e-15 = 1e-11 per step; the bug this cell guards
             # (zero expert gradients) was 1e-1, a float32 rope table was 1e-4
-            close(train(torch.compile(step, fullgraph=True)), train(step), "compiled AdamW step vs eager", 1e-8)
+            got, want = train(torch.compile(step, fullgraph=True)), train(step)
+            start = fmoe.tree.flatten(p64)          # every trained leaf moves (expert_bias has no gradient)
+            moved = {k: (w - start[k]).abs().max().item() for k, w in fmoe.tree.flatten(want).items()
+                     if not k.endswith("expert_bias")}
+            assert min(moved.values()) > 1e-3, f"a leaf did not move (zero gradient?): {moved}"
+            close(got, want, "compiled AdamW step vs eager", 1e-8)
         elif transform == "remat under grad":
             with fmoe.remat.policy("layer"):
                 grad(loss)(p64)

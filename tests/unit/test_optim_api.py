@@ -90,33 +90,3 @@ def test_freeze_by_glob():
 def test_the_trainer_uses_this_optimizer():
     import fmoe.training.step as step
     assert step.adamw is adamw
-
-
-def test_compiled_whole_step_equals_eager_float64():
-    from fmoe.models import qwen3_moe
-    torch._dynamo.reset()
-    cfg = qwen3_moe.Config.tiny(num_hidden_layers=1)
-    p0 = fmoe.tree.map_with_path(lambda _, t: t.double(), qwen3_moe.init(cfg, seed=0))
-    toks = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
-    loss = lambda p: fmoe.nn.cross_entropy(qwen3_moe.forward(p, toks, cfg)[:, :-1], toks[:, 1:])  # noqa: E731
-
-    def step(p, s):
-        g, value = torch.func.grad_and_value(loss)(p)
-        p, s = adamw.update(g, s, p, lr=1e-2)
-        return p, s, value
-
-    def train(f):
-        p, s = p0, adamw.init(p0)
-        for _ in range(3):
-            p, s, _ = f(p, s)
-        return fmoe.tree.flatten(p)
-
-    got, want = train(torch.compile(step, fullgraph=True)), train(step)
-    start = fmoe.tree.flatten(p0)
-    for k in want:
-        assert (want[k] - start[k]).abs().max() > 1e-3, f"{k} did not move (zero gradient?)"
-        # Adam normalises each entry's step, so last-bit gradient differences of near-zero entries
-        # become step differences well above float64 eps (~6e-6 relative measured); zero expert
-        # gradients (the bug) gave 1e-1
-        scale = want[k].abs().max().item()
-        assert (got[k] - want[k]).abs().max().item() <= 1e-4 * scale, k
