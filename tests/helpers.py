@@ -4,6 +4,7 @@ through ``tests/conftest.py``, in the pytest process and in every rank).
 - ``close``: ``torch.testing.assert_close`` at fp32 parity tolerances, naming what differs;
 - ``hf_model`` / ``read_all``: a transformers oracle model with redrawn weights; the tensors of
   a safetensors directory;
+- ``tcp_sockets``: this process's TCP sockets ``(state, local ip, remote ip)``, from ``/proc``;
 - ``on_ranks``: ``fn(rank, world, *args)`` on the session's warm ranks (the fmoe plugin's
   ``fmoe_pools``, handed over by ``tests/conftest.py``), or on fresh ones outside pytest.
 """
@@ -65,3 +66,33 @@ def on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 12
 
         return spawn(fn, world, *args, timeout=timeout, **kw)
     return _Session.pools.run(fn, world, *args, timeout=timeout, **kw)
+
+
+def _ip(hex_addr: str) -> str:
+    import ipaddress
+
+    addr = bytes.fromhex(hex_addr.split(":")[0])
+    words = [addr[i:i + 4][::-1] for i in range(0, len(addr), 4)]     # /proc prints host-order words
+    ip = ipaddress.ip_address(b"".join(words))
+    return str(ip.ipv4_mapped or ip) if ip.version == 6 else str(ip)
+
+
+def tcp_sockets() -> list[tuple[str, str, str]]:
+    """``(state, local ip, remote ip)`` of this process's TCP sockets (Linux ``/proc``; state
+    ``"0A"`` is LISTEN, whose remote is the wildcard)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/self/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[9] in inodes:
+                    found.append((cols[3], _ip(cols[1]), _ip(cols[2])))
+    return found

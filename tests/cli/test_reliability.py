@@ -4,6 +4,7 @@ loopback-only rendezvous and resources released by a failed spawn."""
 
 import errno
 import json
+import ipaddress
 import os
 import signal
 import subprocess
@@ -286,29 +287,14 @@ def _listening(rank, world):
     t = torch.ones(1)
     dist.all_reduce(t)
     dist.all_reduce(t, group=fmoe.Mesh(tp=2).group("tp"))
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    found = []
-    for proto in ("tcp", "tcp6"):
-        with open(f"/proc/self/net/{proto}") as f:
-            for line in list(f)[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:          # LISTEN
-                    found.append((proto, cols[1]))
-    return found
+    from helpers import tcp_sockets
+    return [local for state, local, _ in tcp_sockets() if state == "0A"]       # LISTEN
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="reads Linux /proc/net/tcp")
 def test_ranks_listen_on_loopback_only_and_warn_once(capfd):
-    loopback = ("0100007F:", "00000000000000000000000001000000:")   # 127.0.0.1, ::1
     for found in spawn(_listening, 2):
-        assert found and all(addr.startswith(loopback) for _, addr in found), found
+        assert found and all(ipaddress.ip_address(addr).is_loopback for addr in found), found
     assert capfd.readouterr().err.count("FutureWarning: `thing` is deprecated") == 1   # not once per rank
 
 

@@ -132,30 +132,9 @@ def test_a_hang_times_out_and_the_next_call_gets_fresh_ranks():
 
 def _sockets(rank, world):
     """(state, local ip, remote ip) of this process's TCP sockets, after gloo has connected."""
+    from helpers import tcp_sockets
     dist.barrier()
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    found = []
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/net/{table}") as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[9] in inodes:
-                    found.append((cols[3], _ip(cols[1]), _ip(cols[2])))
-    return found
-
-
-def _ip(hex_addr):
-    addr = bytes.fromhex(hex_addr.split(":")[0])
-    words = [addr[i:i + 4][::-1] for i in range(0, len(addr), 4)]     # /proc prints host-order words
-    ip = ipaddress.ip_address(b"".join(words))
-    return str(ip.ipv4_mapped or ip) if ip.version == 6 else str(ip)
+    return tcp_sockets()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")

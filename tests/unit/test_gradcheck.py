@@ -113,3 +113,29 @@ def test_low_precision_still_computes_in_float32(dtype):
     assert nn.cross_entropy(x, torch.tensor([0, 1, 2])).dtype == torch.float32
     w = fmoe.routing.topk(2)(x).weights
     assert w.dtype == torch.float32
+
+
+def test_rope_chunked_loss_biased_routers_and_replay_stay_float64():
+    """The places that once computed in float32 whatever came in: rope tables (a float32 cos
+    differs from float64 by ~1e-7, which made compiled and eager float64 gradients disagree at
+    that level), the chunked loss, the biased routers and replay."""
+    from fmoe.routing.balance import biased_topk, biased_topk_softmax
+    from fmoe.routing.record import replay
+    inv_freq, _ = nn.rope_frequencies(8, 10000.0)
+    pos = torch.arange(50)
+    cos, sin = nn.rope_cos_sin(pos, inv_freq, dtype=F64)
+    angles = pos[:, None].double() * inv_freq.double()
+    want = torch.cat((angles, angles), dim=-1)
+    assert cos.dtype == F64 and (cos - want.cos()).abs().max() < 1e-14 and (sin - want.sin()).abs().max() < 1e-14
+    c32, _ = nn.rope_cos_sin(pos, inv_freq)                    # fp32 tables keep transformers' arithmetic
+    assert c32.dtype == torch.float32 and torch.equal(c32, (pos[:, None].float() * inv_freq).repeat(1, 2).cos())
+    g = torch.Generator().manual_seed(4)
+    logits, targets = torch.randn(6, 11, generator=g, dtype=F64), torch.randint(0, 11, (6,), generator=g)
+    from fmoe.nn.chunked_loss import chunked_cross_entropy
+    loss = chunked_cross_entropy(logits, targets, 3)
+    assert loss.dtype == F64 and abs(loss.item() - nn.cross_entropy(logits, targets).item()) < 1e-14
+    x, bias = torch.randn(5, 4, generator=g, dtype=F64), torch.tensor([0.0, 0.5, 0.0, 0.0])
+    for router in (biased_topk(2), biased_topk_softmax(2)):
+        assert router(x, expert_bias=bias).weights.dtype == F64 and router(x).weights.dtype == F64
+    ids = torch.topk(x, 2, dim=-1).indices
+    assert replay([ids])(x).weights.dtype == F64
