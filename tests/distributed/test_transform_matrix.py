@@ -40,7 +40,7 @@ STACKED = (NotImplementedError, r"vmap over stacked sharded \(DTensor\) paramete
 TANGENTS = (NotImplementedError, r"jacfwd \(or vmap over torch.func.jvp tangents\) of sharded .* not supported on a mesh")
 # Dynamo wraps the error the layer raises while tracing (its text is kept in the message)
 COMPILED = (torch._dynamo.exc.Unsupported, r"compile of a torch.func transform .* on a mesh .* not supported")
-#: torch.compile on a mesh costs 40-100 s of Dynamo tracing per model and mesh on 2 cores, so
+#: torch.compile on a mesh costs 7-30 s of Dynamo tracing per model and mesh on 2 quiet cores, so
 #: compile(forward) runs for one MoE and one dense model on meshes (the cells list them)
 COMPILED_ON_MESH = {"tp1/ep4": ("qwen3_moe",), "tp2/ep2": ("qwen3_moe", "llama"), "fsdp (tp2/ep2, fsdp2)": ("llama",)}
 
