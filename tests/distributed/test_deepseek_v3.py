@@ -18,7 +18,7 @@ import torch
 import fmoe
 import fmoe.nn as nn
 from fmoe.models import deepseek_v3 as ds
-from helpers import close, hf_model, on_ranks, read_all
+from helpers import check_grads_and_save_hf, close, hf_model, on_ranks, read_all
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,21 +67,7 @@ def test_logits_every_gradient_and_checkpoints_match_transformers(case, tmp_path
 
     # every gradient in the checkpoint layout; the bias buffer has none, both sides write its value
     grads = fmoe.tree.map_with_path(lambda p, t: t.detach() if p.endswith("expert_bias") else t.grad, params)
-    ds.save_hf(grads, cfg, tmp_path / "fmoe_grads")
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(p.grad)
-    hf.save_pretrained(tmp_path / "hf_grads")
-    ours, theirs = read_all(tmp_path / "fmoe_grads"), read_all(tmp_path / "hf_grads")
-    assert sorted(ours) == sorted(theirs)
-    for key, g in theirs.items():
-        close(ours[key], g, f"{case} grad {key}")
-
-    ds.save_hf(params, cfg, tmp_path / "fmoe")
-    assert sorted(read_all(tmp_path / "fmoe")) == sorted(read_all(tmp_path / "hf"))
-    back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "fmoe", attn_implementation="eager").eval()
-    with torch.no_grad():
-        close(back(tokens).logits, logits.detach(), f"{case} logits after save_hf -> from_pretrained")
+    check_grads_and_save_hf(ds, hf, grads, params, logits, tokens, cfg, tmp_path, case)
 
 
 def test_bias_selects_presets_round_trip_and_config_errors():

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 import fmoe
 import fmoe.nn as nn
 from fmoe.models import gpt_oss, mixtral, qwen3_moe
-from helpers import close, hf_model, read_all
+from helpers import check_grads_and_save_hf, close, hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,23 +69,10 @@ def test_logits_every_gradient_and_checkpoints_match_transformers(case, tmp_path
     assert len(aux["moe"]) == n_moe and all(int(a["tokens_per_expert"].sum()) == B * S * cfg.num_experts_per_tok
                                             for a in aux["moe"])
 
-    # every gradient, in the checkpoint layout each library writes
-    model_mod.save_hf(fmoe.tree.map_with_path(lambda _, t: t.grad, params), cfg, tmp_path / "fmoe_grads")
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(p.grad)
-    hf.save_pretrained(tmp_path / "hf_grads")
-    ours, theirs = read_all(tmp_path / "fmoe_grads"), read_all(tmp_path / "hf_grads")
-    assert sorted(ours) == sorted(theirs)
-    for key, g in theirs.items():
-        close(ours[key], g, f"{case} grad {key}")
-
-    # save_hf writes what save_pretrained writes, and transformers loads it
-    model_mod.save_hf(params, cfg, tmp_path / "fmoe")
-    assert sorted(read_all(tmp_path / "fmoe")) == sorted(read_all(tmp_path / "hf"))
-    back = getattr(transformers, cls_name).from_pretrained(tmp_path / "fmoe", attn_implementation="eager").eval()
-    with torch.no_grad():
-        close(back(tokens).logits, logits.detach(), f"{case} logits after save_hf -> from_pretrained")
+    # every gradient, in the checkpoint layout each library writes; save_hf writes what
+    # save_pretrained writes, and transformers loads it
+    check_grads_and_save_hf(model_mod, hf, fmoe.tree.map_with_path(lambda _, t: t.grad, params), params, logits,
+                            tokens, cfg, tmp_path, case)
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
