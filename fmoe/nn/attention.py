@@ -155,9 +155,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         plain_causal = causal and window is None and S == Sk and key_mask is None
         plain = plain_causal or (not causal and window is None and key_mask is None)
         mask = None if plain else _mask(S, Sk, causal, window, key_mask, q.device)
-        out = F.scaled_dot_product_attention(qh, kt, vt, attn_mask=mask, is_causal=plain_causal,
-                                             scale=scale, enable_gqa=rep > 1)
-        return rearrange(out, "b h s d -> b s h d")
+        # On CPU the fused kernel's bf16 backward runs ~3x slower than its fp32 one (no AMX path;
+        # benchmarks/RESULTS.md), so the core computes in fp32 there; the projections stay bf16.
+        core = at_least_f32(q.dtype) if q.device.type == "cpu" else q.dtype
+        out = F.scaled_dot_product_attention(qh.to(core), kt.to(core), vt.to(core), attn_mask=mask,
+                                             is_causal=plain_causal, scale=scale, enable_gqa=rep > 1)
+        return rearrange(out.to(q.dtype), "b h s d -> b s h d")
     kh = repeat(k, "b s g d -> b (g r) s d", r=rep)  # query head h uses KV head h // rep
     vh = repeat(v, "b s g d -> b (g r) s d", r=rep)
     scores = torch.matmul(qh, kh.transpose(2, 3)) * scale  # [B, Hq, S, Sk]
