@@ -11,8 +11,9 @@ A step's memory peaks at one of four moments, and the plan takes the largest:
   holds them until backward ends) left, every other layer's gradient made (where gradients per layer outweigh
   activations per layer, this is the larger);
 - **optimizer**: parameters + moments + every reduced gradient + the temporaries of the
-  global gradient norm (an fp64 copy and its square of the largest local gradient, 16 bytes
-  per element) — the donated in-place AdamW update itself works by small pieces.
+  global gradient norm (:func:`norm_temporaries`: an fp32 copy of the largest local gradient
+  when gradients are bf16, nothing for fp32 ones) — the donated AdamW update works in place
+  (torch's fused kernel, or by small pieces).
 
 Activations, per rank, with ``b`` the activation dtype's bytes (2 for bf16 compute or bf16
 weights), ``T`` tokens per micro-batch, ``q`` / ``kv`` the rank's query / key-value widths
@@ -41,7 +42,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["layer_activations", "global_activations", "loss_temporaries", "layer_temporaries", "step_peak"]
+__all__ = ["layer_activations", "global_activations", "loss_temporaries", "layer_temporaries", "norm_temporaries",
+           "step_peak"]
 
 
 def layer_activations(w: dict, *, tokens: int, slots: int, tp: int, b: int, moe: bool) -> int:
@@ -75,6 +77,18 @@ def layer_temporaries(*, gathered: int, expert_acts: int) -> int:
     full-size gradients and the reduce-scatter's buffer (3 x the gathered bytes), and
     gradients the size of its expert activations."""
     return 3 * gathered + expert_acts
+
+
+def norm_temporaries(largest: int, grad_bytes: int) -> int:
+    """Bytes the global gradient norm allocates (:func:`fmoe.optim.adamw.global_norm`): the
+    largest local gradient (``largest`` elements) upcast to fp32 when it is narrower; its row dot
+    products read fp32 gradients in place.
+
+    Example:
+        >>> norm_temporaries(1000, 2), norm_temporaries(1000, 4)
+        (4000, 0)
+    """
+    return 4 * largest if grad_bytes < 4 else 0
 
 
 def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss_temps: int,

@@ -247,7 +247,8 @@ def _peak(w: dict, mesh: VirtualMesh, T: int, moe_layers: int, pol: Precision, r
     loss_side = 4 * T * w["V"] if loss_chunks == 1 else 0       # the log-softmax is gone by then (the logits stay)
     return memory_peak.step_peak(params=params, grads=grads, optimizer=optimizer, activations=int(acts),
                                  loss_temps=memory_peak.loss_temporaries(w, tokens=T, b=b, loss_chunks=loss_chunks),
-                                 norm_temps=16 * largest, layer_acts=int(last + loss_side),
+                                 norm_temps=memory_peak.norm_temporaries(largest, pol.master_dtype.itemsize),
+                                 layer_acts=int(last + loss_side),
                                  layer_temps=memory_peak.layer_temporaries(gathered=gathered, expert_acts=int(expert)),
                                  last_acts=b * T * w["V"], last_grads=last_grads)
 
