@@ -122,14 +122,9 @@ def rank_setup(rank: int, parent: int) -> None:
 
 
 def join_group(rank: int, world: int, store_path: str, threads: int, timeout: float) -> None:
-    """Set the rank's environment and threads, then join the gloo group through ``store_path``.
-
-    The group connects its rank pairs lazily (``TORCH_GLOO_LAZY_INIT``: a pair's TCP connection is
-    made by its first message), so a call pays only for the pairs its collectives use: a ring
-    all-reduce on 4 ranks connects 4 of the 6 pairs, and joining and destroying a group, the
-    per-call cost of :class:`fmoe.testing.Pool`, is about twice as fast (``benchmarks/RESULTS.md``)."""
+    """Set the rank's environment and threads, then join the gloo group through ``store_path``."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      OMP_NUM_THREADS=str(threads), TORCH_GLOO_LAZY_INIT="1")
+                      OMP_NUM_THREADS=str(threads))
     import torch
     import torch.distributed as dist
 
