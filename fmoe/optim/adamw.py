@@ -164,15 +164,16 @@ def _fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor)
                                                          and t.is_contiguous() for t in ts))
 
 
-def _fused_adamw(group: list, count: torch.Tensor, scale: torch.Tensor, finite: torch.Tensor,
+def _fused_adamw(group: list, t: torch.Tensor, scale: torch.Tensor, finite: torch.Tensor,
                  lr: Union[float, torch.Tensor], cfg: AdamWConfig, wd: float) -> None:
-    """``torch._fused_adamw_`` over ``[(g, m, v, p), ...]`` in place: the same update as
-    :func:`_adam` in one vectorized pass per tensor (the elementwise tensor math makes ~15 passes
-    over memory). The clip scale enters as the kernel's gradient divisor (``g`` is left scaled),
-    a non-finite norm as its ``found_inf`` (nothing is written)."""
+    """``torch._fused_adamw_`` over ``[(g, m, v, p), ...]`` in place at step ``t`` (the bias
+    corrections' step count): the same update as :func:`_adam` in one vectorized pass per tensor
+    (the elementwise tensor math makes ~15 passes over memory). The clip scale enters as the
+    kernel's gradient divisor (``g`` is left scaled), a non-finite norm as its ``found_inf``
+    (nothing is written)."""
     g, m, v, p = (list(x) for x in zip(*group))
     dev = p[0].device
-    t = count.to(device=dev, dtype=torch.float32).clamp(min=1)
+    t = t.to(device=dev, dtype=torch.float32)
     b1, b2 = cfg.betas
     lr = lr.to(dev) if isinstance(lr, torch.Tensor) else float(lr)
     torch._fused_adamw_(p, g, m, v, [], [t] * len(p), lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=cfg.eps,
@@ -240,7 +241,7 @@ def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], c
                 fused.setdefault((p0.dtype, p0.device, wd), []).append((path, g0, m0, v0, p0))
                 continue
             hyper = (scale, b1, b2, bc1, bc2, lr, wd, cfg.eps)
-            if donate and all(t.is_contiguous() for t in (p0, m0, v0)):   # in place, by pieces
+            if donate and all(x.is_contiguous() for x in (p0, m0, v0)):   # in place, by pieces
                 fg, fp, fm, fv = g0.reshape(-1), p0.view(-1), m0.view(-1), v0.view(-1)
                 for a in range(0, fp.numel(), DONATE_PIECE):
                     sl = slice(a, a + DONATE_PIECE)
@@ -253,7 +254,7 @@ def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], c
             new_p[path] = placed_like(pl, p).requires_grad_(p.requires_grad)
             new_m[path], new_v[path] = placed_like(m, flat_m[path]), placed_like(v, flat_v[path])
         for (dtype, device, wd), group in fused.items():
-            _fused_adamw([x[1:] for x in group], count, scale, finite, lr, cfg, wd)
+            _fused_adamw([x[1:] for x in group], t, scale, finite, lr, cfg, wd)
             for path, _, m, v, pl in group:
                 p = flat_p[path]
                 new_p[path] = p if donate else placed_like(pl, p).requires_grad_(p.requires_grad)
