@@ -145,18 +145,23 @@ def leave_group() -> None:
         pass
 
 
-def report(q: Any, call: int, rank: int, fn: Callable[..., Any], args: Sequence[Any]) -> None:
-    """Run ``fn(*args)`` and put ``(call, "ok"|"err", rank, body)`` on ``q``."""
+def outcome(call: int, rank: int, fn: Callable[..., Any], args: Sequence[Any]) -> tuple:
+    """Run ``fn(*args)``; return the message ``(call, "ok"|"err", rank, body)`` for the caller."""
     try:
         result = fn(*args)
-        q.put((call, "ok", rank, cloudpickle.dumps(result)))
+        return (call, "ok", rank, cloudpickle.dumps(result))
     except BaseException as e:  # noqa: BLE001 - report everything, including SystemExit
         tb = traceback.format_exc()
         try:
             blob = cloudpickle.dumps(e)
         except Exception:  # noqa: BLE001
             blob = None
-        q.put((call, "err", rank, (blob, f"{type(e).__name__}: {e}", tb)))
+        return (call, "err", rank, (blob, f"{type(e).__name__}: {e}", tb))
+
+
+def report(q: Any, call: int, rank: int, fn: Callable[..., Any], args: Sequence[Any]) -> None:
+    """Run ``fn(*args)`` and put its :func:`outcome` on ``q``."""
+    q.put(outcome(call, rank, fn, args))
 
 
 def _one_shot(payload: bytes, rank: int, world: int, store_path: str, threads: int, timeout: float,
@@ -184,6 +189,7 @@ class Ranks:
     def __init__(self, world: int, target: Callable[..., None], args_of: Callable[[int, str], tuple],
                  who: str):
         self.world, self.who = world, who
+        self.retiring: dict[int, str] = {}      # rank -> why it must be replaced (a "retire" message)
         self.ctx = mp.get_context("spawn")
         self.dir = tempfile.mkdtemp(prefix="fmoe-ranks-")      # mode 0700: this user only
         self.q = self.ctx.Queue()
@@ -230,6 +236,9 @@ class Ranks:
                 continue
             if c != call:
                 continue                                      # a late echo of an earlier call
+            if kind == "retire":
+                self.retiring[rank] = body
+                continue
             if kind == "err":
                 errors.append((rank, body))
                 break
@@ -242,7 +251,9 @@ class Ranks:
                 c, kind, rank, body = self.q.get(timeout=0.1)
             except _queue.Empty:
                 continue
-            if c == call and kind == "err":
+            if c == call and kind == "retire":
+                self.retiring[rank] = body
+            elif c == call and kind == "err":
                 errors.append((rank, body))
             elif c == call:
                 results[rank] = cloudpickle.loads(body)

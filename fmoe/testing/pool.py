@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import os
@@ -157,6 +158,14 @@ class Pool:
         finally:
             if os.path.exists(store):
                 os.remove(store)
+        if self._ranks.retiring:
+            # a group that outlives its call keeps its gloo threads and sockets: a suite that
+            # piled up hundreds of them per rank thrashed (RESULTS.md), so these ranks are replaced
+            why = "; ".join(f"rank {r}: {w}" for r, w in sorted(self._ranks.retiring.items()))
+            warnings.warn(f"Pool.run({getattr(fn, '__qualname__', fn)}): {why} (kept by module-level "
+                          "state, e.g. a cached DeviceMesh); the pool's ranks are replaced", RuntimeWarning,
+                          stacklevel=2)
+            settled = False
         if not settled:
             self._discard()
         if error is not None:
@@ -202,13 +211,15 @@ def _serve(rank: int, tasks: Any, q: Any, parent: int) -> None:
             launch.join_group(rank, world, store, threads, coll)
             return fn(rank, world, *args)
 
-        try:
-            launch.report(q, call, rank, body, ())
-        finally:
-            launch.leave_group()
-            clean.restore()
-            del body
-            gc.collect()
+        message = launch.outcome(call, rank, body, ())
+        launch.leave_group()
+        clean.restore()
+        del body
+        gc.collect()
+        leaked = gloo_workers()          # threads of groups that outlived the call (module state)
+        if leaked:
+            q.put((call, "retire", rank, f"{leaked // 2} gloo group(s) outlived the call"))
+        q.put(message)
 
 
 class _State:
@@ -266,3 +277,45 @@ class _State:
 
             debug._clear_sharding_prop_cache()
             _redistribute.clear_redistribute_planner_cache()
+        # Every other memo of torch.distributed (``_gen_transform_infos``, ``MeshTopoInfo``, ...)
+        # keys on DTensorSpecs, whose DeviceMesh holds its process groups: a kept mesh keeps its
+        # gloo groups' threads alive, and hundreds of them slow every later call.
+        for memo in _distributed_memos():
+            memo.cache_clear()
+
+
+_MEMOS: tuple[int, list] = (0, [])
+
+
+def _distributed_memos() -> list:
+    """The ``functools`` caches of the imported ``torch.distributed`` modules (functions and the
+    static methods of their classes), found again only when more modules have been imported."""
+    global _MEMOS
+    mods = [m for n, m in list(sys.modules.items()) if n.startswith("torch.distributed") and m is not None]
+    if len(mods) != _MEMOS[0]:
+        found = []
+        for m in mods:
+            for v in list(vars(m).values()):     # type(), not isinstance: no deprecated __class__
+                ours = issubclass(type(v), type) and vars(v).get("__module__") == m.__name__
+                for f in [v, *(vars(v).values() if ours else ())]:
+                    f = f.__func__ if type(f) in (staticmethod, classmethod) else f
+                    if type(f) is functools._lru_cache_wrapper:
+                        found.append(f)
+        _MEMOS = (len(mods), found)
+    return _MEMOS[1]
+
+
+def gloo_workers() -> int:
+    """This process's live gloo worker threads (``pt_gloo_runloop``, two per live gloo group;
+    Linux ``/proc``, 0 elsewhere). Between calls there are none unless a group outlived its call."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return 0
+    n = 0
+    for t in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{t}/comm") as f:
+                n += f.read().strip() == "pt_gloo_runloop"
+        except OSError:
+            pass
+    return n

@@ -77,6 +77,46 @@ def test_dtensor_caches_do_not_carry_one_calls_meshes_into_the_next(pool):
         assert pool.run(_moe_parity) == [[]] * 4
 
 
+def _train_step_on_a_mesh(rank, world):
+    from balance_cases import run, settings
+
+    run("qwen3_moe", settings("qwen3_moe", "aux"), fmoe.Mesh(tp=2, ep=2), steps=1)
+
+
+def _gloo_workers(rank, world):
+    from fmoe.testing.pool import gloo_workers
+
+    dist.barrier()
+    return gloo_workers()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
+@pytest.mark.filterwarnings("error:Pool.run")         # a replaced pool would hide the leak
+def test_no_gloo_group_outlives_a_call(pool):
+    """A train step on a mesh fills DTensor's redistribute memo (``_gen_transform_infos``) with
+    specs whose DeviceMesh holds the mesh's groups; the pool clears it. Before, each such call
+    left 6 groups (12 gloo threads) per rank, and a whole suite on one pool piled up hundreds."""
+    base = pool.run(_gloo_workers)          # the call's own default group: 2 threads per rank
+    pool.run(_train_step_on_a_mesh)
+    assert pool.run(_gloo_workers) == base
+
+
+_KEPT: list = []
+
+
+def _keep_a_group(rank, world):
+    _KEPT.append(dist.new_group([0, 1]))     # module state of the rank: outlives the call
+
+
+def test_a_call_that_keeps_a_group_alive_gets_fresh_ranks():
+    with Pool(2) as p:
+        old = p.pids
+        with pytest.warns(RuntimeWarning, match=r"_keep_a_group.*rank 0: 1 gloo group\(s\) outlived the call"):
+            p.run(_keep_a_group)
+        assert all(_gone(pid) for pid in old)
+        assert p.run(_gloo_workers) == [2, 2]                 # fresh ranks: the call's group only
+
+
 def _raise_while_others_block(rank, world):
     if rank == 2:
         raise ValueError("bad shard on this rank")
