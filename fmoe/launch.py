@@ -108,10 +108,13 @@ def _loopback_interface() -> Optional[str]:
     return None
 
 
-def rank_setup(rank: int, parent: int) -> None:
+def rank_setup(rank: int, parent: int, world: int) -> None:
     """What a rank does once when it starts: die with its parent, leave Ctrl-C to it, warn once,
-    and keep gloo on the loopback interface."""
+    keep gloo on the loopback interface, and give Inductor's compile workers the rank's share of
+    the cores (``TORCHINDUCTOR_COMPILE_THREADS``, unless set: by default each of ``world`` ranks
+    would start a worker per core of the machine, each importing torch)."""
     die_with_parent(parent)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(default_threads(world)))
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is the caller's to handle
     if rank:                                              # same code on every rank: warn once
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -122,9 +125,14 @@ def rank_setup(rank: int, parent: int) -> None:
 
 
 def join_group(rank: int, world: int, store_path: str, threads: int, timeout: float) -> None:
-    """Set the rank's environment and threads, then join the gloo group through ``store_path``."""
+    """Set the rank's environment and threads, then join the gloo group through ``store_path``.
+
+    The group connects its rank pairs lazily (``TORCH_GLOO_LAZY_INIT``: a pair's TCP connection is
+    made by its first message), so a call pays only for the pairs its collectives use: a ring
+    all-reduce on 4 ranks connects 4 of the 6 pairs, and joining and destroying a group, the
+    per-call cost of :class:`fmoe.testing.Pool`, is about twice as fast (``benchmarks/RESULTS.md``)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      OMP_NUM_THREADS=str(threads))
+                      OMP_NUM_THREADS=str(threads), TORCH_GLOO_LAZY_INIT="1")
     import torch
     import torch.distributed as dist
 
@@ -166,7 +174,7 @@ def report(q: Any, call: int, rank: int, fn: Callable[..., Any], args: Sequence[
 
 def _one_shot(payload: bytes, rank: int, world: int, store_path: str, threads: int, timeout: float,
               q: Any, parent: int) -> None:
-    rank_setup(rank, parent)
+    rank_setup(rank, parent, world)
     try:
         def body():
             fn, args = cloudpickle.loads(payload)

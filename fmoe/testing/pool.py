@@ -74,7 +74,7 @@ class Pool:
         ctx = launch.mp.get_context("spawn")
         tasks = [ctx.Queue() for _ in range(self.size)]
         try:
-            ranks = launch.Ranks(self.size, _serve, lambda r, d: (r, tasks[r]), "Pool.run")
+            ranks = launch.Ranks(self.size, _serve, lambda r, d: (r, self.size, tasks[r]), "Pool.run")
         except BaseException:
             _close_queues(tasks)
             raise
@@ -193,9 +193,9 @@ def _stop(ranks: Optional[launch.Ranks], tasks: list, graceful: bool = True) -> 
 
 
 # ----------------------------------------------------------------------------------- rank side
-def _serve(rank: int, tasks: Any, q: Any, parent: int) -> None:
+def _serve(rank: int, size: int, tasks: Any, q: Any, parent: int) -> None:
     """A pool rank: import once, then run calls until told to stop."""
-    launch.rank_setup(rank, parent)          # torch and fmoe are imported (once per rank): this
+    launch.rank_setup(rank, parent, size)    # torch and fmoe are imported (once per rank): this
     clean = _State.capture()                 # module's package imported them to unpickle _serve
     gc.freeze()          # what the imports made is permanent: the per-call collection skips it
     q.put((_READY, "ok", rank, cloudpickle.dumps(None)))
