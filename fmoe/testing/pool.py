@@ -242,6 +242,7 @@ class _State:
         np = sys.modules.get("numpy")
         s.np_rng = np.random.get_state() if np is not None else None
         s.impls = {n: fmoe.ep.declared(n) for n in fmoe.ep.registered()}   # with declared properties
+        s.memos = (0, [])
         return s
 
     def restore(self) -> None:
@@ -280,19 +281,17 @@ class _State:
         # Every other memo of torch.distributed (``_gen_transform_infos``, ``MeshTopoInfo``, ...)
         # keys on DTensorSpecs, whose DeviceMesh holds its process groups: a kept mesh keeps its
         # gloo groups' threads alive, and hundreds of them slow every later call.
-        for memo in _distributed_memos():
+        self.memos = _distributed_memos(self.memos)
+        for memo in self.memos[1]:
             memo.cache_clear()
 
 
-_MEMOS: tuple[int, list] = (0, [])
-
-
-def _distributed_memos() -> list:
-    """The ``functools`` caches of the imported ``torch.distributed`` modules (functions and the
-    static methods of their classes), found again only when more modules have been imported."""
-    global _MEMOS
+def _distributed_memos(known: tuple[int, list]) -> tuple[int, list]:
+    """``(number of torch.distributed modules, their functools caches)``: the caches of the
+    imported ``torch.distributed`` modules (functions and the static methods of their classes),
+    searched again only when more modules have been imported than ``known`` counted."""
     mods = [m for n, m in list(sys.modules.items()) if n.startswith("torch.distributed") and m is not None]
-    if len(mods) != _MEMOS[0]:
+    if len(mods) != known[0]:
         found = []
         for m in mods:
             for v in list(vars(m).values()):     # type(), not isinstance: no deprecated __class__
@@ -301,8 +300,8 @@ def _distributed_memos() -> list:
                     f = f.__func__ if type(f) in (staticmethod, classmethod) else f
                     if type(f) is functools._lru_cache_wrapper:
                         found.append(f)
-        _MEMOS = (len(mods), found)
-    return _MEMOS[1]
+        known = (len(mods), found)
+    return known
 
 
 def gloo_workers() -> int:
