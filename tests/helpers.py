@@ -21,15 +21,18 @@ import torch
 
 def close(a: torch.Tensor, b: torch.Tensor, what: str = "", atol: float = 1e-6) -> None:
     """``a`` equals ``b`` at rtol 1e-5. The atol only covers elements that cancel to ~0: the larger
-    of ``atol`` times the tensor's scale (at least 1) and 1e-5 of its scale (its largest element).
+    of ``atol`` times the tensor's scale (at least 1) and ~84 eps of ``b``'s dtype times its scale
+    (its largest element): 1e-5 of the scale in fp32.
 
-    Why 1e-5 of the scale: an element that cancels carries the rounding of the terms it summed,
+    Why ~84 eps of the scale: an element that cancels carries the rounding of the terms it summed,
     not of its own size. Two fp32 implementations with different reduction orders, through a few
     layers of width 64, differ by up to 2.8e-6 of a gradient's largest element (measured on
     transformers' DeepSeek-V3 gradients, AMD EPYC; ~24 fp32 eps): 1e-5 (~84 eps) leaves a 3x margin
     and still fails any scale bug (a gradient x2 is off by 100% of its scale)."""
     scale = b.abs().max().item() if b.numel() else 0.0
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=max(atol * max(1.0, scale), 1e-5 * scale),
+    eps = torch.finfo(b.dtype).eps if b.dtype.is_floating_point else 0.0
+    cancel = 1e-5 * scale * eps / torch.finfo(torch.float32).eps        # exactly 1e-5 of it in fp32
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=max(atol * max(1.0, scale), cancel),
                                msg=lambda m: f"{what}: {m}")
 
 
