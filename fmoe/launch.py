@@ -7,8 +7,9 @@ Every place that starts ranks on this machine goes through here: ``python -m fmo
 - nothing listens on the network: ranks meet through a ``FileStore`` in a private temporary
   directory (mode 0700, removed afterwards) and gloo's own connections use the loopback
   interface (``GLOO_SOCKET_IFNAME``);
-- ranks never outlive the caller: each asks the kernel to kill it when its parent dies
-  (``PR_SET_PDEATHSIG`` on Linux) and a watchdog thread exits it when it is re-parented;
+- ranks never outlive the caller: each exits when the caller's end of its "lifeline" pipe
+  closes (the caller died, however) and asks the kernel to kill it when its parent dies
+  (``PR_SET_PDEATHSIG`` on Linux);
   Ctrl-C goes to the caller, which then stops the ranks; queues, pipes and process handles are
   closed when the caller is done with them, not at garbage collection;
 - a failure is never hidden: the first rank that raises is the one reported (its exception
@@ -18,6 +19,13 @@ Every place that starts ranks on this machine goes through here: ``python -m fmo
 
 Functions and arguments travel with cloudpickle, so functions defined in a notebook or inside a
 test work. Deprecation and future warnings print once (rank 0), not once per rank.
+
+Ranks start from a fork server (:func:`context`, Linux): one helper process per caller imports
+torch and fmoe once and forks every rank from there, so a rank starts with them imported instead
+of paying seconds of imports each (``benchmarks/RESULTS.md``). Each rank still gets the caller's
+``sys.path``, working directory and environment as they are when it starts; only what torch reads
+from the environment *while it is imported* (``TORCH_LOGS``, for example) comes from the moment the
+fork server started, the caller's first launch.
 
 Example:
     >>> def total(rank, world):
@@ -50,7 +58,29 @@ from typing import Any, Callable, Optional, Sequence
 
 import cloudpickle
 
-__all__ = ["run", "Ranks", "RemoteTraceback", "free_port", "check_world", "default_threads"]
+__all__ = ["run", "Ranks", "RemoteTraceback", "free_port", "check_world", "default_threads", "context"]
+
+#: What the fork server imports once; the ranks it forks start with these imported.
+PRELOAD = ["cloudpickle", "torch", "torch.distributed", "fmoe", "fmoe.launch", "fmoe.testing.pool", "fmoe.models"]
+
+
+def context() -> Any:
+    """The ``multiprocessing`` context every rank starts from: the fork server, preloaded with
+    :data:`PRELOAD`, where the platform has one (Linux), else ``spawn``.
+
+    The fork server is one process per caller, started by the caller's first launch; it is
+    single-threaded when it forks (nothing it imports starts a thread), and it exits when the
+    caller does, which ends its ranks (:func:`die_with_parent`).
+
+    Example:
+        >>> context().get_start_method() in ("forkserver", "spawn")
+        True
+    """
+    if sys.platform.startswith("linux"):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)         # takes effect when the server starts
+        return ctx
+    return mp.get_context("spawn")
 
 
 class RemoteTraceback(Exception):
@@ -83,22 +113,33 @@ def default_threads(world_size: int) -> int:
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int) -> None:
-    """Exit this rank as soon as the process that started it is gone (SIGTERM, SIGKILL, crash)."""
+def die_with_parent(caller: int) -> None:
+    """Exit this rank as soon as the process that launched it (``caller``) is gone.
+
+    Two mechanisms, for the two ways a rank starts: the kernel kills a rank whose parent exits
+    (``PR_SET_PDEATHSIG`` on Linux; the parent is the caller under ``spawn``), and every rank
+    :class:`Ranks` starts also watches a pipe only the caller can write to (its "lifeline"): the
+    pipe's end of file means the caller is gone, however it died, whoever the rank's parent is
+    (under the fork server it is the server, which outlives the caller while any rank lives)."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (AttributeError, OSError):
             pass
-
-    def watch() -> None:                 # also covers the race before prctl and other systems
-        while os.getppid() == parent:
-            time.sleep(0.5)
+    try:
+        os.kill(caller, 0)                   # gone before the signal was armed
+    except ProcessLookupError:
         os._exit(1)
+    except PermissionError:
+        pass
 
-    if os.getppid() != parent:
-        os._exit(1)
-    threading.Thread(target=watch, name="fmoe-parent-watchdog", daemon=True).start()
+
+def _exit_at_eof(lifeline: Any) -> None:
+    """Block until the caller's end of ``lifeline`` is closed (nothing is ever sent), then exit."""
+    from multiprocessing.connection import wait
+
+    wait([lifeline])
+    os._exit(1)
 
 
 def _loopback_interface() -> Optional[str]:
@@ -115,6 +156,9 @@ def rank_setup(rank: int, parent: int, world: int) -> None:
     would start a worker per core of the machine, each importing torch)."""
     die_with_parent(parent)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(default_threads(world)))
+    inductor = sys.modules.get("torch._inductor.config")     # imported by the fork server: it
+    if inductor is not None:                                 # read the server's environment
+        inductor.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is the caller's to handle
     if rank:                                              # same code on every rank: warn once
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -186,6 +230,15 @@ def _one_shot(payload: bytes, rank: int, world: int, store_path: str, threads: i
         leave_group()
 
 
+def _enter(env: dict, lifeline: Any, target: Callable[..., None], *args: Any) -> None:
+    """A started rank: take the caller's environment as it was at the launch, exit when the
+    caller's end of ``lifeline`` closes (:func:`die_with_parent`), then run ``target``."""
+    os.environ.clear()
+    os.environ.update(env)
+    threading.Thread(target=_exit_at_eof, args=(lifeline,), name="fmoe-caller-lifeline", daemon=True).start()
+    target(*args)
+
+
 # --------------------------------------------------------------------------------- caller side
 class Ranks:
     """``world`` started processes, one result queue and a private store directory.
@@ -198,16 +251,20 @@ class Ranks:
                  who: str):
         self.world, self.who = world, who
         self.retiring: dict[int, str] = {}      # rank -> why it must be replaced (a "retire" message)
-        self.ctx = mp.get_context("spawn")
+        self.ctx = context()
         self.dir = tempfile.mkdtemp(prefix="fmoe-ranks-")      # mode 0700: this user only
         self.q = self.ctx.Queue()
-        self.procs = [self.ctx.Process(target=target, args=(*args_of(r, self.dir), self.q, os.getpid()),
-                                       daemon=True) for r in range(world)]
+        env = dict(os.environ)                                 # the fork server's may be older
+        lifeline, self.lifeline = self.ctx.Pipe(duplex=False)  # only this process holds the writer
+        self.procs = [self.ctx.Process(target=_enter, args=(env, lifeline, target, *args_of(r, self.dir), self.q,
+                                                            os.getpid()), daemon=True) for r in range(world)]
         try:
             _start_without_main(self.procs)
         except BaseException:
             self.close()
             raise
+        finally:
+            lifeline.close()                                   # each rank has its own copy
 
     @property
     def pids(self) -> list[int]:
@@ -300,6 +357,7 @@ class Ranks:
                 p.join(timeout=5)
         self.q.close()
         self.q.join_thread()
+        self.lifeline.close()
         for p in self.procs:
             if p.exitcode is not None:
                 p.close()

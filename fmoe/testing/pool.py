@@ -71,7 +71,7 @@ class Pool:
 
     # ------------------------------------------------------------------------------- lifecycle
     def _start(self) -> None:
-        ctx = launch.mp.get_context("spawn")
+        ctx = launch.context()
         tasks = [ctx.Queue() for _ in range(self.size)]
         try:
             ranks = launch.Ranks(self.size, _serve, lambda r, d: (r, self.size, tasks[r]), "Pool.run")
