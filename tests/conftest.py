@@ -1,4 +1,5 @@
-"""Shared test settings: small thread counts keep many gloo ranks workable on 2 cores.
+"""Shared test settings: small thread counts keep many gloo ranks workable on 2 cores, under
+pytest-xdist workers too (the README's test command runs two).
 
 The fmoe pytest plugin (``fmoe.testing.plugin``: ``@pytest.mark.ranks``, the ``fmoe_pools``
 fixture) is loaded through its ``pytest11`` entry point once fmoe is installed; a checkout whose
@@ -14,7 +15,10 @@ import helpers
 from data_cases import train_tokenizer, write_corpus
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# pytest-xdist workers share the cores: each takes its share (two workers, two threads each,
+# would oversubscribe 2 cores and OpenMP's spinning threads would steal from each other)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 _INSTALLED = any(ep.value == "fmoe.testing.plugin" for ep in entry_points(group="pytest11"))
 pytest_plugins = ["pytester"] + ([] if _INSTALLED else ["fmoe.testing.plugin"])
