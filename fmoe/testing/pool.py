@@ -1,8 +1,8 @@
 """A warm rank pool: N gloo ranks kept alive that run many functions, each call on a clean slate.
 
-``fmoe.testing.spawn`` pays for fresh processes every time (start, ``import torch``, ``import
-fmoe``: seconds). A :class:`Pool` pays that once; each :meth:`Pool.run` then costs a new process
-group and one round trip (milliseconds). Each call is as if the ranks were fresh:
+``fmoe.testing.spawn`` pays for fresh processes every time (forked from the launcher's fork
+server, which imported torch and fmoe once: ~0.1 s for 4 ranks). A :class:`Pool` pays that once;
+each :meth:`Pool.run` then costs a new process group and one round trip (~40 ms for 4 ranks). Each call is as if the ranks were fresh:
 
 - a fresh default gloo group (a new ``FileStore`` file in the pool's private directory), destroyed
   after the call with every sub-group built on it (a ``fmoe.Mesh``'s groups included);

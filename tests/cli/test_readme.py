@@ -14,7 +14,9 @@ BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S
 def test_readme_has_setup_commands():
     text = README.read_text()
     assert 'pip install torch==2.13.0 && pip install -e ".[dev]"' in text
-    assert "python -m pytest -q tests" in text
+    assert "python -m pytest -q -n 2 tests" in text
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "python -m pytest -q -n 2 tests" in ci, "CI runs the README's test command"
 
 
 @pytest.mark.parametrize("i", range(len(BLOCKS)))
