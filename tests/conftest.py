@@ -38,3 +38,19 @@ def corpus(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("data"))
     d = write_corpus(root)
     return root, d, train_tokenizer(root, d)
+
+
+#: The files whose tests compile with Inductor or run notebooks: 60% of the suite's CPU time, in
+#: tests of up to ~3 min each (benchmarks/RESULTS.md). They are collected first, so that under
+#: ``-n 2`` the long tests start early and the workers end on short ones, together.
+_LONG_FIRST = ("test_transform_matrix.py", "test_transforms.py", "test_notebooks.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+
+    def key(item):                           # stable sort: other files keep their order, whole
+        file = rank.get(item.path.name, len(_LONG_FIRST))
+        heavy = file < len(_LONG_FIRST) and ("compile" in item.name or "mesh_cells" in item.name)
+        return (not heavy, file)
+    items.sort(key=key)
