@@ -23,7 +23,7 @@ test work. Deprecation and future warnings print once (rank 0), not once per ran
 Ranks start from a fork server (:func:`context`, Linux): one helper process per caller imports
 torch and fmoe once and forks every rank from there, so a rank starts with them imported instead
 of paying seconds of imports each (``benchmarks/RESULTS.md``). Each rank still gets the caller's
-``sys.path``, working directory and environment as they are when it starts; only what torch reads
+``sys.path``, working directory, environment, stdout and stderr as they are when it starts; only what torch reads
 from the environment *while it is imported* (``TORCH_LOGS``, for example) comes from the moment the
 fork server started, the caller's first launch.
 
@@ -230,11 +230,39 @@ def _one_shot(payload: bytes, rank: int, world: int, store_path: str, threads: i
         leave_group()
 
 
-def _enter(env: dict, lifeline: Any, target: Callable[..., None], *args: Any) -> None:
-    """A started rank: take the caller's environment as it was at the launch, exit when the
-    caller's end of ``lifeline`` closes (:func:`die_with_parent`), then run ``target``."""
+class _CallerStdio:
+    """The caller's stdout and stderr as they are at the launch, sent to the rank as file
+    descriptors (a fork server's ranks would otherwise inherit the server's, which are the
+    caller's from the moment the server started: under pytest, an earlier test's capture file)."""
+
+    def __init__(self, fds: tuple = ()) -> None:
+        self.fds = fds
+
+    def __reduce__(self) -> tuple:                 # pickled while the rank starts: the fds go along
+        from multiprocessing import reduction
+
+        return (_CallerStdio._rebuild, (reduction.DupFd(1), reduction.DupFd(2)))
+
+    @staticmethod
+    def _rebuild(out: Any, err: Any) -> "_CallerStdio":
+        return _CallerStdio((out.detach(), err.detach()))
+
+    def take(self) -> None:
+        """Make them this process's fds 1 and 2."""
+        for fd, target, stream in zip(self.fds, (1, 2), (sys.stdout, sys.stderr)):
+            if stream is not None:
+                stream.flush()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _enter(env: dict, stdio: _CallerStdio, lifeline: Any, target: Callable[..., None], *args: Any) -> None:
+    """A started rank: take the caller's environment, stdout and stderr as they were at the launch,
+    exit when the caller's end of ``lifeline`` closes (:func:`die_with_parent`), then run ``target``."""
     os.environ.clear()
     os.environ.update(env)
+    stdio.take()
     threading.Thread(target=_exit_at_eof, args=(lifeline,), name="fmoe-caller-lifeline", daemon=True).start()
     target(*args)
 
@@ -256,8 +284,8 @@ class Ranks:
         self.q = self.ctx.Queue()
         env = dict(os.environ)                                 # the fork server's may be older
         lifeline, self.lifeline = self.ctx.Pipe(duplex=False)  # only this process holds the writer
-        self.procs = [self.ctx.Process(target=_enter, args=(env, lifeline, target, *args_of(r, self.dir), self.q,
-                                                            os.getpid()), daemon=True) for r in range(world)]
+        self.procs = [self.ctx.Process(target=_enter, args=(env, _CallerStdio(), lifeline, target, *args_of(r, self.dir),
+                                                            self.q, os.getpid()), daemon=True) for r in range(world)]
         try:
             _start_without_main(self.procs)
         except BaseException:

@@ -69,3 +69,22 @@ def test_bad_arguments():
         spawn(_sum, 0)
     with pytest.raises(TypeError, match="fn must be callable"):
         spawn("nope", 2)
+
+
+def _speak(rank, world):
+    import sys
+    print(f"out of rank {rank} {os.environ.get('FMOE_TEST_MARK')}")
+    print(f"err of rank {rank}", file=sys.stderr)
+    return os.environ.get("FMOE_TEST_MARK")
+
+
+@pytest.mark.parametrize("launch", [1, 2])
+def test_ranks_write_to_the_callers_stdio_and_see_its_environment_at_each_launch(launch, capfd, monkeypatch):
+    """Ranks are forked from a fork server started by an earlier launch (fmoe.launch.context):
+    they still print to the caller's stdout / stderr of *this* launch (pytest's capture of this
+    test), and see the environment as it is now."""
+    monkeypatch.setenv("FMOE_TEST_MARK", f"launch-{launch}")
+    assert spawn(_speak, 2) == [f"launch-{launch}"] * 2
+    out, err = capfd.readouterr()
+    assert f"out of rank 0 launch-{launch}" in out and f"out of rank 1 launch-{launch}" in out, out
+    assert "err of rank 0" in err and "err of rank 1" in err, err
