@@ -63,6 +63,7 @@ class Pool:
         self.size, self.start_timeout = world_size, float(start_timeout)
         self._ranks: Optional[launch.Ranks] = None
         self._tasks: list = []
+        self._stdio: list = []        # per rank: the socket that carries the caller's stdout / stderr
         self._ids = itertools.count()
         self._closed = False
         self._finalizer: Any = None
@@ -73,13 +74,17 @@ class Pool:
     def _start(self) -> None:
         ctx = launch.context()
         tasks = [ctx.Queue() for _ in range(self.size)]
+        stdio = [ctx.Pipe() for _ in range(self.size)]     # Unix socket pairs: they carry fds
         try:
-            ranks = launch.Ranks(self.size, _serve, lambda r, d: (r, self.size, tasks[r]), "Pool.run")
+            ranks = launch.Ranks(self.size, _serve, lambda r, d: (r, self.size, tasks[r], stdio[r][1]), "Pool.run")
         except BaseException:
             _close_queues(tasks)
             raise
-        self._ranks, self._tasks = ranks, tasks
-        self._finalizer = weakref.finalize(self, _stop, ranks, tasks)
+        finally:
+            for _, theirs in stdio:
+                theirs.close()                              # each rank holds its own copy
+        self._ranks, self._tasks, self._stdio = ranks, tasks, [ours for ours, _ in stdio]
+        self._finalizer = weakref.finalize(self, _stop, ranks, tasks, self._stdio)
         self.starts += 1
         try:
             _, error, settled = ranks.wait(range(self.size), _READY, self.start_timeout)
@@ -94,8 +99,8 @@ class Pool:
         """Kill the processes now; the next :meth:`run` starts fresh ones."""
         if self._finalizer is not None:
             self._finalizer.detach()
-            _stop(self._ranks, self._tasks, graceful=False)
-        self._ranks, self._tasks, self._finalizer = None, [], None
+            _stop(self._ranks, self._tasks, self._stdio, graceful=False)
+        self._ranks, self._tasks, self._stdio, self._finalizer = None, [], [], None
 
     @property
     def pids(self) -> list[int]:
@@ -150,6 +155,7 @@ class Pool:
         error: Optional[BaseException] = None
         try:
             for r in range(world):
+                _send_stdio(self._stdio[r])
                 self._tasks[r].put(task)
             results, error, settled = self._ranks.wait(range(world), call, timeout)
         except BaseException:              # a timeout, or Ctrl-C in the caller: ranks may be busy
@@ -179,7 +185,21 @@ def _close_queues(tasks: list) -> None:
         t.join_thread()
 
 
-def _stop(ranks: Optional[launch.Ranks], tasks: list, graceful: bool = True) -> None:
+def _send_stdio(conn: Any) -> None:
+    """Send this process's stdout and stderr (fds 1 and 2) to a rank: it prints there for the call
+    (under pytest, into the capture of the test that makes the call)."""
+    from multiprocessing import reduction
+
+    try:
+        reduction.send_handle(conn, 1, 0)
+        reduction.send_handle(conn, 2, 0)
+    except OSError:
+        pass                   # a dead rank: the wait for the call's results reports it
+
+
+def _stop(ranks: Optional[launch.Ranks], tasks: list, stdio: list = (), graceful: bool = True) -> None:
+    for conn in stdio:
+        conn.close()
     if ranks is None:
         return
     if graceful:
@@ -193,10 +213,14 @@ def _stop(ranks: Optional[launch.Ranks], tasks: list, graceful: bool = True) -> 
 
 
 # ----------------------------------------------------------------------------------- rank side
-def _serve(rank: int, size: int, tasks: Any, q: Any, parent: int) -> None:
-    """A pool rank: import once, then run calls until told to stop."""
+def _serve(rank: int, size: int, tasks: Any, stdio: Any, q: Any, parent: int) -> None:
+    """A pool rank: import once, then run calls until told to stop, each printing to the stdout
+    and stderr its caller sent along (``stdio``)."""
+    from multiprocessing import reduction
+
     launch.rank_setup(rank, parent, size)    # torch and fmoe are imported (once per rank): this
     clean = _State.capture()                 # module's package imported them to unpickle _serve
+    home = (os.dup(1), os.dup(2))            # stdout / stderr between calls
     gc.freeze()          # what the imports made is permanent: the per-call collection skips it
     q.put((_READY, "ok", rank, cloudpickle.dumps(None)))
     while True:
@@ -204,6 +228,8 @@ def _serve(rank: int, size: int, tasks: Any, q: Any, parent: int) -> None:
         if task is None:
             return
         call, world, payload, store, threads, coll, path = task
+        call_fds = (reduction.recv_handle(stdio), reduction.recv_handle(stdio))
+        _print_to(call_fds)
         sys.path[:0] = [p for p in path if p not in sys.path]     # test folders added since start
 
         def body():
@@ -213,6 +239,9 @@ def _serve(rank: int, size: int, tasks: Any, q: Any, parent: int) -> None:
 
         message = launch.outcome(call, rank, body, ())
         launch.leave_group()
+        _print_to(home)                                       # the call's output is all out
+        for fd in call_fds:
+            os.close(fd)
         clean.restore()
         del body
         gc.collect()
@@ -220,6 +249,15 @@ def _serve(rank: int, size: int, tasks: Any, q: Any, parent: int) -> None:
         if leaked:
             q.put((call, "retire", rank, f"{leaked // 2} gloo group(s) outlived the call"))
         q.put(message)
+
+
+def _print_to(fds: tuple) -> None:
+    """Make ``fds`` this process's stdout and stderr (fds 1 and 2), after flushing what was written."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
 
 
 class _State:

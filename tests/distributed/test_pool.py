@@ -62,6 +62,27 @@ def test_state_set_by_one_call_is_not_seen_by_the_next(pool, tmp_path):
     assert after == before                                 # generators too: each rank's start state
 
 
+def _say(rank, world, word):
+    import sys
+    print(f"{word} from rank {rank}")
+    print(f"{word} on stderr from rank {rank}", file=sys.stderr)
+    os.write(1, f"{word} at fd level from rank {rank}\n".encode())     # C code writes to fd 1 itself
+    return rank
+
+
+def test_each_call_prints_into_the_output_of_its_caller_now(pool, capfd):
+    """The pool started in an earlier test (its capture then is closed): a call's prints still
+    reach the caller's stdout / stderr of the call (this test's capture), and only that call's."""
+    pool.run(_say, "first", world=2)
+    out, err = capfd.readouterr()
+    for r in (0, 1):
+        assert f"first from rank {r}" in out and f"first at fd level from rank {r}" in out, out
+        assert f"first on stderr from rank {r}" in err, err
+    pool.run(_say, "second")
+    out, err = capfd.readouterr()
+    assert "first" not in out + err and all(f"second from rank {r}" in out for r in range(4)), out
+
+
 def _moe_parity(rank, world):
     from moe_cases import check_case
 
