@@ -6,6 +6,8 @@ each :meth:`Pool.run` then costs a new process group and one round trip (~40 ms 
 
 - a fresh default gloo group (a new ``FileStore`` file in the pool's private directory), destroyed
   after the call with every sub-group built on it (a ``fmoe.Mesh``'s groups included);
+- the caller's stdout and stderr of the call (its fds 1 and 2, sent along with the call): under
+  pytest, what the ranks print lands in the capture of the test that makes the call;
 - process state restored after the call: environment variables, working directory,
   ``sys.path``, warning filters, torch's default dtype, grad mode, deterministic-algorithms flag,
   the random generators (torch, ``random``, numpy) reset to the pool's start state, ``fmoe.ep``
