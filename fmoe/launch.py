@@ -58,7 +58,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import cloudpickle
 
-__all__ = ["run", "Ranks", "RemoteTraceback", "free_port", "check_world", "default_threads", "context"]
+__all__ = ["run", "Ranks", "RemoteTraceback", "free_port", "check_world", "default_threads", "context", "print_to"]
 
 #: What the fork server imports once; the ranks it forks start with these imported.
 PRELOAD = ["cloudpickle", "torch", "torch.distributed", "fmoe", "fmoe.launch", "fmoe.testing.pool", "fmoe.models"]
@@ -249,12 +249,20 @@ class _CallerStdio:
 
     def take(self) -> None:
         """Make them this process's fds 1 and 2."""
-        for fd, target, stream in zip(self.fds, (1, 2), (sys.stdout, sys.stderr)):
-            if stream is not None:
-                stream.flush()
-            if fd != target:
-                os.dup2(fd, target)
+        print_to(self.fds)
+        for fd in self.fds:
+            if fd not in (1, 2):
                 os.close(fd)
+
+
+def print_to(fds: tuple) -> None:
+    """Make ``fds`` (stdout, stderr) this process's fds 1 and 2, after flushing what was written."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    for fd, target in zip(fds, (1, 2)):
+        if fd != target:
+            os.dup2(fd, target)
 
 
 def _enter(env: dict, stdio: _CallerStdio, lifeline: Any, target: Callable[..., None], *args: Any) -> None:

@@ -1,8 +1,9 @@
 """A warm rank pool: N gloo ranks kept alive that run many functions, each call on a clean slate.
 
 ``fmoe.testing.spawn`` pays for fresh processes every time (forked from the launcher's fork
-server, which imported torch and fmoe once: ~0.1 s for 4 ranks). A :class:`Pool` pays that once;
-each :meth:`Pool.run` then costs a new process group and one round trip (~40 ms for 4 ranks). Each call is as if the ranks were fresh:
+server, which imported torch and fmoe once: ~0.1 s for 4 ranks). A :class:`Pool` pays that
+once; each :meth:`Pool.run` then costs a new process group and one round trip (~40 ms for 4
+ranks). Each call is as if the ranks were fresh:
 
 - a fresh default gloo group (a new ``FileStore`` file in the pool's private directory), destroyed
   after the call with every sub-group built on it (a ``fmoe.Mesh``'s groups included);
@@ -231,7 +232,7 @@ def _serve(rank: int, size: int, tasks: Any, stdio: Any, q: Any, parent: int) ->
             return
         call, world, payload, store, threads, coll, path = task
         call_fds = (reduction.recv_handle(stdio), reduction.recv_handle(stdio))
-        _print_to(call_fds)
+        launch.print_to(call_fds)
         sys.path[:0] = [p for p in path if p not in sys.path]     # test folders added since start
 
         def body():
@@ -241,7 +242,7 @@ def _serve(rank: int, size: int, tasks: Any, stdio: Any, q: Any, parent: int) ->
 
         message = launch.outcome(call, rank, body, ())
         launch.leave_group()
-        _print_to(home)                                       # the call's output is all out
+        launch.print_to(home)                                 # the call's output is all out
         for fd in call_fds:
             os.close(fd)
         clean.restore()
@@ -251,15 +252,6 @@ def _serve(rank: int, size: int, tasks: Any, stdio: Any, q: Any, parent: int) ->
         if leaked:
             q.put((call, "retire", rank, f"{leaked // 2} gloo group(s) outlived the call"))
         q.put(message)
-
-
-def _print_to(fds: tuple) -> None:
-    """Make ``fds`` this process's stdout and stderr (fds 1 and 2), after flushing what was written."""
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
-            stream.flush()
-    os.dup2(fds[0], 1)
-    os.dup2(fds[1], 2)
 
 
 class _State:
