@@ -23,9 +23,9 @@ test work. Deprecation and future warnings print once (rank 0), not once per ran
 Ranks start from a fork server (:func:`context`, Linux): one helper process per caller imports
 torch and fmoe once and forks every rank from there, so a rank starts with them imported instead
 of paying seconds of imports each (``benchmarks/RESULTS.md``). Each rank still gets the caller's
-``sys.path``, working directory, environment, stdout and stderr as they are when it starts; only what torch reads
-from the environment *while it is imported* (``TORCH_LOGS``, for example) comes from the moment the
-fork server started, the caller's first launch.
+``sys.path``, working directory, environment, stdout and stderr as they are when it starts; only
+what torch reads from the environment *while it is imported* (``TORCH_LOGS``, for example) comes
+from the moment the fork server started, the caller's first launch.
 
 Example:
     >>> def total(rank, world):

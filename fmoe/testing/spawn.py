@@ -2,8 +2,9 @@
 
 Fresh processes every call, forked from the launcher's fork server, which imported torch and
 fmoe once (the first call in a process pays that, ~2 s; later ones ~0.1 s for 4 ranks); for many
-calls, or state kept between them, use the warm :class:`fmoe.testing.Pool`. The launching, loopback-only rendezvous, failure reporting and
-cleanup are :func:`fmoe.launch.run`'s, the same launcher the command-line programs use.
+calls use the warm :class:`fmoe.testing.Pool`. The launching, loopback-only rendezvous, failure
+reporting and cleanup are :func:`fmoe.launch.run`'s, the same launcher the command-line programs
+use.
 
 Example (in a user's pytest file)::
 
