@@ -87,7 +87,7 @@ def round_generator(seed: int, step: int, rank: int, device: torch.device) -> to
     """The generator of one update's stochastic rounding: the same bits for the same
     ``(seed, step, rank)`` (a resumed run repeats them)."""
     g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
+    g.manual_seed(((seed * 1_000_003 + step) * 1_009 + rank) & 0xFFFF_FFFF_FFFF_FFFF)   # any 64-bit seed
     return g
 
 

@@ -118,7 +118,7 @@ def random_topk(k: int = 1, seed: int = 0) -> Router:
     def router(logits: torch.Tensor) -> Routing:
         check_logits(logits, k)
         T, E = logits.shape
-        g = torch.Generator().manual_seed(seed * 1_000_003 + T)
+        g = torch.Generator().manual_seed((seed * 1_000_003 + T) & 0xFFFF_FFFF_FFFF_FFFF)
         ids = torch.rand(T, E, generator=g).topk(k, dim=-1).indices.to(logits.device)
         return Routing(torch.softmax(upcast(logits).gather(1, ids), -1), ids, {})
 

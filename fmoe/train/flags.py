@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Optional
 
 from ..model import PRESETS
 from ..models import NAMES
@@ -24,16 +25,21 @@ DEFAULT_OUT = "runs/fmoe"
 __all__ = ["DEFAULT_OUT", "EPILOG", "build_parser"]
 
 
-def _int_at_least(name: str, low: int):
+def _int_at_least(name: str, low: int, high: Optional[int] = None):
+    valid = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+
     def conv(s: str) -> int:
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {low}, got {s!r}")
-        if v < low:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {low}, got {v}")
+            raise argparse.ArgumentTypeError(f"{name} must be {valid}, got {s!r}")
+        if v < low or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"{name} must be {valid}, got {v}")
         return v
     return conv
+
+
+SEED_MAX = 2**63 - 1   # torch.Generator.manual_seed takes 64-bit seeds; derived seeds wrap to 64 bits
 
 
 def _positive(name: str):
@@ -124,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = g["data"]
     d.add_argument("--batch", metavar="N", type=_positive("--batch"), default=4, help="sequences per data-parallel batch")
     d.add_argument("--seq", metavar="N", type=_positive("--seq"), default=64, help="tokens per sequence")
-    d.add_argument("--seed", metavar="N", type=int, default=0, help="seed of the initial weights and of the batches")
+    d.add_argument("--seed", metavar="N", type=_int_at_least("--seed", 0, SEED_MAX), default=0, help="seed of the initial weights and of the batches")
     o = g["optimization"]
     o.add_argument("--steps", metavar="N", type=_positive("--steps"), default=20,
                    help="train until this step (with --resume: the step to reach, beyond the saved one)")

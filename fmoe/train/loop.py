@@ -31,22 +31,24 @@ def _config_dict(cfg) -> dict:
 
 
 class _Progress:
-    """A one-line progress bar on a terminal; every ~5% of the steps a plain line otherwise."""
+    """The steps' progress on rank 0: a ``tqdm`` bar (rate, ETA; on a terminal one line redrawn, in
+    a log file or notebook a line about every ~5% of the steps) with the loss, tokens/s and
+    gradient norm of the last step."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.tty = total, enabled, sys.stderr.isatty()
+    def __init__(self, total: int, start: int, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=start, unit="step", disable=not enabled, dynamic_ncols=True,
+                        file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 0.0,
+                        miniters=1 if sys.stderr.isatty() else max(1, total // 20))
 
     def update(self, step: int, m: dict) -> None:
-        if not self.enabled:
-            return
-        n = 30 * step // self.total
-        text = (f"[{'#' * n}{'.' * (30 - n)}] {step}/{self.total} loss {m['loss']:.4f} "
-                f"{m['tokens_per_s']:.0f} tok/s grad_norm {m['grad_norm']:.3f}")
-        if self.tty:
-            sys.stderr.write("\r" + text + ("\n" if step == self.total else ""))
-        elif step == self.total or step % max(1, self.total // 20) == 0:
-            sys.stderr.write(text + "\n")
-        sys.stderr.flush()
+        self.bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}",
+                             grad_norm=f"{m['grad_norm']:.3f}", refresh=False)
+        self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def log_row(row: dict) -> str:
@@ -145,7 +147,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         options.print_memory_plan(args, model, cfg, model_plan, world)
     meta = {**_job_meta(args, model, hf_cfg, mesh), **options.run_meta(args, tokenizer, device),
             **balancing.record(args), "upcycle": vars(args).get("upcycle"), "threads": torch.get_num_threads()}
-    bar = _Progress(args.steps, rank0 and not args.quiet)
+    bar = _Progress(args.steps, start, rank0 and not args.quiet)
     last: dict = {}
     skipped = 0
     for step in range(start + 1, args.steps + 1):
@@ -174,6 +176,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             bar.update(step, m)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             ckpt.save(args.out, step, params, opt_state, meta, packed)
+    bar.close()
     if write_record is not None:
         write_record()
     if args.export_hf:                                 # the weights, the router and the tokenizer

@@ -44,6 +44,8 @@ def load_params(path):
     (["--model", "gpt5"], "invalid choice: 'gpt5'"),
     (["--lr", "-1"], "--lr must be a number > 0"),
     (["--resume", "/nonexistent/dir"], "--resume '/nonexistent/dir' does not exist"),
+    (["--seed", str(2**70)], f"--seed must be an integer in [0, {2**63 - 1}], got {2**70}"),
+    (["--seed", "-1"], f"--seed must be an integer in [0, {2**63 - 1}], got -1"),
 ])
 def test_bad_flags_are_usage_errors(flags, match):
     out = cli(*flags, check=False)
