@@ -1,6 +1,6 @@
 """Full-size dry runs of the reference workload (issue 21): Qwen3-30B-A3B, 8 ranks, seq 2048.
 
-Runs ``python -m fmoe.plan --dry-run --json`` (in process) for each layout and prints a
+Runs ``fmoe memory --dry-run --json`` (in process) for each layout and prints a
 markdown table of the measured peak per rank beside the analytic plan and the reference's
 reported peak; the raw JSON goes to ``benchmarks/out/dryrun-<layout>.json``.
 

@@ -2,7 +2,7 @@
 
 The memory-plan program calls :func:`add_arguments` on its parser and, with ``--dry-run``,
 :func:`report` after it has planned: every rank then reports ``planned`` (the analytic plan's
-bytes by category at its predicted peak) beside ``measured`` (:func:`fmoe.dryrun.dry_run`).
+bytes by category at its predicted peak) beside ``measured`` (:func:`fmoe.memory.dry_run.dry_run`).
 ``--json`` prints ``{"ranks": [{"rank", "role", "planned": {"total_bytes", "params_bytes",
 ...}, "measured": {"peak_bytes", "params_bytes", ...}}], ...}``. ``--memory-gb G`` makes the
 dry run exit with code 1 when a rank's measured peak exceeds ``G * 1e9`` bytes (the plan alone
@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["add_arguments", "report", "format_report", "CATEGORY_KEYS"]
-
-CATEGORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes")
+__all__ = ["add_arguments", "report"]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -32,55 +30,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    help="device of the dry run's fake tensors (auto: cuda on a CUDA build of torch, else cpu)")
 
 
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.backends.cuda.is_built() else "cpu"
-    return name
-
-
 def report(plan: dict, model: Any, cfg: Any, args: argparse.Namespace) -> tuple[dict, int]:
-    """Run the dry run for the planned job; returns the combined report and the exit code
-    (1 when ``--memory-gb`` is given and a measured peak exceeds it)."""
-    from . import dry_run
+    """The library's :func:`fmoe.memory.dry_run.dry_run_report` for the parsed flags, and the
+    exit code (1 when ``--memory-gb`` is given and a measured peak exceeds it)."""
+    from ..memory.dry_run import dry_run_report
 
-    m = plan["mesh"]
-    out = dry_run(model, cfg, nproc=m["nproc"], tp=m["tp"], ep=m["ep"], dp_replicate=m["dp_replicate"],
-                  batch=args.batch, seq=args.seq, dtype=args.dtype, master_dtype=args.master_dtype,
-                  optim_dtype=args.optim_dtype, remat=args.remat, grad_accum=args.grad_accum,
-                  loss_chunks=args.loss_chunks, device=_device(args.device))
-    ranks = []
-    for planned, measured in zip(plan["ranks"], out["ranks"]):
-        ranks.append({"rank": planned["rank"], "role": measured["role"], "measured_rank": measured["measured_rank"],
-                      "planned": {**planned["peak"], "collective_bytes": planned["collective_bytes"]},
-                      "measured": measured["measured"], "seconds": measured["seconds"]})
-    result = {**{k: v for k, v in plan.items() if k != "ranks"}, "dry_run": True, "device": _device(args.device),
-              "roles": out["roles"], "ranks": ranks,
-              "max_peak_bytes": max(r["measured"]["peak_bytes"] for r in ranks)}
-    code = 0
-    if args.memory_gb is not None:
-        result["fits"] = result["max_peak_bytes"] <= args.memory_gb * 1e9
-        code = 0 if result["fits"] else 1
-    return result, code
-
-
-def format_report(result: dict, memory_gb: Any = None) -> str:
-    """A table: per rank role, planned and measured GB by category."""
-    m = result["mesh"]
-    lines = [f"dry run: {result['model']} on {m['nproc']} ranks (tp={m['tp']} ep={m['ep']} fsdp={m['fsdp']}), "
-             f"batch {result['batch']} x seq {result['seq']}, dtype {result['dtype']}, master "
-             f"{result['master_dtype']}, optim {result['optim_dtype']}, remat {result['remat']}, device "
-             f"{result['device']}; GB = 1e9 bytes, planned / measured",
-             f"{'ranks':>12} {'peak':>13} " + " ".join(f"{k[:-6]:>13}" for k in CATEGORY_KEYS) + f" {'sent':>13}"]
-    for members in result["roles"]:
-        r = result["ranks"][members[0]]
-        p, x = r["planned"], r["measured"]
-        cells = [f"{p['total_bytes'] / 1e9:6.2f}/{x['peak_bytes'] / 1e9:<6.2f}"]
-        cells += [f"{p[k] / 1e9:6.2f}/{x[k] / 1e9:<6.2f}" for k in CATEGORY_KEYS]
-        cells.append(f"{p['collective_bytes'] / 1e9:6.2f}/{x['collective_bytes'] / 1e9:<6.2f}")
-        name = ",".join(map(str, members)) if len(members) <= 3 else f"{members[0]}..{members[-1]}"
-        lines.append(f"{name:>12} " + " ".join(f"{c:>13}" for c in cells))
-    if memory_gb is not None and not result.get("fits", True):
-        lines.append(f"DOES NOT FIT: measured peak {result['max_peak_bytes'] / 1e9:.3g} GB exceeds --memory-gb {memory_gb}")
-    return "\n".join(lines)
+    result = dry_run_report(plan, model, cfg, device=args.device, memory_gb=args.memory_gb)
+    return result, 0 if result.get("fits", True) else 1

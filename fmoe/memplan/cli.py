@@ -4,7 +4,7 @@ The program only reads flags and reports: the model comes from the registry
 (:func:`fmoe.models.get`), the job's config is the model's preset widened as the main job widens
 it (:meth:`fmoe.model.Model.preset`) or a Hugging Face ``--config`` (KV heads widened by the same
 rule, :meth:`fmoe.model.Model.widen_kv_heads`), and the estimate is the library's
-:func:`fmoe.memory_plan.memory_plan`.
+:func:`fmoe.memory.plan.memory_plan`.
 
 Example:
     python -m fmoe.plan --model qwen3_moe --preset small --nproc 4 --ep 4 --batch 4 --seq 256 --dtype bf16
@@ -19,7 +19,8 @@ from typing import Any, Optional, Sequence
 
 from ..checkpoint.config_check import read_config
 from ..dryrun import cli as dry
-from ..memory_plan import format_plan, memory_plan
+from ..memory.dry_run import format_report
+from ..memory.plan import format_plan, memory_plan
 from ..model import PRESETS, Model
 from ..models import NAMES, get
 
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m fmoe.plan``: print the per-rank memory plan of a training job (``--json``:
     one JSON object; ``--dry-run``: also the measured bytes of the real step on fake tensors,
-    :mod:`fmoe.dryrun`). Exit code 0, 2 for bad flags, 1 when a dry-run rank does not fit
+    :mod:`fmoe.memory.dry_run`). Exit code 0, 2 for bad flags, 1 when a dry-run rank does not fit
     ``--memory-gb``."""
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -85,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, TypeError, OSError) as e:
         ap.error(str(e))
     if args.dry_run:
-        print(json.dumps(result) if args.json else dry.format_report(result, args.memory_gb))
+        print(json.dumps(result) if args.json else format_report(result, args.memory_gb))
         return code
     if args.memory_gb is not None:
         plan["memory_gb"] = args.memory_gb

@@ -1,31 +1,24 @@
 """The main job's flags for data, precision, devices, memory and routing, in one place.
 
 ``python -m fmoe.train`` adds them with :func:`add_arguments`, checks them with :func:`check`
-(usage errors before any process starts) and builds what they name with :func:`router_from_spec`,
-:func:`resolve_device` and :func:`open_streams`.
+(usage errors before any process starts) and builds what they name with
+:func:`fmoe.routing.from_spec` (``--router``), :func:`resolve_device` and :func:`open_streams`.
 
 ``--router NAME[:k=v,...]`` names a built-in :mod:`fmoe.routing` scheme with keyword arguments
 (values read as Python literals: ``sigmoid_topk:k=2,scale=2.5``), or ``module:function`` — your
-own router ``function(logits) -> Routing`` in an importable module — optionally followed by
-``:k=v,...`` to call ``function`` as a factory first.
-
-Example:
-    >>> r = router_from_spec("topk:k=2,normalize=False")
-    >>> r(torch.tensor([[0.0, 1.0, 3.0]])).expert_ids.tolist()
-    [[2, 1]]
+own router ``function(logits) -> Routing`` in an importable module, or a factory returning one,
+called with the ``:k=v,...`` that follow (:mod:`fmoe.routing.spec`).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["add_arguments", "check", "parse_router", "router_from_spec", "resolve_device", "open_streams"]
+__all__ = ["add_arguments", "check", "resolve_device", "open_streams"]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -86,69 +79,12 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.error(f"--remat {args.remat}: model {args.model} has no such block to recompute; it supports "
                  f"--remat {' / '.join(blocks)}")
     if args.router is not None:
+        from ..routing.spec import from_spec
+
         try:
-            router_from_spec(args.router)
+            from_spec(args.router, "--router")
         except (ValueError, TypeError) as e:
             ap.error(str(e))
-
-
-def parse_router(spec: str) -> tuple[str, Optional[str], dict]:
-    """``(module or "fmoe.routing", function, kwargs)`` of a ``--router`` value.
-
-    Example:
-        >>> parse_router("sigmoid_topk:k=2")
-        ('fmoe.routing', 'sigmoid_topk', {'k': 2})
-        >>> parse_router("my.routers:noisy")
-        ('my.routers', 'noisy', {})
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"--router: expected NAME[:k=v,...] or module:function, got {spec!r}")
-    parts = spec.split(":")
-    if len(parts) >= 2 and "=" not in parts[1] and parts[1]:
-        module, name, rest = parts[0], parts[1], ":".join(parts[2:])
-    else:
-        module, name, rest = "fmoe.routing", parts[0], ":".join(parts[1:])
-    kwargs = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key.isidentifier():
-            raise ValueError(f"--router {spec!r}: {item!r} is not key=value")
-        try:
-            kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key] = value                      # a bare word: a string
-    return module, name, kwargs
-
-
-def router_from_spec(spec: str) -> Callable:
-    """The router a ``--router`` value names (see the module docstring).
-
-    Raises:
-        ValueError: unknown scheme or module, or arguments the scheme does not take.
-    """
-    import fmoe.routing as routing
-
-    module, name, kwargs = parse_router(spec)
-    if module == "fmoe.routing":
-        builtin = [n for n in routing.__all__ if n not in ("Routing", "Router", "validate", "call", "with_losses",
-                                                           "update_bias", "group_mask", "token_hash", "capacity")]
-        if name not in builtin:
-            raise ValueError(f"--router {spec!r}: {name!r} is not a built-in scheme; choose from {builtin} "
-                             "or give module:function")
-        factory = getattr(routing, name)
-    else:
-        try:
-            factory = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"--router {spec!r}: cannot import {name!r} from {module!r} ({e})") from None
-        if not callable(factory):
-            raise ValueError(f"--router {spec!r}: {module}.{name} is not callable")
-        if not kwargs:
-            return factory                           # the user's router itself
-    try:
-        return factory(**kwargs)
-    except TypeError as e:
-        raise ValueError(f"--router {spec!r}: {e}") from None
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -249,7 +185,9 @@ def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> 
 
 def step_options(args: argparse.Namespace) -> dict:
     """Keyword arguments of :class:`fmoe.training.step.StepConfig` these flags set."""
-    return {"router": router_from_spec(args.router) if args.router else None, "dtype": args.dtype,
+    from ..routing.spec import from_spec
+
+    return {"router": from_spec(args.router, "--router") if args.router else None, "dtype": args.dtype,
             "remat": args.remat, "grad_accum": args.grad_accum,
             "round_seed": args.seed if args.master_dtype == "bf16" else None, "donate": True,
             "loss_chunks": args.loss_chunks}
@@ -261,11 +199,11 @@ def should_eval(args: argparse.Namespace, step: int) -> bool:
 
 
 def print_memory_plan(args: argparse.Namespace, model: Any, cfg: Any, model_plan: Any, world: int) -> None:
-    """Rank 0 prints the job's memory plan (:mod:`fmoe.memory_plan`) to stderr at start; with
+    """Rank 0 prints the job's memory plan (:mod:`fmoe.memory.plan`) to stderr at start; with
     ``--quiet`` only its warning (a plan over ``--memory-gb``), which ``--quiet`` never hides."""
     import sys
 
-    from ..memory_plan import format_plan, memory_plan
+    from ..memory.plan import format_plan, memory_plan
 
     if args.quiet and args.memory_gb is None:
         return

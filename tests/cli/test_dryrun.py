@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.dryrun import dry_run
-from fmoe.memory_plan import memory_plan
+from fmoe.memory.dry_run import dry_run
+from fmoe.memory.plan import memory_plan
 from fmoe.models import qwen3_moe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""fmoe.memory_plan against what training really holds, per rank, on several meshes.
+"""fmoe.memory.plan against what training really holds, per rank, on several meshes.
 
 Measured on each rank of a real (gloo) job laid out as ``python -m fmoe.train`` lays it out:
 parameter, gradient and optimizer bytes are the local slices' ``nbytes`` (the plan must equal
@@ -18,7 +18,7 @@ import torch
 import fmoe
 import fmoe.models
 from helpers import on_ranks
-from fmoe.memory_plan import format_plan, memory_plan
+from fmoe.memory.plan import format_plan, memory_plan
 
 MESHES = [(1, 1, 1, 1), (4, 1, 4, 1), (4, 2, 4, 1), (4, 1, 2, 2)]   # nproc, tp, ep, dp_replicate
 
@@ -31,7 +31,7 @@ def _measure(rank, world, preset, tp, ep, dpr, batch, seq, dtype):
     import dataclasses
 
     from fmoe.data import TokenStream
-    from fmoe.memory_plan import memory_plan
+    from fmoe.memory.plan import memory_plan
     from fmoe.models import qwen3_moe
     from fmoe.fsdp import _RECIPE, _root, data_parallel_plan, regather_in_backward
     from fmoe.training.grads import reduce_grads

@@ -245,7 +245,7 @@ def test_a_submodule_import_counts_its_package():
 # ------------------------------------------------------------------------------- the model interface
 MODEL_FILES = sorted(n for n in MODULES if n.startswith("fmoe.models.") and not n.rpartition(".")[2].startswith("_"))
 GENERIC = [n for n in MODULES if n.startswith(("fmoe.models", "fmoe.train", "fmoe.checkpoint", "fmoe.generate"))
-           or n in ("fmoe.model", "fmoe.memory_plan", "fmoe.plan.__main__") or n.startswith(("fmoe.training", "fmoe.memplan"))]
+           or n in ("fmoe.model", "fmoe.memory.plan", "fmoe.plan.__main__") or n.startswith(("fmoe.training", "fmoe.memplan"))]
 
 
 def probes(tree: ast.AST) -> list[str]:
@@ -328,7 +328,7 @@ def test_no_module_level_mutable_state():
 # ------------------------------------------------------------------------------- layers (ARCHITECTURE.md)
 #: The command-line programs: they parse, lock, launch and report, above the library and the
 #: models (a program's ``__main__`` inside a library package counts as a program).
-PROGRAMS = ("fmoe.train", "fmoe.memplan", "fmoe.plan.__main__", "fmoe.generate.__main__", "fmoe.data.__main__",
+PROGRAMS = ("fmoe.train", "fmoe.memplan", "fmoe.dryrun", "fmoe.plan.__main__", "fmoe.generate.__main__", "fmoe.data.__main__",
             "fmoe.plot", "fmoe.plot_metric")
 #: Library modules still inside the CLI package, each moving out in parallel work of issue 23
 #: (``fmoe/train/optim.py`` to ``fmoe/optim/``, ``fmoe/train/ckpt.py`` to ``fmoe/checkpoint/``):
@@ -338,17 +338,18 @@ PENDING_MOVES: tuple = ()   # library modules still inside fmoe/train/ (none lef
 #: The modules of the CLI package ``fmoe/train/``: nothing else lives there.
 TRAIN_CLI = ("fmoe.train", "fmoe.train.__main__", "fmoe.train.cli", "fmoe.train.flags", "fmoe.train.parse",
              "fmoe.train.loop", "fmoe.train.options", "fmoe.train.outdir", "fmoe.train.resume", "fmoe.train.export",
-             "fmoe.train.balancing", "fmoe.train.threads", "fmoe.train.api")
+             "fmoe.train.threads", "fmoe.train.api")
 
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
     (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.activations", "fmoe.dtypes",
-         "fmoe.fake_splits")),
+         "fmoe.memory", "fmoe.memory.fake_splits")),
     (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding", "fmoe.dtensor_rules")),
     (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat", "fmoe.precision")),
     (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
     (5, ("fmoe.model", "fmoe.testing", "fmoe.training", "fmoe.optim", "fmoe.tree_io", "fmoe.checkpoint", "fmoe.generate",
-         "fmoe.data", "fmoe.memory_plan", "fmoe.memory_peak", "fmoe.dryrun", *PENDING_MOVES)),
+         "fmoe.data", "fmoe.memory.plan", "fmoe.memory.peak", "fmoe.memory.dry_run", "fmoe.memory.tracker",
+         *PENDING_MOVES)),
     (6, ("fmoe.models",)),
     (7, PROGRAMS),
 ]
@@ -555,7 +556,7 @@ def guessed_fields(tree: ast.AST) -> list[str]:
 def test_memory_plan_and_programs_read_declared_fields():
     """The memory plan reads a model's widths from ``Model.widths`` (declared ``width_fields``),
     the programs the preset widening from ``Model.preset``: no guessed field names."""
-    checked = [n for n in MODULES if n in ("fmoe.memory_plan", "fmoe.model") or layer_of(n) == 7]
+    checked = [n for n in MODULES if n in ("fmoe.memory.plan", "fmoe.model") or layer_of(n) == 7]
     assert {n: f for n in checked for f in [guessed_fields(TREES[n])] if f} == {}
     old = ast.parse('g = lambda *names: next(getattr(cfg, n) for n in names if getattr(cfg, n, None))\n'
                     'kv = getattr(cfg, "num_key_value_heads", None)\n')

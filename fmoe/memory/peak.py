@@ -1,4 +1,4 @@
-"""The peak of one train step, by phase: what :mod:`fmoe.memory_plan` predicts the dry run measures.
+"""The peak of one train step, by phase: what :mod:`fmoe.memory.plan` predicts the dry run measures.
 
 A step's memory peaks at one of four moments, and the plan takes the largest:
 
@@ -17,7 +17,7 @@ A step's memory peaks at one of four moments, and the plan takes the largest:
 
 Activations, per rank, with ``b`` the activation dtype's bytes (2 for bf16 compute or bf16
 weights), ``T`` tokens per micro-batch, ``q`` / ``kv`` the rank's query / key-value widths
-after tp, ``A`` the routing slots this rank's experts compute (:mod:`fmoe.fake_splits`, the
+after tp, ``A`` the routing slots this rank's experts compute (:mod:`fmoe.memory.fake_splits`, the
 rule the dry run uses)::
 
     MoE layer     b * (T * (8 D + q + kv) + A * (4 D + 3 I))

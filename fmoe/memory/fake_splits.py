@@ -1,9 +1,9 @@
 """Split sizes on fake tensors: the rule the dry run and the memory plan share.
 
-Under ``torch._subclasses.FakeTensorMode`` (``python -m fmoe.plan --dry-run``) tensors have shapes
+Under ``torch._subclasses.FakeTensorMode`` (``fmoe memory --dry-run``) tensors have shapes
 but no values, so the two places where routing decides a size on the host cannot read it: the
 dispatch's split-size exchange (rows and slots each expert rank receives) and the expert layer's
-rows per local expert. Both then follow this rule instead, and :mod:`fmoe.memory_plan` counts
+rows per local expert. Both then follow this rule instead, and :mod:`fmoe.memory.plan` counts
 with the same functions:
 
 - **spread**: every token's ``K`` routing slots land on ``min(K, ep)`` distinct expert ranks,

@@ -13,7 +13,7 @@ counts, per rank:
 - ``collective_bytes``: bytes this rank sends per step (an estimate, below);
 - ``total_bytes``: params + grads + optimizer + activations;
 - ``peak``: the step's predicted peak and its bytes by category then
-  (:mod:`fmoe.memory_peak`), what ``python -m fmoe.plan --dry-run`` measures.
+  (:mod:`fmoe.memory.peak`), what ``fmoe memory --dry-run`` measures.
 
 Activations are the tensors autograd saves for backward, which peak at the end of forward. For a
 decoder with T = batch * seq tokens per rank and micro-batch, per layer (fp32; q, kv the rank's
@@ -52,12 +52,12 @@ from typing import Any, Optional
 
 import torch
 
-from . import fake_splits, memory_peak
-from . import tree as _tree
-from .mesh import RankLayout
-from .model import Widths, model_of
-from .plan import local_shape
-from .precision import Precision
+from .. import tree as _tree
+from ..mesh import RankLayout
+from ..model import Widths, model_of
+from ..plan import local_shape
+from ..precision import Precision
+from . import fake_splits, peak as memory_peak
 
 __all__ = ["memory_plan", "format_plan", "VirtualMesh", "activation_estimate"]
 
@@ -144,10 +144,10 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         "ranks": [{rank, params_bytes, grads_bytes, optimizer_bytes, activations_bytes,
         collective_bytes, total_bytes, peak}], "max_total_bytes"}``; ``total_bytes`` sums the
         four categories (everything at once), ``peak`` is the step's predicted peak by phase
-        (:mod:`fmoe.memory_peak`: ``total_bytes`` and the bytes of each category then, the
+        (:mod:`fmoe.memory.peak`: ``total_bytes`` and the bytes of each category then, the
         numbers ``--dry-run`` measures).
     """
-    from .fsdp import data_parallel_plan
+    from ..fsdp import data_parallel_plan
 
     if remat not in ("none", "layer", "moe"):
         raise ValueError(f"memory plan: remat must be 'none', 'layer' or 'moe', got {remat!r}")
@@ -221,9 +221,9 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
 def _peak(w: dict, mesh: VirtualMesh, T: int, moe_layers: int, pol: Precision, remat: str, loss_chunks: int,
           params: int, grads: int, optimizer: int, largest: int, autocast_copies: int, gathered: int,
           last_grads: int) -> dict:
-    """The step's predicted peak on this rank (:mod:`fmoe.memory_peak`); the routing slots
-    follow :mod:`fmoe.fake_splits`, the rule the dry run uses."""
-    from .ep.token_dispatch import tp_slice_bounds
+    """The step's predicted peak on this rank (:mod:`fmoe.memory.peak`); the routing slots
+    follow :mod:`fmoe.memory.fake_splits`, the rule the dry run uses."""
+    from ..ep.token_dispatch import tp_slice_bounds
 
     b = 2 if "bf16" in (pol.compute, pol.master) else 4
     if moe_layers and mesh.ep > 1:

@@ -1,6 +1,6 @@
 """The dry run: the real train step of a full-size job, per rank role, on fake tensors.
 
-``python -m fmoe.plan --dry-run`` (:mod:`fmoe.dryrun.cli`) calls :func:`dry_run`. For each
+``fmoe memory --dry-run`` calls :func:`dry_run_report`, which runs :func:`dry_run`. For each
 distinct **rank role** of the mesh (ranks whose local parameter shapes and token slices are the
 same measure the same, so one of them runs) it:
 
@@ -14,8 +14,8 @@ same measure the same, so one of them runs) it:
    the optimizer writing in place as in the trainer — inside a :class:`StepTracker` (memory by
    category at the peak), a :class:`CollectiveBytes` counter and the :class:`HostReads` rule.
 
-Routing cannot depend on data here: split sizes follow :mod:`fmoe.fake_splits` (every token on
-``min(K, ep)`` expert ranks, slots even over experts), which :mod:`fmoe.memory_plan` uses too.
+Routing cannot depend on data here: split sizes follow :mod:`fmoe.memory.fake_splits` (every token on
+``min(K, ep)`` expert ranks, slots even over experts), which :mod:`fmoe.memory.plan` uses too.
 
 The step runs on the device given: ``cpu``, or ``cuda`` on a CUDA build of torch. A CPU-only
 build cannot run backward on fake CUDA tensors (the autograd engine asks the CUDA device guard
@@ -39,18 +39,25 @@ import torch
 import torch.distributed as dist
 
 from .. import tree as _tree
-from ..memory_plan import VirtualMesh
+from .plan import VirtualMesh
 from ..plan import local_shape
 from ..precision import Precision
 from .tracker import CATEGORIES, CollectiveBytes, HostReads, StepTracker
 
-__all__ = ["dry_run", "rank_roles", "check_device", "StepTracker", "CollectiveBytes", "HostReads", "CATEGORIES"]
+__all__ = ["dry_run", "dry_run_report", "format_report", "rank_roles", "check_device", "StepTracker",
+           "CollectiveBytes", "HostReads", "CATEGORIES", "CATEGORY_KEYS"]
+
+#: the byte categories a rank reports, planned and measured alike
+CATEGORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes")
 
 
 def check_device(device: str) -> torch.device:
-    """The dry run's device; ``ValueError`` for ``cuda`` on a torch without CUDA (see above)."""
+    """The dry run's device (``"auto"``: cuda on a CUDA build of torch, else cpu); ``ValueError``
+    for ``cuda`` on a torch without CUDA (see above)."""
+    if device == "auto":
+        device = "cuda" if torch.backends.cuda.is_built() else "cpu"
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"dry run: device must be 'cpu' or 'cuda', got {device!r}")
+        raise ValueError(f"dry run: device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and not torch.backends.cuda.is_built():
         raise ValueError("dry run --device cuda: this torch build has no CUDA; its autograd engine aborts on "
                          "fake CUDA tensors in backward, so the step cannot run. Use --device cpu (same shapes "
@@ -170,3 +177,57 @@ def dry_run(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] 
         for r in members:
             ranks[r] = {**run, "rank": r, "role": i, "measured_rank": members[0]}
     return {"roles": roles, "ranks": [ranks[r] for r in range(nproc)]}
+
+
+def dry_run_report(plan: dict, model: Any, cfg: Any, *, device: str = "auto",
+                   memory_gb: Optional[float] = None) -> dict:
+    """Run :func:`dry_run` for the job a :func:`fmoe.memory.plan.memory_plan` result describes
+    and set each rank's measured bytes beside its planned ones.
+
+    Args:
+        plan: ``memory_plan(...)``'s result (its mesh and job fields say what runs).
+        model, cfg: the model and Config the plan was made for.
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (:func:`check_device`).
+        memory_gb: when given, ``"fits"`` says whether every measured peak is within it.
+    Returns:
+        the plan's fields, plus ``"dry_run": True``, ``"device"``, ``"roles"``,
+        ``"ranks": [{"rank", "role", "measured_rank", "planned": {total_bytes, <categories>,
+        collective_bytes}, "measured": {peak_bytes, <categories>, collective_bytes, ...},
+        "seconds"}]``, ``"max_peak_bytes"`` (and ``"fits"`` with ``memory_gb``).
+    """
+    dev = check_device(device).type
+    m = plan["mesh"]
+    out = dry_run(model, cfg, nproc=m["nproc"], tp=m["tp"], ep=m["ep"], dp_replicate=m["dp_replicate"],
+                  batch=plan["batch"], seq=plan["seq"], dtype=plan["dtype"], master_dtype=plan["master_dtype"],
+                  optim_dtype=plan["optim_dtype"], remat=plan["remat"], grad_accum=plan["grad_accum"],
+                  loss_chunks=plan["loss_chunks"], device=dev)
+    ranks = [{"rank": planned["rank"], "role": measured["role"], "measured_rank": measured["measured_rank"],
+              "planned": {**planned["peak"], "collective_bytes": planned["collective_bytes"]},
+              "measured": measured["measured"], "seconds": measured["seconds"]}
+             for planned, measured in zip(plan["ranks"], out["ranks"])]
+    result = {**{k: v for k, v in plan.items() if k != "ranks"}, "dry_run": True, "device": dev,
+              "roles": out["roles"], "ranks": ranks, "max_peak_bytes": max(r["measured"]["peak_bytes"] for r in ranks)}
+    if memory_gb is not None:
+        result["fits"] = result["max_peak_bytes"] <= memory_gb * 1e9
+    return result
+
+
+def format_report(result: dict, memory_gb: Optional[float] = None) -> str:
+    """A table of :func:`dry_run_report`'s result: per rank role, planned / measured GB by category."""
+    m = result["mesh"]
+    lines = [f"dry run: {result['model']} on {m['nproc']} ranks (tp={m['tp']} ep={m['ep']} fsdp={m['fsdp']}), "
+             f"batch {result['batch']} x seq {result['seq']}, dtype {result['dtype']}, master "
+             f"{result['master_dtype']}, optim {result['optim_dtype']}, remat {result['remat']}, device "
+             f"{result['device']}; GB = 1e9 bytes, planned / measured",
+             f"{'ranks':>12} {'peak':>13} " + " ".join(f"{k[:-6]:>13}" for k in CATEGORY_KEYS) + f" {'sent':>13}"]
+    for members in result["roles"]:
+        r = result["ranks"][members[0]]
+        p, x = r["planned"], r["measured"]
+        cells = [f"{p['total_bytes'] / 1e9:6.2f}/{x['peak_bytes'] / 1e9:<6.2f}"]
+        cells += [f"{p[k] / 1e9:6.2f}/{x[k] / 1e9:<6.2f}" for k in CATEGORY_KEYS]
+        cells.append(f"{p['collective_bytes'] / 1e9:6.2f}/{x['collective_bytes'] / 1e9:<6.2f}")
+        name = ",".join(map(str, members)) if len(members) <= 3 else f"{members[0]}..{members[-1]}"
+        lines.append(f"{name:>12} " + " ".join(f"{c:>13}" for c in cells))
+    if memory_gb is not None and not result.get("fits", True):
+        lines.append(f"DOES NOT FIT: measured peak {result['max_peak_bytes'] / 1e9:.3g} GB exceeds --memory-gb {memory_gb}")
+    return "\n".join(lines)
