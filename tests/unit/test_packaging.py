@@ -35,3 +35,47 @@ def test_typed_licensed_and_linted():
     assert any(d.startswith("ruff") for d in meta["project"]["optional-dependencies"]["dev"])
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         assert "ruff check ." in f.read()
+
+
+def _source_files() -> set:
+    """What a wheel must hold: every module and package-data file under ``fmoe/``, and ``models/``
+    as ``fmoe/models/`` (git's view of the tree: tracked and untracked-but-not-ignored files)."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    want = set()
+    for rel in files:
+        if not os.path.isfile(os.path.join(ROOT, rel)):
+            continue                                  # deleted in the working tree, not yet in git
+        if rel.startswith("fmoe/") and (rel.endswith(".py") or rel.endswith("py.typed")):
+            want.add(rel)
+        elif rel.startswith("models/") and rel.endswith(".py"):
+            want.add("fmoe/" + rel)
+    return want
+
+
+def test_the_wheel_holds_exactly_the_source_tree(tmp_path):
+    """A wheel built from the tree holds every module of it (package discovery cannot drift) and
+    nothing else of the package (no stale file from an earlier build)."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    want = _source_files()
+    src = tmp_path / "src"
+    for rel in {f for f in subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                                          capture_output=True, text=True, check=True).stdout.split()
+                if os.path.isfile(os.path.join(ROOT, f))}:
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, rel), src / rel)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                          "-w", str(tmp_path / "wheel"), str(src)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheel").glob("fmoe-*.whl")
+    held = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("fmoe/")}
+    assert held == want, (f"in the tree, not in the wheel: {sorted(want - held)}; "
+                          f"in the wheel, not in the tree: {sorted(held - want)}")
+    assert {"fmoe/__init__.py", "fmoe/models/__init__.py", "fmoe/optim/__init__.py",
+            "fmoe/training/__init__.py"} <= held
