@@ -41,24 +41,32 @@ def rope_from_hf(hf: Mapping[str, Any], default_theta: float,
 
 
 def from_hf_fields(cls: type, hf: Mapping[str, Any], want: Mapping[str, Any], skip: Sequence[str] = (),
-                   rope_default: Optional[Mapping[str, Any]] = None, keep_none: bool = True) -> dict:
+                   rope_default: Optional[Mapping[str, Any]] = None) -> dict:
     """``Config`` keyword arguments read from a ``config.json`` dict: ``ValueError`` unless every
     ``want`` key is absent or as wanted; the rope fields by :func:`rope_from_hf`; every other
-    field of ``cls`` that ``hf`` holds (not in ``skip``; with ``keep_none=False`` not None).
+    field of ``cls`` that ``hf`` holds (not in ``skip``). A ``head_dim`` or ``num_key_value_heads``
+    that is null or absent is derived as transformers derives it (``hidden_size //
+    num_attention_heads``; ``num_attention_heads``); any other null is passed on, for the config
+    to take (an ``Optional`` field) or refuse, naming the field.
 
     Example:
         >>> from fmoe.models import llama
         >>> from_hf_fields(llama.Config, {"model_type": "mixtral"}, {"model_type": "llama"})
         Traceback (most recent call last):
         ValueError: Config.from_hf: model_type must be 'llama', got 'mixtral'
+        >>> from_hf_fields(llama.Config, {"hidden_size": 96, "num_attention_heads": 4, "head_dim": None}, {})["head_dim"]
+        24
     """
     for key, value in want.items():
         if hf.get(key, value) != value:
             raise ValueError(f"Config.from_hf: {key} must be {value!r}, got {hf.get(key)!r}")
     theta, scaling = rope_from_hf(hf, cls.rope_theta, default=rope_default)
     skip = ("rope_theta", "rope_scaling", *skip)
-    kw = {f.name: hf[f.name] for f in fields(cls)
-          if f.name in hf and f.name not in skip and (keep_none or hf[f.name] is not None)}
+    kw = {f.name: hf[f.name] for f in fields(cls) if f.name in hf and f.name not in skip}
+    H = kw.get("num_attention_heads", getattr(cls, "num_attention_heads", None))
+    derived = {"num_key_value_heads": H,
+               "head_dim": kw.get("hidden_size", cls.hidden_size) // H if isinstance(H, int) and H > 0 else None}
+    kw.update({k: v for k, v in derived.items() if k in {f.name for f in fields(cls)} and kw.get(k) is None})
     return {"rope_theta": theta, "rope_scaling": scaling, **kw}
 
 

@@ -50,7 +50,7 @@ class Config:
     head_dim: int = 64
     num_local_experts: int = 128
     num_experts_per_tok: int = 4
-    sliding_window: int = 128
+    sliding_window: int = 128            # of the "sliding_attention" layers
     layer_types: tuple = ()              # one of _LAYER_TYPES per layer; () = alternate, sliding first
     rms_norm_eps: float = 1e-5
     rope_theta: float = 150000.0
@@ -101,8 +101,7 @@ class Config:
             True
         """
         kw = _hf.from_hf_fields(cls, hf, {"model_type": "gpt_oss"}, skip=("layer_types",),
-                                rope_default=dict(_YARN), keep_none=False)  # no rope given: gpt-oss's YaRN
-        kw["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+                                rope_default=dict(_YARN))  # no rope given: gpt-oss's YaRN
         return cls(layer_types=tuple(hf.get("layer_types") or ()), **kw)
 
     def to_hf(self) -> dict:

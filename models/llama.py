@@ -78,9 +78,6 @@ class Config:
             True
         """
         kw = _hf.from_hf_fields(cls, hf, {"model_type": "llama", "hidden_act": "silu"})
-        if kw.get("head_dim") is None:
-            kw["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
-        kw.setdefault("num_key_value_heads", hf.get("num_attention_heads", cls.num_attention_heads))
         return cls(**kw)
 
     def to_hf(self) -> dict:

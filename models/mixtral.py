@@ -83,9 +83,6 @@ class Config:
             True
         """
         kw = _hf.from_hf_fields(cls, hf, {"model_type": "mixtral", "hidden_act": "silu"})
-        kw["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        kw["num_key_value_heads"] = hf.get("num_key_value_heads") or hf.get("num_attention_heads",
-                                                                           cls.num_attention_heads)
         return cls(**kw)
 
     def to_hf(self) -> dict:

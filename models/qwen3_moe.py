@@ -90,7 +90,6 @@ class Config:
         """
         kw = _hf.from_hf_fields(cls, hf, {"model_type": "qwen3_moe", "hidden_act": "silu", "attention_bias": False},
                                 skip=("sliding_window", "mlp_only_layers", "num_experts"))
-        kw["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         kw["num_experts"] = hf.get("num_experts", hf.get("num_local_experts", cls.num_experts))
         return cls(sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window") else None,
                    mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()), **kw)

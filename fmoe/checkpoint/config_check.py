@@ -42,13 +42,13 @@ def memory_bytes() -> int:
         return 2 ** 62
 
 
-def _check_fields(config_type: Any, values: dict, where: str) -> None:
+def _check_fields(config_type: Any, values: dict, where: str, raw: bool) -> None:
     for f in dataclasses.fields(config_type):
         if f.name not in values:
             continue
         value, default = values[f.name], f.default
-        if value is None and ("Optional" in str(f.type) or "None" in str(f.type)):
-            continue                                    # a field the config declares optional
+        if value is None and (raw or "Optional" in str(f.type) or "None" in str(f.type)):
+            continue                                    # raw: Config.from_hf decides; built: declared optional
         if isinstance(default, bool):
             if not isinstance(value, bool):
                 raise ValueError(f"{where}: {f.name!r} must be true or false, got {value!r}")
@@ -62,13 +62,15 @@ def _check_fields(config_type: Any, values: dict, where: str) -> None:
 
 def check_config(model: Any, cfg: Any, where: str) -> None:
     """Check every field of ``cfg`` (a config dataclass, or the raw dict it is built from)
-    against the type ``model.Config`` declares for it (see the module docstring).
+    against the type ``model.Config`` declares for it (see the module docstring). A null in the
+    raw dict is left to ``Config.from_hf`` (transformers writes ``"head_dim": null`` for "derive
+    it"); in the built config only an ``Optional`` field may hold None.
     Raises ``ValueError`` naming ``where``, the field and the value."""
     config_type = getattr(model, "Config", None)
     if not dataclasses.is_dataclass(config_type):
         return
     values = cfg if isinstance(cfg, dict) else {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    _check_fields(config_type, values, where)
+    _check_fields(config_type, values, where, raw=isinstance(cfg, dict))
 
 
 def param_bytes(model: Any, cfg: Any, itemsize: int = 4) -> int:
