@@ -9,7 +9,8 @@ import torch
 import fmoe
 from fmoe.fsdp import data_parallel_plan
 from fmoe.model import model_of
-from fmoe.train import balancing
+from fmoe.models import NAMES, get
+from fmoe.training import balancing
 from fmoe.optim import AdamWConfig, lr_at
 from fmoe.optim.adamw import init as adamw_init
 from fmoe.training.step import StepConfig, train_step
@@ -28,7 +29,7 @@ def settings(model, balance, **flags):
     def error(msg):
         raise ValueError(msg)
 
-    balancing.resolve(args, error)
+    balancing.resolve(args, error, {n: get(n) for n in NAMES})
     return args
 
 
@@ -45,7 +46,7 @@ def run(name, args, mesh, steps=2, grad_accum=1, num_batches=None, rows=B):
     params = full if mesh is None else fmoe.shard(full, data_parallel_plan(model.plan(cfg), full, mesh), mesh)
     step_cfg = StepConfig(opt=AdamWConfig(weight_decay=0.1, max_grad_norm=0.5),
                           grad_accum=grad_accum,
-                          **balancing.step_options(args, cfg, {}))
+                          **balancing.step_options(args, cfg, {}, model_of(model)))
     state = adamw_init(params)
     data = corpus()
     losses, norms, metrics = [], [], []

@@ -91,7 +91,7 @@ def _read_json(file: str) -> Any:
 
 def _router(recorded: Any, given: Optional[str], file: str) -> Optional[Any]:
     """The router to decode with: the recorded one (re-validated; code only when passed again)."""
-    from fmoe.train.options import parse_router, router_from_spec
+    from fmoe.routing.spec import from_spec, parse_spec
 
     if recorded is not None and not isinstance(recorded, str):
         raise ValueError(f"{file}: the recorded router {recorded!r} is not a NAME[:k=v,...] string")
@@ -100,11 +100,11 @@ def _router(recorded: Any, given: Optional[str], file: str) -> Optional[Any]:
                          f"({file}); decoding with another router is another model. Drop --router")
     if recorded is None:
         return None
-    module, _, _ = parse_router(recorded)
+    module, _, _ = parse_spec(recorded)
     if module != "fmoe.routing" and given is None:
         raise ValueError(f"{file}: the recorded router {recorded!r} is code from module {module!r}; a checkpoint "
                          f"never chooses code to run. If you trust it, pass --router {recorded}")
-    return router_from_spec(recorded)
+    return from_spec(recorded, "--router")
 
 
 def _tokenizer(recorded: Optional[str], digest: Optional[str], given: Optional[str], file: str) -> Optional[Any]:

@@ -29,6 +29,9 @@ The built-in schemes:
 ``replay(DIR)``             the ids a ``--record-routing DIR`` run chose, weights recomputed
 ==========================  ===========================================================
 
+A router named by text (``--router``, ``meta.json``): :func:`from_spec` (``"switch:capacity_factor=1.25"``,
+``"my.module:factory:k=v"``; :mod:`fmoe.routing.spec`).
+
 Aux losses (load balancing, sequence balance, z-loss) wrap any router:
 :func:`with_losses` (from :mod:`fmoe.routing.aux_losses`). Shared experts are params, not a router
 (:mod:`fmoe.shared_experts`).
@@ -40,15 +43,16 @@ Example:
     ([[3, 2]], [0.7311, 0.2689])
 """
 
-from . import aux_losses, balance
+from . import aux_losses, balance  # noqa: F401  (submodules: fmoe.routing.aux_losses, .balance)
 from .aux_losses import with_losses
 from .bias import sigmoid_topk, update_bias
 from .capacity import capacity, expert_choice, switch
 from .core import Router, Routing, call, validate
 from .fixed import balanced, hash_router, random_topk, token_hash
 from .record import replay
+from .spec import ROUTERS, from_spec, parse_spec
 from .topk import group_mask, group_topk, topk, topk_softmax
 
 __all__ = ["Routing", "Router", "validate", "call", "topk", "topk_softmax", "group_topk", "group_mask",
            "sigmoid_topk", "update_bias", "switch", "expert_choice", "capacity", "hash_router",
-           "token_hash", "balanced", "random_topk", "replay", "with_losses", "aux_losses", "balance"]
+           "token_hash", "balanced", "random_topk", "replay", "with_losses", "ROUTERS", "from_spec", "parse_spec"]

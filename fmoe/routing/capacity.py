@@ -130,4 +130,5 @@ def expert_choice(capacity_factor: float = 1.0, k: int = 1, max_experts: Optiona
         unrouted = (~chosen.any(-1)).sum().float()
         return Routing(weights, ids, {"drop_rate": _rate(unrouted, scores.new_tensor(float(T)))})
 
+    router.no_balance_loss = "every expert takes exactly C tokens: the load is balanced by construction"
     return router

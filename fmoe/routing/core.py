@@ -15,6 +15,13 @@ Extra inputs are keyword arguments. A router that needs more than the logits dec
 gradient) and every entry of its ``router_inputs=`` mapping; :func:`call` checks that the
 router accepts them (or takes ``**inputs``) before calling it.
 
+Attributes a router may carry, read by the trainer's balancing flags
+(:mod:`fmoe.training.balancing`): ``router.scores = "sigmoid"`` (the score function its balance
+losses use; default softmax), and ``router.no_balance_loss = "why"`` for a router a balance loss
+does not fit (expert choice: balanced by construction; hash / round-robin / random routing:
+experts fixed whatever the scores): the trainer then defaults to no balancing and refuses
+``--balance aux`` / ``seq_aux`` / ``global_aux`` with that reason.
+
 A slot with weight exactly 0 contributes nothing to the output or to any gradient that
 reaches the router (its weight is a constant), so routers that give a token fewer than ``K``
 experts (capacity dropping, expert choice) fill the spare slots with weight 0 and an expert id

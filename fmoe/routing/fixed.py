@@ -21,6 +21,9 @@ import torch
 from ..dtypes import upcast
 from .core import Router, Routing, check_k, check_logits
 
+#: Why a balance loss does not fit these routers (``router.no_balance_loss``, :mod:`fmoe.routing.core`).
+FIXED = "its experts do not depend on the router's scores, so a balance loss cannot move the load"
+
 __all__ = ["hash_router", "token_hash", "balanced", "random_topk"]
 
 _GOLDEN = 2654435761          # Knuth's multiplicative hash constant (odd, ~2^32 / phi)
@@ -81,6 +84,7 @@ def hash_router(k: int = 1, seed: int = 0, gate: bool = False) -> Router:
             return Routing(torch.softmax(upcast(logits).gather(1, ids), -1), ids, {})
         return Routing(_constant_weights(logits, ids, 1.0 / k), ids, {})
 
+    router.no_balance_loss = FIXED
     return router
 
 
@@ -102,6 +106,7 @@ def balanced(k: int = 1) -> Router:
         ids = pos % E                                                             # [T, K]
         return Routing(torch.softmax(upcast(logits).gather(1, ids), -1), ids, {})
 
+    router.no_balance_loss = FIXED
     return router
 
 
@@ -122,4 +127,5 @@ def random_topk(k: int = 1, seed: int = 0) -> Router:
         ids = torch.rand(T, E, generator=g).topk(k, dim=-1).indices.to(logits.device)
         return Routing(torch.softmax(upcast(logits).gather(1, ids), -1), ids, {})
 
+    router.no_balance_loss = FIXED
     return router

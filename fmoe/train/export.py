@@ -44,11 +44,11 @@ def hf_router_fields(model: str, spec: Optional[str]) -> Optional[dict]:
     Returns:
         ``{config field: value}`` or None.
     """
-    from .options import parse_router
+    from ..routing.spec import parse_spec
 
     if spec is None:
         return {}
-    module, name, kwargs = parse_router(spec)
+    module, name, kwargs = parse_spec(spec, "--router")
     from ..models import get
 
     scheme, fields, fixed = get(model).hf_router or (None, {}, {})

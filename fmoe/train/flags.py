@@ -18,7 +18,8 @@ from typing import Optional
 
 from ..model import PRESETS
 from ..models import NAMES
-from . import balancing, options, threads
+from . import options, threads
+from ..training import balancing
 
 DEFAULT_OUT = "runs/fmoe"
 

@@ -20,7 +20,8 @@ import sys
 from dataclasses import asdict, is_dataclass
 
 from ..precision import dtype_of
-from . import balancing, options
+from . import options
+from ..training import balancing
 from .threads import threads_of
 
 __all__ = ["run", "log_row", "NonFiniteStep"]
@@ -121,7 +122,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         raise ValueError(f"model vocab_size {cfg.vocab_size} cannot hold the data's token ids "
                          f"(vocabulary {train_data.vocab_size} of {train_data.name})")
     full = fmoe.tree.map_with_path(lambda _, t: t.to(device, dtype_of(args.master_dtype)), full)  # trained dtype
-    # the trainer's router carries the balance losses (fmoe.train.balancing); the exported config
+    # the trainer's router carries the balance losses (fmoe.training.balancing); the exported config
     # records the Switch loss weight as transformers reads it
     hf_cfg = model.with_aux_loss(cfg, args.aux_weight if args.balance == "aux" else 0.0)
     cfg = model.with_aux_loss(cfg, 0.0)                # declared switch, no probing
@@ -140,7 +141,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         start = ckpt.load(args.resume_path, params, opt_state, packed)["step"]
     step_cfg = vars(args).get("step_config") or StepConfig(   # fmoe.train.run(step_config=...) replaces it
         opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
-        impl=args.impl, **balancing.step_options(args, cfg, options.step_options(args)))
+        impl=args.impl, **balancing.step_options(args, cfg, options.step_options(args), model))
     step_cfg, write_record = balancing.with_recording(args, step_cfg, rank)     # --record-routing
     rank0 = rank == 0
     if rank0:                                          # --quiet keeps only its warning

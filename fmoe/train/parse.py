@@ -17,7 +17,8 @@ from typing import Optional, Sequence
 
 from ..mesh import check_layout
 from ..models import NAMES, get
-from . import balancing, options
+from . import options
+from ..training import balancing
 from .flags import build_parser
 
 FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate"}   # mesh fields as flags
@@ -72,7 +73,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         _check_resume(ap, args)
     else:
         _check_sizes(args, 256, ap.error)
-    balancing.resolve(args, ap.error)                 # after a resume filled in the kept settings
+    balancing.resolve(args, ap.error, {n: get(n) for n in NAMES})   # after a resume filled in the kept settings
     _check_upcycle(ap, args)
     _check_out(ap, args)
     return args
@@ -82,7 +83,7 @@ def _check_numbers(args: argparse.Namespace, error) -> None:
     """The float flags argparse cannot range-check (also re-run on the values a resume keeps)."""
     for name in ("aux_weight", "weight_decay"):
         v = getattr(args, name)
-        if v is None and name == "aux_weight":      # no loss applies (fmoe.train.balancing resolves it)
+        if v is None and name == "aux_weight":      # no loss applies (fmoe.training.balancing resolves it)
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v!r}")

@@ -44,7 +44,7 @@ KEPT: dict[str, str] = {
     # the data stream (fmoe.train.options): same files, tokenizer, held-out cut and rows per step
     "data": "data", "tokenizer": "tokenizer_flag", "eval_fraction": "eval_fraction", "grad_accum": "grad_accum",
     "router": "router",
-    # load balancing (fmoe.train.balancing)
+    # load balancing (fmoe.training.balancing)
     "balance": "balance", "z_weight": "z_weight", "bias_rate": "bias_rate", "bias_update": "bias_update",
     # the precision policy (fmoe.precision): the checkpoint holds weights and moments in these dtypes
     "dtype": "dtype", "master_dtype": "master_dtype", "optim_dtype": "optim_dtype",
@@ -60,7 +60,7 @@ def schedule_record(args: argparse.Namespace) -> dict:
 
 
 #: kept values that may be null: the preset of an --init-hf run, and the balancing weights a run's
-#: methods did not use (fmoe.train.balancing records them as None, then re-resolves them).
+#: methods did not use (fmoe.training.balancing records them as None, then re-resolves them).
 NULLABLE = ("preset", "aux_weight", "z_weight", "bias_rate", "bias_update")
 
 
@@ -98,14 +98,14 @@ def check_kept_value(action: argparse.Action, key: str, value: Any, file: str) -
 def check_router(saved: Any, args: argparse.Namespace, file: str) -> Optional[str]:
     """Why the recorded router ``saved`` cannot be used as it is, or None (see the module
     docstring: only ``fmoe.routing`` names with literal arguments; code must be passed again)."""
-    from .options import parse_router, router_from_spec
+    from ..routing.spec import from_spec, parse_spec
 
     if saved is None:
         return None
     if not isinstance(saved, str):
         return f"{file}: 'router' is {saved!r}; a router is recorded as a NAME[:k=v,...] string"
     try:
-        module, _, _ = parse_router(saved)
+        module, _, _ = parse_spec(saved)
     except ValueError as e:
         return f"{file}: 'router' {saved!r} is not a router name ({e})"
     if module != "fmoe.routing":
@@ -114,7 +114,7 @@ def check_router(saved: Any, args: argparse.Namespace, file: str) -> Optional[st
         return (f"{file}: 'router' is {saved!r}, code from module {module!r}; a checkpoint never chooses code "
                 f"to import and run. If you trust it, pass --router {saved} again")
     try:
-        router_from_spec(saved)                      # a built-in name and its literal arguments
+        from_spec(saved)                             # a built-in name and its literal arguments
     except (ValueError, TypeError) as e:
         return f"{file}: 'router' {saved!r} is not a valid router ({e})"
     return None

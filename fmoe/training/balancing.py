@@ -2,7 +2,9 @@
 a flag does not apply.
 
 ``--balance M[,M...]`` picks the methods (default: the model's own: the Switch load-balance
-loss for qwen3_moe / mixtral / gpt_oss, expert-bias updates for deepseek_v3):
+loss for qwen3_moe / mixtral / gpt_oss, expert-bias updates for deepseek_v3; ``none`` for a
+``--router`` a balance loss does not fit, one with ``router.no_balance_loss``: expert choice is
+balanced by construction, hash / round-robin / random routing ignore the scores):
 
 ============  ==========================================================  ==================
 method        what                                                        weight flag
@@ -28,7 +30,8 @@ router reads is ever updated: without the bias method it stays frozen (deepseek_
 ``e_score_correction_bias`` is exported as loaded).
 
 Usage errors (exit 2, before anything starts): a balancing flag on a dense model, a weight flag
-without its method, ``--balance bias`` with a router that ignores ``expert_bias``, and
+without its method, ``--balance bias`` with a router that ignores ``expert_bias``, a balance
+loss with a router it does not fit (the router's ``no_balance_loss`` says why), and
 ``--export-hf`` of a bias-balanced model whose Hugging Face format has no expert bias (the
 export would route differently). The resolved settings are recorded in ``meta.json`` and kept
 on ``--resume``.
@@ -42,11 +45,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from ..models import NAMES, get
+from ..model import Model
 
 __all__ = ["METHODS", "add_arguments", "parse_methods", "resolve", "record", "router_for", "with_expert_bias",
            "model_router", "score_name", "step_options", "with_recording", "RECORDED"]
@@ -58,12 +61,12 @@ DEFAULT_Z, DEFAULT_RATE = 1e-3, 1e-3
 RECORDED = ("balance", "aux_weight", "z_weight", "bias_rate", "bias_update")
 
 
-def model_router(name: str, cfg: Any, biased: bool = False) -> Callable:
+def model_router(model: Model, cfg: Any, biased: bool = False) -> Callable:
     """The router a model uses by default (``biased``: its twin that reads ``expert_bias``), as the
     model declares it (:attr:`fmoe.model.Model.router`).
 
     Args:
-        name: model name (a routed model of :mod:`fmoe.models`).
+        model: a routed model's declared :class:`fmoe.model.Model`.
         cfg: its config.
         biased: the selection-biased twin (deepseek_v3's router reads the bias already).
     Returns:
@@ -71,28 +74,27 @@ def model_router(name: str, cfg: Any, biased: bool = False) -> Callable:
 
     Example:
         >>> from fmoe.models import qwen3_moe
-        >>> r = model_router("qwen3_moe", qwen3_moe.Config.tiny())
+        >>> r = model_router(qwen3_moe.MODEL, qwen3_moe.Config.tiny())
         >>> r(torch.zeros(1, 8)).expert_ids.shape
         torch.Size([1, 2])
     """
-    model = get(name)
     if model.router is None:
-        raise ValueError(f"balancing: model {name!r} has no router (MoE models: {', '.join(routed())})")
+        raise ValueError(f"balancing: model {model.name!r} has no router")
     return model.router(cfg, biased=biased)
 
 
-def routed() -> tuple:
-    """The names of the models that route (their declared :attr:`fmoe.model.Model.routed`)."""
-    return tuple(n for n in NAMES if get(n).routed)
+def routed(registry: Mapping[str, Model]) -> tuple:
+    """The names of the models of ``registry`` that route (their :attr:`fmoe.model.Model.routed`)."""
+    return tuple(n for n, m in registry.items() if m.routed)
 
 
-def score_name(model: str, router_spec: Optional[str], router: Optional[Callable]) -> str:
+def score_name(model: Model, router_spec: Optional[str], router: Optional[Callable]) -> str:
     """``"softmax"`` or ``"sigmoid"``: the score function of the router the run uses."""
     if router is None:
-        return get(model).router_scores
-    from .options import parse_router
+        return model.router_scores
+    from ..routing.spec import parse_spec
 
-    module, name, _ = parse_router(router_spec) if router_spec else ("", "", {})
+    module, name, _ = parse_spec(router_spec) if router_spec else ("", "", {})
     if module == "fmoe.routing":
         return "sigmoid" if name == "sigmoid_topk" else "softmax"
     declared = getattr(router, "scores", "softmax")
@@ -143,34 +145,53 @@ def parse_methods(text: str) -> tuple:
 
 def _reads_bias(args: argparse.Namespace) -> bool:
     from ..routing.balance import reads_bias
-    from .options import router_from_spec
+    from ..routing.spec import from_spec
 
-    return args.router is None or reads_bias(router_from_spec(args.router))
+    return args.router is None or reads_bias(from_spec(args.router, "--router"))
 
 
-def resolve(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
+def _no_loss(args: argparse.Namespace) -> Optional[str]:
+    """Why a balance loss does not fit the ``--router`` (its ``no_balance_loss``), or None."""
+    from ..routing.spec import from_spec
+
+    return None if args.router is None else getattr(from_spec(args.router, "--router"), "no_balance_loss", None)
+
+
+def resolve(args: argparse.Namespace, error: Callable[[str], Any], registry: Mapping[str, Model]) -> None:
     """Check the balancing flags against the model and router; fill in the resolved values
-    (``args.balance`` canonical, unused weights None). ``error`` is ``ArgumentParser.error``."""
+    (``args.balance`` canonical, unused weights None).
+
+    Args:
+        args: the parsed flags (``model``, ``router``, the balancing flags, ``explicit``).
+        error: ``ArgumentParser.error`` (called with the message; must not return).
+        registry: model name -> declared :class:`fmoe.model.Model` (``fmoe.models``).
+    """
     explicit = getattr(args, "explicit", set())
     given = [d for d in ("balance", "aux_weight", "z_weight", "bias_rate", "bias_update")
              if d in explicit and getattr(args, d) is not None]
     flag = lambda d: "--" + d.replace("_", "-")  # noqa: E731
-    if args.model not in routed():
+    if args.model not in routed(registry):
         given += ["record_routing"] if vars(args).get("record_routing") else []
         if given:
             error(f"{flag(given[0])}: model {args.model} is dense (no router); balancing flags apply to the MoE "
-                  f"models {', '.join(routed())}")
+                  f"models {', '.join(routed(registry))}")
         args.balance, args.aux_weight, args.z_weight, args.bias_rate, args.bias_update = "none", None, None, None, None
         return
     try:
         if args.balance is not None:
             methods = parse_methods(args.balance)
-        elif get(args.model).balance == "bias":
+        elif _no_loss(args):                       # expert choice, hash, ...: nothing to balance
+            methods = ()
+        elif registry[args.model].balance == "bias":
             methods = ("bias",) if _reads_bias(args) else ("aux",)
         else:
             methods = ("aux",)
     except ValueError as e:
         error(str(e))
+    if set(LOSS_METHODS) & set(methods) and _no_loss(args):
+        error(f"--balance {','.join(methods)} with --router {args.router!r}: {_no_loss(args)}; the loss would "
+              "train the router's probabilities without moving the load. Use --balance none (this router's "
+              "default) or z")
     for dest, needs in (("aux_weight", LOSS_METHODS), ("z_weight", ("z",)), ("bias_rate", ("bias",)),
                         ("bias_update", ("bias",))):
         value = getattr(args, dest)
@@ -187,9 +208,9 @@ def resolve(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
         what = "--record-routing" if vars(args).get("record_routing") else "--router replay"
         error(f"{what} with --remat {args.remat}: "
               "recomputation calls the router again in backward, out of the recorded order; use --remat none")
-    if "bias" in methods and args.export_hf and not get(args.model).hf_expert_bias:
+    if "bias" in methods and args.export_hf and not registry[args.model].hf_expert_bias:
         error(f"--export-hf with --balance bias: the Hugging Face format of {args.model} has no expert bias, so the "
-              f"exported model would route differently than it trained; export {', '.join(n for n in NAMES if get(n).hf_expert_bias)} "
+              f"exported model would route differently than it trained; export {', '.join(n for n, m in registry.items() if m.hf_expert_bias)} "
               "models, or balance with a loss")
     args.balance = ",".join(methods) or "none"
     args.aux_weight = (0.01 if args.aux_weight is None else args.aux_weight) if set(LOSS_METHODS) & set(methods) else None
@@ -203,9 +224,15 @@ def record(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in RECORDED}
 
 
-def router_for(args: argparse.Namespace, cfg: Any, router: Optional[Callable]) -> Optional[Callable]:
+def router_for(args: argparse.Namespace, cfg: Any, router: Optional[Callable], model: Model) -> Optional[Callable]:
     """The router the run's steps use: ``router`` (``--router``) or the model's, wrapped with the
     chosen losses (in the router's score function) and the global-batch sums.
+
+    Args:
+        args: the resolved flags (:func:`resolve`).
+        cfg: the model's config.
+        router: the ``--router`` router, or None (the model's own).
+        model: the declared :class:`fmoe.model.Model` of ``args.model``.
 
     Returns:
         None for a dense model; else a router (the model config's own loss switch must be off).
@@ -213,11 +240,11 @@ def router_for(args: argparse.Namespace, cfg: Any, router: Optional[Callable]) -
     from ..routing import with_losses
     from ..routing.balance import SCORES, with_balance_sums
 
-    if args.model not in routed():
+    if not model.routed:
         return router
     methods = parse_methods(args.balance)
-    probs = SCORES[score_name(args.model, args.router, router)]
-    base = router if router is not None else model_router(args.model, cfg, biased="bias" in methods)
+    probs = SCORES[score_name(model, args.router, router)]
+    base = router if router is not None else model_router(model, cfg, biased="bias" in methods)
     w = args.aux_weight
     wrapped = with_losses(base, load_balance=w if "aux" in methods else None,
                           seq_balance=w if "seq_aux" in methods else None,
@@ -225,12 +252,12 @@ def router_for(args: argparse.Namespace, cfg: Any, router: Optional[Callable]) -
     return with_balance_sums(wrapped, probs) if "global_aux" in methods else wrapped
 
 
-def step_options(args: argparse.Namespace, cfg: Any, options: dict) -> dict:
-    """:class:`fmoe.training.step.StepConfig` keywords: ``options`` (those of
-    :func:`fmoe.train.options.step_options`) with the balancing router, bias rate and rule and
-    the global-batch loss weight."""
-    methods = parse_methods(args.balance) if args.model in routed() else ()
-    return {**options, "router": router_for(args, cfg, options.get("router")),
+def step_options(args: argparse.Namespace, cfg: Any, options: dict, model: Model) -> dict:
+    """:class:`fmoe.training.step.StepConfig` keywords: ``options`` (the job's other step
+    keywords) with the balancing router, bias rate and rule and the global-batch loss weight
+    (``model``: the declared :class:`fmoe.model.Model` of ``args.model``)."""
+    methods = parse_methods(args.balance) if model.routed else ()
+    return {**options, "router": router_for(args, cfg, options.get("router"), model),
             "bias_rate": float(args.bias_rate or 0.0), "bias_update": args.bias_update or "sign",
             "global_balance": float(args.aux_weight) if "global_aux" in methods else 0.0}
 
@@ -258,7 +285,7 @@ def with_expert_bias(full: Any, args: argparse.Namespace) -> Any:
         >>> p["layers"][0]["moe"]["expert_bias"].tolist()
         [0.0, 0.0, 0.0, 0.0]
     """
-    if args.model not in routed() or "bias" not in parse_methods(args.balance):
+    if "bias" not in parse_methods(args.balance):      # a dense model resolves to "none"
         return full
     layers = []
     for layer in full["layers"]:

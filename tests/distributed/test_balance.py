@@ -11,7 +11,7 @@ import fmoe
 from fmoe.routing import balance as B
 from fmoe.routing.metrics import load_metrics, maxvio
 from helpers import on_ranks
-from fmoe.train import balancing
+from fmoe.training import balancing
 from balance_cases import run, settings
 
 MODELS = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
@@ -39,11 +39,11 @@ def test_trainer_routers_equal_each_models_own(name):
     params = model.init(cfg, seed=0)
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     want = model.forward(params, tokens, cfg)
-    got = model.forward(params, tokens, cfg, router=balancing.model_router(name, cfg))
+    got = model.forward(params, tokens, cfg, router=balancing.model_router(model.MODEL, cfg))
     assert torch.equal(want, got)
     ns = argparse.Namespace(model=name, balance="bias")
     biased = model.forward(balancing.with_expert_bias(params, ns), tokens, cfg,
-                           router=balancing.model_router(name, cfg, biased=True))
+                           router=balancing.model_router(model.MODEL, cfg, biased=True))
     assert torch.equal(want, biased)
 
 
@@ -100,7 +100,11 @@ def test_usage_errors(tmp_path, capsys):
               "has no expert bias"),
              (["--model", "qwen3_moe", "--balance", "aux,global_aux"], "pick one"),
              (["--model", "qwen3_moe", "--balance", "lossfree"], "lossfree is not a method; choose from none, aux"),
-             (["--model", "qwen3_moe", "--balance", "bias", "--bias-rate", "-1"], "--bias-rate must be a finite")]
+             (["--model", "qwen3_moe", "--balance", "bias", "--bias-rate", "-1"], "--bias-rate must be a finite"),
+             (["--model", "qwen3_moe", "--balance", "aux", "--router", "expert_choice:capacity_factor=2.0"],
+              "balanced by construction"),
+             (["--model", "qwen3_moe", "--balance", "seq_aux", "--router", "balanced:k=2"],
+              "do not depend on the router's scores")]
     for flags, match in cases:
         with pytest.raises(SystemExit) as e:
             parse_args(base + flags)
@@ -113,11 +117,16 @@ def test_usage_errors(tmp_path, capsys):
     assert (args.balance, args.aux_weight, args.bias_rate) == ("aux", 0.01, None)    # the bias stays frozen
     args = parse_args(base + ["--model", "llama"])
     assert (args.balance, args.aux_weight) == ("none", None)
+    args = parse_args(base + ["--model", "qwen3_moe", "--router", "expert_choice:capacity_factor=2.0"])
+    assert (args.balance, args.aux_weight) == ("none", None)        # nothing for a loss to balance
+    args = parse_args(base + ["--model", "qwen3_moe", "--router", "expert_choice", "--balance", "z"])
+    assert (args.balance, args.z_weight) == ("z", 1e-3)
 
 
 def test_aux_losses_use_the_routers_score_function():
     args = settings("qwen3_moe", "aux", router="sigmoid_topk:k=2")
-    r = balancing.router_for(args, None, fmoe.routing.sigmoid_topk(2))
+    r = balancing.router_for(args, None, fmoe.routing.sigmoid_topk(2),
+                             importlib.import_module("fmoe.models.qwen3_moe").MODEL)
     logits = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
     got = r(logits).aux["load_balance_loss"].local()
     ids = fmoe.routing.sigmoid_topk(2)(logits).expert_ids
