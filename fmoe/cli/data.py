@@ -1,7 +1,7 @@
-"""``python -m fmoe.data prepare --tokenizer T --out DIR FILES...``: write token shards.
+"""``fmoe data prepare --tokenizer T --out DIR FILES...``: write token shards (:func:`fmoe.data.prepare`).
 
 Example:
-    python -m fmoe.data prepare --tokenizer my_tok/tokenizer.json --out data/shards corpus/*.txt
+    fmoe data prepare --tokenizer my_tok/tokenizer.json --out data/shards corpus/*.txt
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from . import load_tokenizer, prepare
+from ..data import load_tokenizer, prepare
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fmoe.data", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """``fmoe data``; returns the exit code (2: bad input, 1: an OS error such as a full disk)."""
+    ap = argparse.ArgumentParser(prog="fmoe data", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="tokenize text files into memmap shards",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -31,15 +32,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tok = load_tokenizer(args.tokenizer)
         header = prepare(args.files, tok, args.out, shard_tokens=args.shard_tokens, progress=not args.quiet)
     except ValueError as e:
-        print(f"fmoe.data: error: {e}", file=sys.stderr)
+        print(f"fmoe data: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:                  # a full disk, permissions: one line, nothing left behind
-        print(f"fmoe.data: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
+        print(f"fmoe data: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
         return 1
     print(json.dumps({k: header[k] for k in ("tokens", "dtype", "vocab_size", "eos_id")} |
                      {"shards": len(header["shards"]), "out": args.out}))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
