@@ -114,9 +114,32 @@ def tensor_digest(t: "torch.Tensor") -> str:
 
 
 def _header(file: str) -> tuple[dict, int]:
+    """A safetensors file's JSON header and where its data starts."""
     with open(file, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        return json.loads(f.read(n)), 8 + n
+        try:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        except (struct.error, ValueError) as e:
+            raise ValueError(f"{file}: not a safetensors file (its header does not parse: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: not a safetensors file (its header is a {type(header).__name__})")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file}: safetensors '__metadata__' must be an object of strings")
+    return header, 8 + n
+
+
+def _checksums(file: str, text: str) -> dict:
+    """The ``fmoe_sha256`` metadata of ``file``: JSON ``{tensor key: sha256 hex}``, checked."""
+    try:
+        sums = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: safetensors metadata {HEADER_KEY!r} is not JSON ({e}); it must be a JSON "
+                         "object {tensor name: SHA-256 hex}") from None
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise ValueError(f"{file}: safetensors metadata {HEADER_KEY!r} must be a JSON object {{tensor name: "
+                         f"SHA-256 hex}}, got {type(sums).__name__} {str(sums)[:80]}")
+    return sums
 
 
 def verify_tensors(file: str) -> bool:
@@ -131,7 +154,7 @@ def verify_tensors(file: str) -> bool:
     sums = header.get("__metadata__", {}).get(HEADER_KEY)
     if sums is None:
         return False
-    sums = json.loads(sums)
+    sums = _checksums(file, sums)
     with open(file, "rb") as f:
         for key in sorted(sums):
             if key not in header:

@@ -25,12 +25,12 @@ import os
 from typing import Optional, Sequence, Union
 
 from .shards import is_shard_dir, open_shards, read_header, write_shards
-from .sources import documents, list_files, stdlib_bytes, token_dtype, tokenize
+from .sources import document_pieces, documents, list_files, stdlib_bytes, token_dtype, tokenize
 from .stream import TokenStream
 from .tokenizer import TOKENIZER_FILES, ByteTokenizer, HFTokenizer, find_tokenizer_file, load_tokenizer
 
 __all__ = ["TokenStream", "open_data", "prepare", "load_tokenizer", "find_tokenizer_file", "ByteTokenizer",
-           "HFTokenizer", "TOKENIZER_FILES", "documents", "list_files", "tokenize", "token_dtype",
+           "HFTokenizer", "TOKENIZER_FILES", "documents", "document_pieces", "list_files", "tokenize", "token_dtype",
            "stdlib_bytes", "write_shards", "open_shards", "is_shard_dir", "read_header"]
 
 PathLike = Union[str, os.PathLike]
@@ -66,7 +66,7 @@ def open_data(path: Optional[PathLike], tokenizer=None, *, max_bytes: Optional[i
                              f"({made_by}), not with tokenizer {tokenizer.name!r} ({getattr(tokenizer, 'digest', None)}); "
                              "pass the tokenizer that made them (or leave --tokenizer out to use it)")
         return stream
-    ids = tokenize((text for _, text in documents(path)), tok)
+    ids = tokenize((pieces for _, pieces in document_pieces(path)), tok)
     return TokenStream([ids], f"text:{path}", vocab_size=tok.vocab_size)
 
 
@@ -92,7 +92,7 @@ def prepare(files: Sequence[PathLike], tokenizer, out: PathLike, *, shard_tokens
 
     def chunks():
         for path in tqdm(paths, desc="tokenizing", unit="file", disable=not progress):
-            yield tokenize((text for _, text in documents(path)), tokenizer)
+            yield tokenize((pieces for _, pieces in document_pieces(path)), tokenizer)
 
     return write_shards(os.fspath(out), chunks(), vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
                         tokenizer=tokenizer.name, shard_tokens=shard_tokens,

@@ -135,8 +135,8 @@ def read_header(path: str) -> dict:
     try:
         with open(os.path.join(path, HEADER)) as f:
             h = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"data {path!r}: cannot read {HEADER} ({e})") from None
+    except (OSError, ValueError) as e:          # ValueError: not JSON, or not UTF-8 text
+        raise ValueError(f"data {path!r}: cannot read {os.path.join(path, HEADER)} ({e})") from None
     if not isinstance(h, dict) or h.get("format") != FORMAT or h.get("dtype") not in _DTYPES:
         raise ValueError(f"data {path!r}: {HEADER} is not an fmoe token header (format {FORMAT!r}, "
                          f"dtype one of {_DTYPES})")

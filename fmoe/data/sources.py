@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import sysconfig
@@ -22,7 +23,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-__all__ = ["documents", "list_files", "tokenize", "token_dtype", "stdlib_bytes", "TEXT_SUFFIXES"]
+__all__ = ["documents", "document_pieces", "list_files", "tokenize", "token_dtype", "stdlib_bytes", "TEXT_SUFFIXES"]
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -53,46 +54,106 @@ def list_files(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
     return out
 
 
-def _jsonl(path: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+#: A ``.txt`` document is read and tokenized in pieces of about this many characters, so memory
+#: stays a few bytes per input byte whatever the file's size.
+PIECE_CHARS = 1 << 20
+
+
+def _not_utf8(path: str) -> ValueError:
+    """The error for a file that is not UTF-8 text, with the offset of its first bad byte."""
+    dec, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"data {path!r} line {n}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise ValueError(f"data {path!r} line {n}: expected an object with a string field 'text'")
-            yield row["text"]
+                dec.decode(block)
+            except UnicodeDecodeError as e:
+                return ValueError(f"data {path!r}: not UTF-8 text ({e.reason} at byte {offset + e.start}); "
+                                  "convert it to UTF-8 (e.g. iconv -t utf-8)")
+            offset += len(block)
+    return ValueError(f"data {path!r}: not UTF-8 text (it ends inside a character)")
+
+
+def _jsonl(path: str) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"data {path!r} line {n}: not JSON ({e.msg})") from None
+                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                    raise ValueError(f"data {path!r} line {n}: expected an object with a string field 'text'")
+                yield row["text"]
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+
+
+def _cut(text: str) -> int:
+    """Where a piece ends: after its last newline, else before its last space or tab (a word
+    boundary for the usual pre-tokenizers), else at its end."""
+    nl = text.rfind("\n") + 1
+    return nl or max(text.rfind(" "), text.rfind("\t"), 0) or len(text)
+
+
+def _text_pieces(path: str) -> Iterator[str]:
+    """A ``.txt`` file's text in pieces of about :data:`PIECE_CHARS` characters, in order."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            carry = ""
+            while block := f.read(PIECE_CHARS):
+                text = carry + block
+                cut = _cut(text)
+                carry = text[cut:]
+                yield text[:cut]
+            if carry:
+                yield carry
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+
+
+def document_pieces(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+                    ) -> Iterator[tuple[str, Iterator[str]]]:
+    """``(file, pieces)`` for every document of ``paths``, in order: a ``.jsonl`` row is one piece,
+    a ``.txt`` file is read in pieces of about :data:`PIECE_CHARS` characters (each cut after a
+    newline, or before a space in a longer line), so no whole file is held in memory."""
+    for path in list_files(paths):
+        if path.endswith(".jsonl"):
+            for text in _jsonl(path):
+                yield path, iter((text,))
+        else:
+            yield path, _text_pieces(path)
 
 
 def documents(paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]) -> Iterator[tuple[str, str]]:
     """``(file, text)`` for every document of ``paths``, in order (see :func:`list_files`)."""
-    for path in list_files(paths):
-        if path.endswith(".jsonl"):
-            for text in _jsonl(path):
-                yield path, text
-        else:
-            with open(path, encoding="utf-8") as f:
-                yield path, f.read()
+    for path, pieces in document_pieces(paths):
+        yield path, "".join(pieces)
 
 
-def tokenize(docs: Iterable[str], tokenizer, dtype: Optional[np.dtype] = None) -> np.ndarray:
+def tokenize(docs: Iterable[Union[str, Iterable[str]]], tokenizer, dtype: Optional[np.dtype] = None) -> np.ndarray:
     """All documents' ids in one array, each document followed by ``tokenizer.eos_id`` (if any).
 
     Args:
-        docs: texts.
+        docs: texts, or documents given as iterables of text pieces (:func:`document_pieces`),
+            each piece encoded on its own: memory is the ids plus one piece.
         tokenizer: from :func:`fmoe.data.load_tokenizer`.
         dtype: result dtype (default: the smallest of uint8/uint16/uint32 holding the vocabulary).
+
+    Example:
+        >>> from fmoe.data import ByteTokenizer
+        >>> tokenize(["hi", iter(["h", "o"])], ByteTokenizer()).tolist()
+        [104, 105, 0, 104, 111, 0]
     """
     dtype = np.dtype(dtype or token_dtype(tokenizer.vocab_size))
+    eos = None if tokenizer.eos_id is None else np.asarray([tokenizer.eos_id], dtype=dtype)
     chunks = []
-    for text in docs:
-        ids = tokenizer.encode(text)
-        if tokenizer.eos_id is not None:
-            ids = list(ids) + [tokenizer.eos_id]
-        chunks.append(np.asarray(ids, dtype=dtype))
+    for doc in docs:
+        for piece in ((doc,) if isinstance(doc, str) else doc):
+            chunks.append(tokenizer.encode_array(piece, dtype))
+        if eos is not None:
+            chunks.append(eos)
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
 
 

@@ -27,6 +27,8 @@ import json
 import os
 from typing import Optional, Protocol, Union
 
+import numpy as np
+
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "find_tokenizer_file",
            "TOKENIZER_FILES"]
 
@@ -43,6 +45,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_array(self, text: str, dtype: np.dtype) -> np.ndarray: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids (0..255); NUL separates documents."""
@@ -51,6 +55,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str, dtype: np.dtype) -> np.ndarray:
+        """The ids of ``text`` as an array (one byte per id while encoding, not a list of ints)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype, copy=False)
 
 
 class HFTokenizer:
@@ -68,7 +76,10 @@ class HFTokenizer:
         with open(self.path, "rb") as f:
             data = f.read()
         self.digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        self._tok = _Tok.from_str(data.decode("utf-8"))
+        try:
+            self._tok = _Tok.from_str(data.decode("utf-8"))
+        except Exception as e:  # noqa: BLE001 (the tokenizers package raises plain Exceptions)
+            raise ValueError(f"tokenizer {self.path!r}: not a valid Hugging Face tokenizer.json ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._find_eos()
 
@@ -76,8 +87,15 @@ class HFTokenizer:
         cfg = os.path.join(os.path.dirname(self.path), "tokenizer_config.json")
         names = list(_EOS_GUESSES)
         if os.path.isfile(cfg):
-            with open(cfg) as f:
-                eos = json.load(f).get("eos_token")
+            try:
+                with open(cfg, encoding="utf-8") as f:
+                    conf = json.load(f)
+            except ValueError as e:                      # not JSON, or not UTF-8
+                raise ValueError(f"tokenizer config {cfg!r}: not a JSON file ({e})") from None
+            if not isinstance(conf, dict):
+                raise ValueError(f"tokenizer config {cfg!r}: must be a JSON object (with an optional "
+                                 f"'eos_token'), got a {type(conf).__name__}")
+            eos = conf.get("eos_token")
             eos = eos.get("content") if isinstance(eos, dict) else eos
             if isinstance(eos, str):
                 names.insert(0, eos)
@@ -89,6 +107,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str, dtype: np.dtype) -> np.ndarray:
+        """The ids of ``text`` as an array of ``dtype``."""
+        return np.asarray(self.encode(text), dtype=dtype)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Ids of a generation prompt (with the tokenizer's special tokens, e.g. a BOS)."""
@@ -124,7 +146,4 @@ def load_tokenizer(spec: Union[str, os.PathLike, None]) -> Union[ByteTokenizer, 
     if found is None:
         raise ValueError(f"tokenizer {os.fspath(spec)!r}: not 'bytes', a tokenizer.json file, or a "
                          "directory holding tokenizer.json")
-    try:
-        return HFTokenizer(found)
-    except Exception as e:  # the tokenizers package raises plain Exceptions
-        raise ValueError(f"tokenizer {found!r}: not a valid Hugging Face tokenizer.json ({e})") from e
+    return HFTokenizer(found)

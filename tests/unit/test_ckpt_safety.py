@@ -231,3 +231,17 @@ def test_export_checksums_live_in_the_safetensors_header(export):
         header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
     sums = json.loads(header["__metadata__"]["fmoe_sha256"])
     assert set(sums) == set(k for k in header if k != "__metadata__") and header["__metadata__"]["format"] == "pt"
+
+
+@pytest.mark.parametrize("value,match", [
+    ("{not json", "is not JSON"),
+    ("7", "must be a JSON object .* got int 7"),
+    ('{"model.embed_tokens.weight": 3}', "must be a JSON object .* got dict"),
+])
+def test_bad_checksum_metadata_names_the_file_and_the_key(export, tmp_path, value, match):
+    hf = _copy(export, tmp_path / "hf")
+    file = os.path.join(hf, "model.safetensors")
+    tensors = load_file(file)
+    save_file(tensors, file, metadata={"format": "pt", "fmoe_sha256": value})
+    with pytest.raises(ValueError, match=rf"model.safetensors: safetensors metadata 'fmoe_sha256' {match}"):
+        llama.load_hf(hf)

@@ -142,3 +142,55 @@ def test_prepare_is_all_or_nothing_and_headers_are_checked_field_by_field(corpus
             json.dump({**header, **change}, f)
         with pytest.raises(ValueError, match=match):
             open_shards(bad)
+
+
+# ---------------------------------------------------------------- errors that name the file; streaming
+def test_text_that_is_not_utf8_names_the_file_and_the_byte(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"hello\n" * 3 + b"caf\xe9 au lait\n")
+    with pytest.raises(ValueError, match=rf"data '{bad}': not UTF-8 text \(invalid continuation byte at byte 21\)"):
+        open_data(str(bad))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    with pytest.raises(ValueError, match=rf"data '{rows}': not UTF-8 text \(invalid start byte at byte 25\)"):
+        open_data(str(rows))
+
+
+def test_a_shard_header_that_is_not_utf8_names_the_file(tmp_path):
+    write_shards(str(tmp_path / "s"), [np.arange(50, dtype=np.uint8)], vocab_size=256, eos_id=0)
+    (tmp_path / "s" / "header.json").write_bytes(b'{"format": "fmoe-tokens", "x": "\xff"}')
+    with pytest.raises(ValueError, match=r"s/header.json \(.*can't decode byte 0xff"):
+        open_shards(str(tmp_path / "s"))
+
+
+def test_a_tokenizer_config_that_is_not_an_object_is_named_as_such(corpus, tmp_path):
+    _, _, tok_dir = corpus
+    d = tmp_path / "tok"
+    shutil.copytree(tok_dir, d)
+    (d / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"tokenizer config '.*tokenizer_config.json': must be a JSON object .* got a list"):
+        load_tokenizer(str(d))
+    (d / "tokenizer_config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"tokenizer config '.*tokenizer_config.json': not a JSON file"):
+        load_tokenizer(str(d))
+
+
+def test_a_long_one_line_text_file_is_tokenized_in_pieces_with_little_memory(tmp_path):
+    """A one-line 6 MB file: the ids equal the whole text's bytes, and the peak Python/numpy memory
+    while reading is a few bytes per input byte (a list of ints held 26)."""
+    import tracemalloc
+
+    words = np.random.default_rng(0).integers(97, 123, size=6_000_000, dtype=np.uint8)
+    words[::7] = 32                                              # spaces: words of 6 letters
+    text = words.tobytes()
+    path = tmp_path / "one_line.txt"
+    path.write_bytes(text)
+    tracemalloc.start()
+    try:
+        stream = open_data(str(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    ids = stream.tokens(0, len(text) + 1)
+    assert np.array_equal(ids, np.append(words, 0))                     # NUL ends the document
+    assert peak < 3 * len(text), f"peak {peak / len(text):.1f} bytes per input byte"
