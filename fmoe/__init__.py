@@ -11,9 +11,7 @@ from .fsdp import unshard, unshard_layer, unsharded_layers
 from .generate import generate
 from .mesh import Mesh
 from .moe import moe
-from .placement import P
-from .plan import STYLES, Plan
-from .sharding import gather, placement_of, shard, to_local
+from .sharding import STYLES, P, Plan, gather, placement_of, shard, to_local
 from .tree_io import load, save
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "unshard", "unshard_layer",

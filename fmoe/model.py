@@ -37,8 +37,7 @@ from . import tree as _tree
 from .checkpoint import hf as _hf
 from .fsdp import data_parallel_plan
 from .mesh import Mesh
-from .placement import check_fused_gate_up
-from .plan import Plan
+from .sharding import Plan, check_fused_gate_up
 from .sharding import shard as _shard
 
 __all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS"]

@@ -23,8 +23,7 @@ import torch
 from .activations import Activation, swiglu
 from .fsdp import unshard
 from .nn.mlp import swiglu_mlp
-from .placement import check_fused_gate_up
-from .sharding import placement_of
+from .sharding import check_fused_gate_up, placement_of
 
 __all__ = ["shared_expert", "check_shared"]
 

@@ -37,8 +37,7 @@ from .checkpoint.atomic import atomic_directory
 from .checkpoint.safetensors_io import CONFIG, Checkpoint, write_checkpoint
 from .collectives import barrier
 from .mesh import Mesh
-from .plan import Plan
-from .sharding import from_local_slice, gather, placement_of, rank_blocks
+from .sharding import Plan, from_local_slice, gather, placement_of, rank_blocks
 
 __all__ = ["save", "load"]
 

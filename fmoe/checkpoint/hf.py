@@ -52,8 +52,7 @@ import torch.distributed as dist
 from .. import tree as _tree
 from ..collectives import broadcast_object
 from ..mesh import Mesh
-from ..plan import Plan
-from ..sharding import from_local_slice, gather, rank_blocks
+from ..sharding import Plan, from_local_slice, gather, rank_blocks
 from .atomic import atomic_directory, check_target, checkpoint_file, foreign_files, replace_files
 from .integrity import verify_tensors
 from .safetensors_io import CONFIG, Checkpoint, write_checkpoint

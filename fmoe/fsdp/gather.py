@@ -30,8 +30,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import tree as _tree
 from ..collectives import all_gather, group_size, reduce_scatter_rows
-from ..placement import chunk_range, chunk_sizes
-from ..sharding import placed_like, placement_of, to_local
+from ..sharding import chunk_range, chunk_sizes, placed_like, placement_of, to_local
 from ..transforms import peel
 from .regather import _remember, gather_flat
 

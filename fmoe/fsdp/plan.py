@@ -13,8 +13,7 @@ from typing import Any
 
 from .. import tree as _tree
 from ..mesh import Mesh
-from ..placement import P
-from ..plan import Plan
+from ..sharding import P, Plan
 
 __all__ = ["add_data_axis", "data_parallel_plan"]
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from .. import tree as _tree
 from .plan import VirtualMesh
-from ..plan import local_shape
+from ..sharding import local_shape
 from ..precision import Precision
 from .tracker import CATEGORIES, CollectiveBytes, HostReads, StepTracker
 

@@ -55,7 +55,7 @@ import torch
 from .. import tree as _tree
 from ..mesh import RankLayout
 from ..model import Widths, model_of
-from ..plan import local_shape
+from ..sharding import local_shape
 from ..precision import Precision
 from . import fake_splits, peak as memory_peak
 

@@ -15,7 +15,7 @@ from einops import rearrange
 from torch.distributed.tensor import DTensor
 
 from ..collectives import group_size
-from ..placement import chunk_range
+from ..sharding import chunk_range
 from ..transforms import peel
 
 

@@ -32,8 +32,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from ..placement import P
-from ..sharding import placed_like, shard, to_local
+from ..sharding import P, placed_like, shard, to_local
 
 __all__ = ["Step", "init_cache", "kv_cache", "begin", "write", "finish", "outputs"]
 

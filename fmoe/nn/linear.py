@@ -35,8 +35,7 @@ import torch.nn.functional as F
 
 from ..collectives import all_reduce, grad_sum, gather_slices
 from ..fsdp import unshard
-from ..placement import chunk_range, chunk_sizes
-from ..sharding import placement_of
+from ..sharding import chunk_range, chunk_sizes, placement_of
 from ..transforms import data_checks_enabled
 from ._tp import check_tensor, own_part, tp_size_rank, unpack_gathered
 

@@ -6,7 +6,7 @@ Under tensor parallelism it is sharded ``packed_colwise`` (each half split separ
 local output is ``[gate_r | up_r]`` and ``chunk(2, -1)`` still pairs each gate with its up; the
 down projection ``w_down [D, I]`` is ``rowwise`` and sums the partial products. A plain
 ``colwise`` (unpacked) split of ``w_gate_up`` would pair gates with gates; it is rejected
-(:func:`fmoe.placement.check_fused_gate_up`). The activation is :func:`swiglu`
+(:func:`fmoe.sharding.check_fused_gate_up`). The activation is :func:`swiglu`
 (:mod:`fmoe.activations`, the same object the experts use) unless another is given.
 """
 
@@ -17,8 +17,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..activations import Activation, swiglu
-from ..placement import check_fused_gate_up
-from ..sharding import placement_of
+from ..sharding import check_fused_gate_up, placement_of
 from ._tp import tp_size_rank
 from .linear import linear
 

@@ -10,7 +10,7 @@ local slices do, so the rule below asks the local slices. Everything after that 
 works, because fmoe's layers never compute on DTensors: :func:`fmoe.sharding.to_local` hands
 the local slice of the primal to the layer and the local slice of the tangent to its ``jvp``.
 
-The rule is installed once, on import of :mod:`fmoe.sharding` (see :func:`install`).
+The rule is installed once, on import of :mod:`fmoe.sharding.local` (see :func:`install`).
 
 What cannot work is refused where a layer first reads a sharded leaf (:func:`check_levels`,
 called by :func:`fmoe.sharding.to_local`), before any collective, with an error that says what
@@ -31,19 +31,17 @@ import torch
 from torch._C._functorch import get_unwrapped, is_batchedtensor, is_functorch_wrapped_tensor
 from torch.distributed.tensor import DTensor
 
+from .shard import local_shard
+
 __all__ = ["install", "check_levels", "batched", "NESTED", "STACKED", "BATCHED_TANGENTS"]
 
 _aten = torch.ops.aten
 
 
-def _local(t: Any) -> Any:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _same_storage_numel(op: Any, args: tuple, kwargs: dict) -> bool:
     """``aten._has_same_storage_numel`` on DTensors: the same question asked of the local slices."""
     a, b = args
-    return _aten._has_same_storage_numel.default(_local(a), _local(b))
+    return _aten._has_same_storage_numel.default(local_shard(a), local_shard(b))
 
 
 def install() -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Union
 
-from .mesh import AXES, DENSE_AXES, EXPERT_AXES
+from ..mesh import AXES, DENSE_AXES, EXPERT_AXES
 
 __all__ = ["P", "Axis", "chunk_range", "chunk_sizes", "check_fused_gate_up"]
 

@@ -15,7 +15,7 @@ the leaf ``layers.1.attn.wq`` is matched by the second rule (segments compare on
 is not matched by ``w_*`` and falls through to ``**``. The first matching rule wins, so put
 specific rules before general ones. ``plan.explain(params, mesh)`` prints this table per leaf.
 
-Rule values are a :class:`~fmoe.placement.P` or a *style* name (see :data:`STYLES`), which is
+Rule values are a :class:`~fmoe.sharding.placement.P` or a *style* name (see :data:`STYLES`), which is
 turned into a ``P`` from the leaf's number of dims (a colwise bias is ``P("tp")``, a rowwise
 bias ``P()``).
 
@@ -33,7 +33,7 @@ import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from .. import tree as _tree
-from ..placement import P, chunk_range
+from .placement import P, chunk_range
 
 __all__ = ["Plan", "STYLES", "style"]
 

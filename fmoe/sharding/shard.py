@@ -7,7 +7,7 @@ over the dense or the expert ``DeviceMesh``. No communication happens.
 
 Why DTensors: gradients come back with the same placements, elementwise optimizer math stays
 local, a global norm is a DTensor reduction, and ``torch.distributed.checkpoint`` reshards them.
-Hot paths never compute on DTensors: layer functions take ``to_local(t)`` (or
+Hot paths never compute on DTensors: layer functions take ``to_local(t)`` (:mod:`fmoe.sharding.local`, or
 ``fmoe.fsdp.unshard(t)``, which also gathers data-parallel splits) and insert their own autograd
 collectives, reading the placement with ``placement_of(t)``: the placement is stored once, in
 the DTensor's spec.
@@ -21,28 +21,20 @@ In a single process (or a one-rank world) ``shard`` validates and returns the le
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
-from torch._C._functorch import _wrap_for_grad, get_unwrapped, is_functorch_wrapped_tensor, maybe_get_level
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from . import tree as _tree
-from .mesh import DATA_AXES, Mesh
+from .. import tree as _tree
+from ..mesh import Mesh
+from ..transforms import compiling, peel
 from .placement import P, chunk_range
 from .plan import Plan, local_shape
 
-from .transforms import apply, compiling, peel, without_jvp
-from .dtensor_rules import BATCHED_TANGENTS, NESTED, batched, check_levels
-from .dtensor_rules import install as _install_dtensor_rules
-
-_install_dtensor_rules()          # forward mode (jvp / jacfwd) over DTensor trees
-
-__all__ = ["shard", "gather", "placement_of", "to_local", "grad_placements", "placed_like", "local_part",
-           "dtensor_placements", "slice_for_rank", "rank_blocks", "from_local_slice"]
+__all__ = ["shard", "gather", "placement_of", "local_shard", "dtensor_placements", "slice_for_rank", "rank_blocks",
+           "from_local_slice"]
 
 #: The one layer option a DTensor spec cannot hold: ``P(..., gather=True)`` (a colwise layer
 #: gathers its output). Set by :func:`from_local_slice` / :func:`placed_like`, read by
@@ -146,56 +138,6 @@ def from_local_slice(local: torch.Tensor, full_shape: Sequence[int], p: P, mesh:
     return out
 
 
-def local_part(full: torch.Tensor, like: Any) -> torch.Tensor:
-    """This rank's part of ``full`` (the same whole tensor on every rank), cut as ``like`` (a
-    DTensor of ``full``'s shape) is placed; nothing is communicated.
-
-    Example:
-        >>> local_part(torch.ones(3), torch.zeros(3)).shape
-        torch.Size([3])
-    """
-    if not isinstance(like, DTensor):
-        return full
-    replicated = [Replicate()] * like.device_mesh.ndim
-    t = DTensor.from_local(full, like.device_mesh, replicated, run_check=False)
-    return t.redistribute(like.device_mesh, like.placements).to_local()
-
-
-def placed_like(local: torch.Tensor, ref: Any, spec: Optional[DTensorSpec] = None) -> Any:
-    """``local`` (a new local tensor: an optimizer update, a gathered weight) placed like
-    ``ref``: a DTensor with ``ref``'s spec (or ``spec``, e.g. ``ref``'s placements with an axis
-    gathered) and ``ref``'s layer option; ``local`` itself when ``ref`` is a plain tensor.
-    Nothing is communicated; a ``local`` that requires grad keeps its autograd history
-    (``DTensor.from_local``), any other is wrapped directly (25x cheaper).
-
-    Args:
-        local: this rank's tensor.
-        ref: the DTensor (or tensor) whose placement to take.
-        spec: the spec to use instead of ``ref``'s own.
-    Returns:
-        a DTensor (or ``local``).
-
-    Example:
-        >>> placed_like(torch.zeros(2), torch.ones(2)).shape
-        torch.Size([2])
-    """
-    if not isinstance(ref, DTensor):
-        return local
-    mine = ref._local_tensor
-    if spec is not None:
-        out = DTensor(local, spec, requires_grad=False)
-    elif (not local.requires_grad and local.dtype == ref.dtype and local.shape == mine.shape
-          and local.stride() == mine.stride()):
-        out = DTensor(local, ref._spec, requires_grad=False)    # same spec: skips from_local's checks (25x)
-    else:
-        out = DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
-                                 shape=ref.shape, stride=ref.stride())
-    for attr in (_GATHER_OUTPUT, _PACKED):
-        if getattr(ref, attr, None):
-            setattr(out, attr, getattr(ref, attr))
-    return out
-
-
 def shard(params: Any, plan: Union[Plan, Mapping, Sequence], mesh: Optional[Mesh] = None) -> Any:
     """Place every leaf of ``params`` per ``plan``; each rank keeps only its slices.
 
@@ -254,6 +196,18 @@ def gather(tree: Any) -> Any:
     return _tree.map_with_path(lambda _, x: full(x), tree)
 
 
+def local_shard(t: Any) -> torch.Tensor:
+    """This rank's storage of a leaf: a DTensor's local tensor, a plain tensor itself. No
+    autograd edge (optimizer updates, checkpoint blocks, gradient buckets); compute that needs
+    gradients takes :func:`fmoe.sharding.to_local` instead.
+
+    Example:
+        >>> local_shard(torch.ones(2))
+        tensor([1., 1.])
+    """
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def placement_of(t: Any) -> P:
     """The :class:`P` of a leaf (``P()`` for a plain tensor), read from the DTensor's spec
     (``Shard`` / ``_StridedShard`` per mesh dim; nested axes in mesh order, as
@@ -280,98 +234,4 @@ def placement_of(t: Any) -> P:
         entries.pop()
     return P(*entries, packed=packed, gather=getattr(t, _GATHER_OUTPUT, False))
 
-
-def to_local(t: Any, partial_grad: Sequence[str] = ()) -> torch.Tensor:
-    """The local slice of a leaf for compute (identity for plain tensors); differentiable.
-
-    Args:
-        t: DTensor or tensor.
-        partial_grad: mesh axes over which this rank's gradient is a partial sum (e.g. ``("tp",)``
-            for a replicated per-head norm weight used on head-sharded activations); the DTensor
-            gradient is then marked ``Partial`` there and summed lazily (e.g. by :func:`gather`).
-    Returns:
-        a plain tensor.
-    """
-    d = peel(t)
-    if not isinstance(d, DTensor):
-        return t
-    grad_pl = grad_placements(d, partial_grad)
-    if not compiling():
-        check_levels(t)
-    if compiling():                  # DTensor's own to_local: Dynamo traces it (and its backward)
-        return t.to_local(grad_placements=grad_pl)
-    return apply(_ToLocal, _ToLocalTraced, t, grad_pl)
-
-
-def grad_placements(t: DTensor, partial_grad: Sequence[str] = ()) -> tuple:
-    """The honest placements of the gradient of ``t``'s local slice: ``Partial`` (a sum still
-    pending) on every data-parallel axis (``fsdp``, ``efsdp``, ``dp_replicate``, size > 1)
-    over which ``t`` is replicated, since each rank's gradient holds its own batch only, and on
-    the ``partial_grad`` axes; ``t``'s own placement elsewhere (a split axis: the slice's
-    gradient; ``tp``/``ep`` replicated: every rank computes the same full-batch value).
-    ``fmoe.gather`` then sums the pending parts: the gradient of the sum over the batches."""
-    mesh = t.device_mesh
-    out = []
-    for i, (name, pl) in enumerate(zip(mesh.mesh_dim_names, t.placements)):
-        pending = name in partial_grad or (name in DATA_AXES and mesh.shape[i] > 1)
-        out.append(Partial() if pending and isinstance(pl, Replicate) else Replicate() if isinstance(pl, Partial) else pl)
-    return tuple(out)
-
-
-class _ToLocal(torch.autograd.Function):
-    """``DTensor.to_local`` whose backward wraps the local gradient with a prepared spec
-    (``DTensor(g, spec)``) instead of ``DTensor.from_local``: one per leaf and step, ~25x cheaper."""
-
-    @staticmethod
-    def forward(t, grad_placements):
-        return t._local_tensor.view_as(t._local_tensor)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        t, grad_placements = inputs
-        t = peel(t)
-        ctx.set_materialize_grads(False)
-        local = t._local_tensor
-        ctx.spec, ctx.grad_placements, ctx.stride = t._spec, grad_placements, local.stride()
-        ctx.contiguous = local.is_contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        if g is None:
-            return None, None
-        level = None
-        if is_functorch_wrapped_tensor(g):   # torch.func.grad / vjp: wrap the plain gradient as the
-            level = maybe_get_level(g)       # DTensor, then re-enter the level, so that what the
-            g = get_unwrapped(g)             # transform returns is a DTensor of real storage
-            if is_functorch_wrapped_tensor(g):
-                raise NotImplementedError(NESTED)
-        out = _grad_dtensor(ctx, g)
-        return (out if level is None else _wrap_for_grad(out, level)), None
-
-    @staticmethod
-    def jvp(ctx, dt, _):                           # linear: the tangent's local slice
-        if batched(dt):                           # jacfwd: vmap-batched tangents
-            raise NotImplementedError(BATCHED_TANGENTS)
-        d = peel(dt)
-        return d._local_tensor.view_as(d._local_tensor) if isinstance(d, DTensor) else dt.view_as(dt)
-
-    @staticmethod
-    def vmap(info, in_dims, t, grad_placements):   # a batched DTensor: its local slice, batched alike
-        return _ToLocal.apply(t, grad_placements), in_dims[0]
-
-
-def _grad_dtensor(ctx, g: torch.Tensor) -> DTensor:
-    """The local gradient ``g`` wrapped with the prepared spec (``DTensor(g, spec)``: ~25x
-    cheaper than ``DTensor.from_local``)."""
-    spec = ctx.spec
-    if g.stride() != ctx.stride and ctx.contiguous:
-        g = g.contiguous()
-    if g.stride() != ctx.stride:         # an unusual layout: let torch compute the global stride
-        return DTensor.from_local(g, spec.mesh, ctx.grad_placements, run_check=False)
-    grad_spec = (copy.copy(spec) if ctx.grad_placements == spec.placements else
-                 DTensorSpec(spec.mesh, ctx.grad_placements, tensor_meta=spec.tensor_meta))
-    return DTensor(g, grad_spec, requires_grad=False)
-
-
-_ToLocalTraced = without_jvp(_ToLocal)
 

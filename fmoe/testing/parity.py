@@ -47,8 +47,7 @@ import torch
 
 from fmoe import tree as _tree
 from fmoe.mesh import Mesh, RankLayout
-from fmoe.plan import Plan
-from fmoe.sharding import gather, placement_of, shard
+from fmoe.sharding import Plan, gather, placement_of, shard
 from fmoe.testing.pool import Pool
 
 __all__ = ["assert_parity", "parse_mesh"]

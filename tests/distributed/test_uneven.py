@@ -20,7 +20,7 @@ import torch
 import fmoe
 from fmoe import P
 from fmoe.models import mixtral, qwen3_moe
-from fmoe.placement import chunk_range, chunk_sizes
+from fmoe.sharding import chunk_range, chunk_sizes
 from helpers import on_ranks
 
 UNEVEN = {"qwen3_moe-v97": (qwen3_moe, qwen3_moe.Config.tiny(initializer_range=0.2, vocab_size=97)),

@@ -328,7 +328,7 @@ def test_no_module_level_mutable_state():
 # ------------------------------------------------------------------------------- layers (ARCHITECTURE.md)
 #: The command-line programs: they parse, lock, launch and report, above the library and the
 #: models (a program's ``__main__`` inside a library package counts as a program).
-PROGRAMS = ("fmoe.train", "fmoe.memplan", "fmoe.dryrun", "fmoe.plan.__main__", "fmoe.generate.__main__", "fmoe.data.__main__",
+PROGRAMS = ("fmoe.train", "fmoe.memplan", "fmoe.dryrun", "fmoe.plan", "fmoe.generate.__main__", "fmoe.data.__main__",
             "fmoe.plot", "fmoe.plot_metric")
 #: Library modules still inside the CLI package, each moving out in parallel work of issue 23
 #: (``fmoe/train/optim.py`` to ``fmoe/optim/``, ``fmoe/train/ckpt.py`` to ``fmoe/checkpoint/``):
@@ -343,7 +343,7 @@ TRAIN_CLI = ("fmoe.train", "fmoe.train.__main__", "fmoe.train.cli", "fmoe.train.
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
     (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.activations", "fmoe.dtypes",
          "fmoe.memory", "fmoe.memory.fake_splits")),
-    (1, ("fmoe.placement", "fmoe.plan", "fmoe.sharding", "fmoe.dtensor_rules")),
+    (1, ("fmoe.sharding",)),
     (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat", "fmoe.precision")),
     (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
@@ -382,7 +382,7 @@ def upward_imports(modules) -> list[str]:
 def test_imports_point_down_the_layers():
     assert upward_imports(MODULES) == []
     assert layer_of("fmoe.models.qwen3_moe") == 6 and layer_of("fmoe.experts.blocked") == 2
-    assert layer_of("fmoe.plan.__main__") == 7 and layer_of("fmoe.plan") == 1 and layer_of("fmoe.training.step") == 5
+    assert layer_of("fmoe.plan.__main__") == 7 and layer_of("fmoe.sharding.plan") == 1 and layer_of("fmoe.training.step") == 5
 
 
 def test_the_library_and_the_models_import_no_program():
@@ -420,7 +420,7 @@ def test_programs_apart_from_the_library():
     ``python -m fmoe.plan`` a few lines inside the sharding package that hand over to it."""
     assert cli_package_strays(MODULES) == []
     assert handover_only(TREES["fmoe.plan.__main__"], IMPORTS["fmoe.plan.__main__"]) == []
-    assert IMPORTS["fmoe.plan"] <= {m for m in MODULES if layer_of(m) <= 1}
+    assert "fmoe.plan" not in MODULES                     # the sharding Plan lives in fmoe.sharding
     assert cli_package_strays(["fmoe.train.step", "fmoe.train.cli", "fmoe.train.optim"]) == ["fmoe.train.optim", "fmoe.train.step"]
     old = ast.parse("import sys\n" * 9)
     assert handover_only(old, {"fmoe.memory_plan", "fmoe.memplan.cli"}) == ["9 statements", "imports fmoe.memory_plan"]
