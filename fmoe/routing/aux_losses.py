@@ -44,7 +44,7 @@ import torch
 
 from ..dtypes import at_least_f32, upcast
 from ..global_stats import GlobalStat, weighted_sum
-from .core import Router, Routing, call
+from .core import Router, Routing, call, validate
 
 __all__ = ["load_balance_loss", "seq_balance_loss", "z_loss", "softmax_probs", "normalized_sigmoid",
            "with_losses", "total"]
@@ -176,9 +176,8 @@ def with_losses(router: Router, *, load_balance: Optional[float] = None, seq_bal
 
     def wrapped(logits: torch.Tensor, **inputs) -> Routing:
         seq_ids = inputs.pop("seq_ids", None)
-        routing = call(router, logits, inputs)
-        if not isinstance(routing, Routing):
-            routing = Routing(*routing)
+        # checked before the losses index by expert id (the layer's own check comes after the router)
+        routing = validate(call(router, logits, inputs), logits.shape[0], logits.shape[-1])
         aux = dict(routing.aux)
         if load_balance is not None or seq_balance is not None:
             p = probs(logits)

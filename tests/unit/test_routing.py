@@ -347,3 +347,15 @@ def test_update_bias_forms_and_layer_loop():
 def test_bad_input_raises_clear_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("bad_id", [E, -1])
+def test_with_losses_refuses_expert_ids_out_of_range_with_the_documented_error(bad_id):
+    def broken(logits):
+        ids = torch.zeros(logits.shape[0], 2, dtype=torch.long)
+        ids[1, 1] = bad_id
+        return Routing(torch.full(ids.shape, 0.5), ids, {})
+
+    router = aux_losses.with_losses(broken, load_balance=0.01, z=1e-3)
+    with pytest.raises(ValueError, match=rf"expert_ids must be in \[0, {E}\)"):
+        router(torch.randn(4, E))
