@@ -1,6 +1,6 @@
 """The transform matrix: every transform x setting x model cell equals an independent reference
-or raises its documented error. README's "Transforms" table is generated from ``CELLS`` below
-(``python tests/distributed/test_transform_matrix.py`` prints it; a test checks README holds it verbatim).
+or raises its documented error. The table of ``docs/transforms.md`` is generated from ``CELLS`` below
+(``python tests/distributed/test_transform_matrix.py`` prints it; a test checks the page holds it verbatim).
 
 References (each independent of the transform under test):
 - one process, float64: central differences (``grad``, ``vjp``, ``jvp``, both HVPs along a random
@@ -311,8 +311,8 @@ def readme_table() -> str:
 
 def test_readme_transforms_table_is_the_generated_matrix():
     import pathlib
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert readme_table() in readme, "README's Transforms table is stale: run python tests/distributed/test_transform_matrix.py"
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "transforms.md").read_text()
+    assert readme_table() in page, "docs/transforms.md's table is stale: run python tests/distributed/test_transform_matrix.py"
 
 
 if __name__ == "__main__":
