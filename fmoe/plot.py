@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .plot_metric import latest_meta, log_rows, plot_metric, save_png
+from .plot_metric import latest_meta, log_rows, plot_metric, pyplot, save_png
 
 __all__ = ["load_run", "label", "plot_runs", "main", "PANELS", "DEFAULT_OUT"]
 
@@ -68,10 +68,7 @@ def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
         path: image file to write.
         title: figure title.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from matplotlib.lines import Line2D
 
@@ -131,6 +128,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"fmoe.plot: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:                          # matplotlib missing: the plot extra
+        print(f"fmoe.plot: error: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"fmoe.plot: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
         return 1

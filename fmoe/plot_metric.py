@@ -21,7 +21,7 @@ import os
 import re
 from typing import Iterator, Optional, Sequence
 
-__all__ = ["log_rows", "series", "smooth", "latest_meta", "settings_label", "plot_metric", "save_png"]
+__all__ = ["log_rows", "series", "smooth", "latest_meta", "settings_label", "plot_metric", "pyplot", "save_png"]
 
 
 def log_rows(out: str) -> Iterator[dict]:
@@ -127,6 +127,23 @@ def settings_label(run: dict) -> str:
     return text
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend; matplotlib is the ``plot`` extra.
+
+    Raises:
+        ImportError: matplotlib is not installed, saying how to install it.
+    """
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise ImportError("fmoe plot draws with matplotlib, which is not installed: "
+                          "pip install 'fmoe[plot]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_metric(outs: Sequence[str], path: str, metric: str, *, log: bool = False, smoothing: int = 1,
                 per_layer: bool = False, title: Optional[str] = None):
     """Draw ``metric`` of the runs into ``path`` (PNG); returns the matplotlib Figure.
@@ -140,10 +157,7 @@ def plot_metric(outs: Sequence[str], path: str, metric: str, *, log: bool = Fals
         per_layer: one line per layer for per-layer metrics (else their mean).
         title: figure title.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     smooth([0.0], smoothing)                                # checks the window before any work
     runs = [({"out": o, "meta": latest_meta(o)}, series(o, metric)) for o in outs]

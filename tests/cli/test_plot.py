@@ -101,3 +101,12 @@ def test_metric_plot_log_smooth_per_layer_and_settings_labels(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fmoe.plot", a, "--metric", "load_imbalance", "--log", "--smooth", "3",
                         "--out", str(tmp_path / "y.png")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (tmp_path / "y.png").stat().st_size > 10_000, r.stderr
+
+
+def test_plot_without_matplotlib_says_which_extra_to_install(tmp_path, monkeypatch, capsys):
+    from fmoe.plot import main
+
+    a = _fake_run(tmp_path / "a", "qwen3_moe", None, 5.0)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)        # as if it were not installed
+    assert main([a, "--out", str(tmp_path / "x.png")]) == 1
+    assert "pip install 'fmoe[plot]'" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
