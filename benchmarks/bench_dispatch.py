@@ -53,6 +53,7 @@ import time
 import torch
 
 import fmoe
+from fmoe.precision import DTYPES
 
 D, I, E = 256, 256, 32
 
@@ -120,7 +121,6 @@ def count_comm(fn) -> dict:
 
 
 # ----------------------------------------------------------------------------- layers
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def weights(K: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:

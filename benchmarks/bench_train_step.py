@@ -61,9 +61,9 @@ import time
 import torch
 
 import fmoe
+from fmoe.precision import DTYPES
 
 V, D, I, E, LAYERS, B, S = 512, 256, 256, 32, 2, 4, 256
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SINGLE_BATCHES = 4  # the single process runs the union of the 4 ranks' batches (ep4 layout)
 LAYOUTS = {"single": dict(world=1, tp=1, ep=1), "ep4": dict(world=4, tp=1, ep=4),
            "tp2ep4": dict(world=4, tp=2, ep=4)}

@@ -1,6 +1,11 @@
-"""Precision policies of training: which dtype the weights, the gradients and AdamW's moments live in.
+"""Precision, one module: the "at least float32" compute rule, and the training policies.
 
-A policy is three names (``--dtype``, ``--master-dtype``, ``--optim-dtype``), each ``"fp32"``
+**The compute rule.** Norms, losses, routers, statistics and attention probabilities compute in
+``torch.promote_types(dtype, torch.float32)`` (:func:`at_least_f32`, :func:`upcast`): bf16 /
+fp16 inputs are computed in fp32, float32 stays float32, and float64 stays float64, so a float64
+model is float64 end to end and ``torch.autograd.gradcheck`` or finite differences can check it.
+
+**Training policies**: which dtype the weights, the gradients and AdamW's moments live in. A policy is three names (``--dtype``, ``--master-dtype``, ``--optim-dtype``), each ``"fp32"``
 or ``"bf16"``:
 
 - ``compute``: the matmuls' dtype (``torch.autocast`` over the weights);
@@ -24,6 +29,12 @@ random bits come from a generator seeded by ``(seed, step, rank)``, so a resumed
 same mesh repeats them bit for bit.
 
 Example:
+    >>> at_least_f32(torch.bfloat16), at_least_f32(torch.float64)
+    (torch.float32, torch.float64)
+    >>> upcast(torch.ones(2, dtype=torch.float16)).dtype
+    torch.float32
+    >>> dtype_of("bf16")
+    torch.bfloat16
     >>> pol = Precision(compute="bf16", master="bf16", optim="bf16")
     >>> pol.master_dtype, pol.bytes_per_param()
     (torch.bfloat16, 8)
@@ -40,10 +51,21 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DTYPES", "Precision", "dtype_of", "stochastic_round", "store", "round_generator"]
+__all__ = ["at_least_f32", "upcast", "DTYPES", "Precision", "dtype_of", "stochastic_round", "store",
+           "round_generator"]
 
-#: policy names -> torch dtypes
+#: policy names (``--dtype``, ``--master-dtype``, ``--optim-dtype``, ``StepConfig.dtype``) -> torch dtypes
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def at_least_f32(dtype: torch.dtype) -> torch.dtype:
+    """``torch.promote_types(dtype, torch.float32)``: the dtype fmoe computes a ``dtype`` input in."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in :func:`at_least_f32` of its dtype (``t`` itself when it already is)."""
+    return t.to(at_least_f32(t.dtype))
 
 
 def dtype_of(name: str, field: str = "dtype") -> torch.dtype:

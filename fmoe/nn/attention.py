@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 
 from ..collectives import grad_sum
-from ..dtypes import at_least_f32
+from ..precision import at_least_f32
 from ..fsdp import unshard
 from ..sharding import placement_of
 from ..transforms import higher_order

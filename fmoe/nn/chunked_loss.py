@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..transforms import data_checks_enabled
 from ._tp import check_tensor
-from ..dtypes import upcast
+from ..precision import upcast
 
 __all__ = ["chunked_cross_entropy"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import upcast
+from ..precision import upcast
 from ..transforms import data_checks_enabled
 from ._tp import check_tensor
 

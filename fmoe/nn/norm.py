@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dtypes import upcast
+from ..precision import upcast
 from ..fsdp import unshard
 from ..sharding import placement_of
 from ._tp import check_tensor

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ..dtypes import at_least_f32
+from ..precision import at_least_f32
 
 __all__ = ["rope_frequencies", "rope_cos_sin", "apply_rope", "yarn_mscale", "ROPE_TYPES"]
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import tree as _tree
 from ..collectives import sum_over_world
-from ..dtypes import upcast
+from ..precision import upcast
 from ..precision import store
 from ..transforms import active as _transform_active
 from ..sharding import placed_like

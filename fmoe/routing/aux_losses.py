@@ -42,7 +42,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ..dtypes import at_least_f32, upcast
+from ..precision import at_least_f32, upcast
 from ..global_stats import GlobalStat, weighted_sum
 from .core import Router, Routing, call, validate
 

@@ -34,7 +34,7 @@ import torch
 from ..global_stats import GlobalStat
 from .aux_losses import normalized_sigmoid, softmax_probs
 from .core import Router, Routing, _accepted, call, check_k, check_logits
-from ..dtypes import upcast
+from ..precision import upcast
 
 __all__ = ["reads_bias", "SCORES", "biased_topk", "biased_topk_softmax", "with_balance_sums", "global_balance_loss",
            "BALANCE_SUMS"]

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from .. import tree as _tree
-from ..dtypes import upcast
+from ..precision import upcast
 from ..sharding import local_part, placed_like, to_local
 from .core import Router, Routing, check_k, check_logits
 from .topk import group_mask

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import upcast
+from ..precision import upcast
 from ..global_stats import GlobalStat
 from .core import Router, Routing, check_k, check_logits
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dtypes import upcast
+from ..precision import upcast
 from .core import Router, Routing, check_k, check_logits
 
 #: Why a balance loss does not fit these routers (``router.no_balance_loss``, :mod:`fmoe.routing.core`).

@@ -36,7 +36,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from .core import Router, Routing, call, check_logits
-from ..dtypes import upcast
+from ..precision import upcast
 
 __all__ = ["recording", "save_record", "load_record", "replay", "record_writer", "REPLAY_SCORES"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange, repeat
 
-from ..dtypes import upcast
+from ..precision import upcast
 from .core import Router, Routing, check_k, check_logits
 
 __all__ = ["topk", "topk_softmax", "group_topk", "group_mask"]

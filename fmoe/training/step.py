@@ -58,14 +58,10 @@ from ..collectives import sum_over_world
 from ..fsdp import cast_shards, regather_in_backward
 from .grads import reduce_grads
 from ..optim import AdamWConfig, adamw
-from ..precision import round_generator
-from ..dtypes import upcast
+from ..precision import DTYPES, dtype_of, round_generator, upcast
 
-__all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_dtype", "compute_params", "autocast", "DTYPES",
-           "KEEP_MASTER"]
+__all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_params", "autocast", "KEEP_MASTER"]
 
-#: ``--dtype`` names -> compute dtype (parameters, gradients and optimizer state stay fp32).
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Leaves the compute copy keeps in their master dtype: the routing bias, added to fp32 scores.
 KEEP_MASTER = ("**.expert_bias",)
 
@@ -107,8 +103,7 @@ class StepConfig:
     loss_chunks: int = 1
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"StepConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        dtype_of(self.dtype, "StepConfig.dtype")                # the compute dtype's name (fmoe.precision)
         if self.remat not in _remat.POLICIES:
             raise ValueError(f"StepConfig.remat must be one of {_remat.POLICIES}, got {self.remat!r}")
         if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
@@ -123,17 +118,10 @@ class StepConfig:
             raise ValueError(f"StepConfig.loss_chunks must be an int >= 1, got {self.loss_chunks!r}")
 
 
-def compute_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a ``--dtype`` name (``ValueError`` listing the valid names)."""
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
-
 def autocast(dtype: str, device: torch.device):
     """``torch.autocast`` to ``dtype`` on ``device``'s type, or a no-op for fp32 (evaluation on
     fp32 weights; the train step casts its weights once instead, :func:`compute_params`)."""
-    if compute_dtype(dtype) == torch.float32:
+    if dtype_of(dtype) == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype])
 
@@ -142,7 +130,7 @@ def compute_params(params: Any, dtype: str) -> Any:
     """The weights a step computes with: ``params`` itself for fp32, else every floating leaf
     but :data:`KEEP_MASTER` cast to ``dtype`` on its local shard (:func:`fmoe.fsdp.cast_shards`;
     differentiable, gradients arrive in fp32)."""
-    target = compute_dtype(dtype)
+    target = dtype_of(dtype)
     return params if target == torch.float32 else cast_shards(params, target, skip=KEEP_MASTER)
 
 

@@ -2,7 +2,7 @@
 ``fmoe.moe`` with every router family, ``nn.attention`` (fused, masked and sink paths), the norms,
 the loss and a whole tiny model of each of the five families.
 
-The precision rule is "at least float32" (:mod:`fmoe.dtypes`): a float64 input is computed in
+The precision rule is "at least float32" (:mod:`fmoe.precision`): a float64 input is computed in
 float64, so central differences at ``eps=1e-6`` agree with the analytic gradient to ~1e-9.
 Routing decisions are piecewise constant: the tiny inputs below keep every logit gap far above
 ``eps`` (random normal logits), so no finite-difference step crosses a decision.
