@@ -71,11 +71,24 @@ def higher_order() -> bool:
     return sum(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()) >= 2
 
 
+@torch.compiler.assume_constant_result
+def _interpreter_on_stack() -> bool:
+    """Whether the functorch interpreter stack is non-empty, evaluated in Python (a constant of
+    the trace): Dynamo models ``peek_interpreter_stack()`` as an object that is never ``None``,
+    so the same test written inline reads True in *every* traced function."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def func_active() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jvp``, ``vmap``) is active, eager or
-    while Dynamo traces (``torch.compile(torch.func.grad(f))``): Dynamo understands
-    ``peek_interpreter_stack``, not ``retrieve_all_functorch_interpreters``."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    while Dynamo traces one (``torch.compile(torch.func.grad(f))``); False while Dynamo traces a
+    plain ``torch.compile(f)``.
+
+    Example:
+        >>> func_active(), torch.func.grad(lambda x: x * func_active())(torch.tensor(1.0)).item()
+        (False, 1.0)
+    """
+    return _interpreter_on_stack()
 
 
 def active() -> bool:

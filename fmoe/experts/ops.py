@@ -13,21 +13,29 @@ operator                   math, for the rows of group ``g``      shapes
 
 Groups are given by ``offs [G]`` (int32, the cumulative row counts, ``offs[-1] == N``), a
 tensor: no host sync is needed to call them, so ``torch.compile`` traces a layer through them
-with ``fullgraph=True``. Each is a ``torch.library.custom_op`` with
+with ``fullgraph=True``. Each is a ``torch.library`` operator with
 
+- a CPU/CUDA kernel (``CompositeExplicitAutograd``): ``torch._grouped_mm`` where it applies
+  (``matmul="grouped"``, aligned shapes, bf16 on CUDA), else one ``torch.mm`` per group
+  (``matmul="loop"``; the kernel reads the group sizes on the host, invisible to the compiler
+  because the operator is opaque);
 - a fake (meta) rule for any float dtype (``torch._grouped_mm``'s own rule accepts bf16 only);
 - a vmap rule that folds the batch into the groups (``B`` batches of ``G`` groups are ``B * G``
   groups over ``B * N`` rows): one call, whatever is batched (stacked models, token batches);
-- a CPU/CUDA kernel: ``torch._grouped_mm`` where it applies (``matmul="grouped"``, aligned
-  shapes, bf16 on CUDA), else one ``torch.mm`` per group (``matmul="loop"``; the op reads the
-  group sizes on the host, which is invisible to the compiler because the op is opaque).
+- a FLOP formula for ``torch.utils.flop_counter.FlopCounterMode`` (``2 N k n``);
+- its own autograd kernel (``Autograd`` key): a single-level autograd Function with a backward
+  made of the same two operators (so double backward and ``hessian`` work) and a ``jvp`` (the
+  product rule: both are bilinear).
 
-:func:`grouped_mm` and :func:`grouped_wgrad` are differentiable: autograd Functions over the
-operators with a backward (itself differentiable, for double backward and ``hessian``), a
-``jvp`` (the product rule: both are bilinear) and ``generate_vmap_rule=True`` (their forward is
-one operator with a vmap rule). Dynamo cannot trace an autograd Function that defines ``jvp``,
-so under ``torch.compile`` their jvp-less twins are applied (:func:`fmoe.transforms.apply`); under
-``torch.compile`` of a ``torch.func`` transform, plain masked matmuls (:func:`_grouped_mm_masked`).
+Because the derivative rules live *on the operator* (like an ATen operator's), every transform
+and every nesting of them sees one grouped operator: ``.backward()``, ``torch.func.grad`` /
+``vjp`` / ``jvp`` / ``vmap`` / ``hessian``, ``torch.compile`` of a function, and
+``torch.compile`` of a ``torch.func`` transform (Dynamo puts the opaque operator in its graph
+and AOTAutograd differentiates it through the autograd kernel). The compiled graph holds
+``fmoe.grouped_mm`` / ``fmoe.grouped_wgrad`` calls with the grouped FLOP count, never one
+matmul per group (``tests/distributed/test_compile.py`` counts them). ``torch.library``'s own
+``register_autograd`` is not used: its generated Function is refused under ``torch.func``
+(pytorch issue 170834); the single-level Function is the pattern functorch uses internally.
 
 Example:
     >>> x, w = torch.randn(5, 4), torch.randn(2, 3, 4)
@@ -39,11 +47,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
-
-from ..transforms import apply, compiling, func_active, without_jvp
+from torch._functorch.utils import enable_single_level_autograd_function
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
+from torch.autograd.function import _SingleLevelFunction
+from torch.utils.flop_counter import register_flop_formula
 
 __all__ = ["grouped_mm", "grouped_wgrad", "offsets", "expert_mlp_offs", "check_matmul", "MATMULS"]
 
@@ -75,8 +86,12 @@ def _bounds(offs: torch.Tensor) -> list[int]:
     return [0] + [int(o) for o in offs.tolist()]
 
 
-@torch.library.custom_op("fmoe::grouped_mm", mutates_args=())
-def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool, matmul: str) -> torch.Tensor:
+torch.library.define("fmoe::grouped_mm", "(Tensor x, Tensor w, Tensor offs, bool trans, str matmul) -> Tensor")
+torch.library.define("fmoe::grouped_wgrad", "(Tensor a, Tensor b, Tensor offs, str matmul) -> Tensor")
+
+
+@torch.library.impl("fmoe::grouped_mm", "CompositeExplicitAutograd")
+def _grouped_mm_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool, matmul: str) -> torch.Tensor:
     wt = w.transpose(1, 2) if trans else w                                      # [G, k, n]
     if matmul != "loop" and _aligned(x, wt):
         return torch._grouped_mm(x.contiguous(), wt, offs=offs)
@@ -88,13 +103,13 @@ def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: 
     return out
 
 
-@_grouped_mm_op.register_fake
+@torch.library.register_fake("fmoe::grouped_mm")
 def _(x, w, offs, trans, matmul):
     return x.new_empty((x.shape[0], w.shape[1] if trans else w.shape[2]))
 
 
-@torch.library.custom_op("fmoe::grouped_wgrad", mutates_args=())
-def _grouped_wgrad_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: str) -> torch.Tensor:
+@torch.library.impl("fmoe::grouped_wgrad", "CompositeExplicitAutograd")
+def _grouped_wgrad_kernel(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: str) -> torch.Tensor:
     if matmul != "loop" and _aligned(a, b):
         return torch._grouped_mm(a.t(), b, offs=offs)
     out = a.new_zeros((offs.shape[0], a.shape[1], b.shape[1]))
@@ -105,7 +120,7 @@ def _grouped_wgrad_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matm
     return out
 
 
-@_grouped_wgrad_op.register_fake
+@torch.library.register_fake("fmoe::grouped_wgrad")
 def _(a, b, offs, matmul):
     return a.new_empty((offs.shape[0], a.shape[1], b.shape[1]))
 
@@ -122,32 +137,52 @@ def _folded_offs(offs: torch.Tensor, d: Optional[int], n: int, rows: int) -> tor
     return (o + shift).reshape(-1)
 
 
-@_grouped_mm_op.register_vmap
+@torch.library.register_vmap("fmoe::grouped_mm")
 def _(info, in_dims, x, w, offs, trans, matmul):
     n = info.batch_size
     xb, wb = _batched(x, in_dims[0], n), _batched(w, in_dims[1], n)            # [B, N, k], [B, G, ., .]
-    out = _grouped_mm_op(xb.reshape(-1, xb.shape[-1]), wb.reshape(-1, *wb.shape[2:]),
-                         _folded_offs(offs, in_dims[2], n, xb.shape[1]), trans, matmul)
+    out = torch.ops.fmoe.grouped_mm(xb.reshape(-1, xb.shape[-1]), wb.reshape(-1, *wb.shape[2:]),
+                                    _folded_offs(offs, in_dims[2], n, xb.shape[1]), trans, matmul)
     return out.reshape(n, xb.shape[1], -1), 0
 
 
-@_grouped_wgrad_op.register_vmap
+@torch.library.register_vmap("fmoe::grouped_wgrad")
 def _(info, in_dims, a, b, offs, matmul):
     n = info.batch_size
     ab, bb = _batched(a, in_dims[0], n), _batched(b, in_dims[1], n)            # [B, N, na], [B, N, nb]
-    out = _grouped_wgrad_op(ab.reshape(-1, ab.shape[-1]), bb.reshape(-1, bb.shape[-1]),
-                            _folded_offs(offs, in_dims[2], n, ab.shape[1]), matmul)
+    out = torch.ops.fmoe.grouped_wgrad(ab.reshape(-1, ab.shape[-1]), bb.reshape(-1, bb.shape[-1]),
+                                       _folded_offs(offs, in_dims[2], n, ab.shape[1]), matmul)
     return out.reshape(n, -1, *out.shape[1:]), 0
 
 
-class _GroupedMM(torch.autograd.Function):
-    """Differentiable ``fmoe::grouped_mm``: backward and jvp by the product rule."""
+@register_flop_formula(torch.ops.fmoe.grouped_mm)
+def _(x_shape, w_shape, *args, **kwargs) -> int:
+    """FLOPs of one grouped GEMM: every row meets one ``[k, n]`` matrix (``2 N k n``)."""
+    return 2 * x_shape[0] * w_shape[1] * w_shape[2]
 
-    generate_vmap_rule = True
+
+@register_flop_formula(torch.ops.fmoe.grouped_wgrad)
+def _(a_shape, b_shape, *args, **kwargs) -> int:
+    """FLOPs of the grouped weight gradient: ``2 N na nb``."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+@contextlib.contextmanager
+def _below_autograd():
+    """Run an operator's kernel below the autograd key, with grad mode (both directions) back
+    on: the single-level Function turns it off, but an outer ``torch.func`` level (``hessian``,
+    ``grad(grad(f))``, ``jacfwd(jacrev(f))``) still records the call (as an ATen kernel would)."""
+    with torch.enable_grad(), _set_fwd_grad_enabled(True), torch._C._AutoDispatchBelowAutograd():
+        yield
+
+
+class _GroupedMM(_SingleLevelFunction):
+    """Autograd of ``fmoe::grouped_mm``: backward and jvp by the product rule, in the operators."""
 
     @staticmethod
     def forward(x, w, offs, trans, matmul):
-        return _grouped_mm_op(x, w, offs, trans, matmul)
+        with _below_autograd():
+            return torch.ops.fmoe.grouped_mm(x, w, offs, trans, matmul)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -160,34 +195,26 @@ class _GroupedMM(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         gx = gw = None
         if ctx.needs_input_grad[0]:            # x w^T -> g w ; x w -> g w^T
-            gx = grouped_mm(g, w, offs, trans=not ctx.trans, matmul=ctx.matmul)
+            gx = torch.ops.fmoe.grouped_mm(g, w, offs, not ctx.trans, ctx.matmul)
         if ctx.needs_input_grad[1]:            # [G, n, k] = g_g^T x_g ; [G, k, n] = x_g^T g_g
-            gw = grouped_wgrad(g, x, offs, ctx.matmul) if ctx.trans else grouped_wgrad(x, g, offs, ctx.matmul)
+            gw = torch.ops.fmoe.grouped_wgrad(*((g, x) if ctx.trans else (x, g)), offs, ctx.matmul)
         return gx, gw, None, None, None
 
     @staticmethod
     def jvp(ctx, dx, dw, _doffs, _dtrans, _dmatmul):
         x, w, offs = ctx.saved_tensors
-        out = None
-        if dx is not None:
-            out = _grouped_mm_op(dx, w, offs, ctx.trans, ctx.matmul)
-        if dw is not None:
-            t = _grouped_mm_op(x, dw, offs, ctx.trans, ctx.matmul)
-            out = t if out is None else out + t
-        return out
+        terms = [torch.ops.fmoe.grouped_mm(*xw, offs, ctx.trans, ctx.matmul)
+                 for xw, d in (((dx, w), dx), ((x, dw), dw)) if d is not None]
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
-_GroupedMMTraced = without_jvp(_GroupedMM)
-
-
-class _GroupedWGrad(torch.autograd.Function):
-    """Differentiable ``fmoe::grouped_wgrad`` (``out[g] = a_g^T b_g``): backward and jvp by the product rule."""
-
-    generate_vmap_rule = True
+class _GroupedWGrad(_SingleLevelFunction):
+    """Autograd of ``fmoe::grouped_wgrad`` (``out[g] = a_g^T b_g``): backward and jvp by the product rule."""
 
     @staticmethod
     def forward(a, b, offs, matmul):
-        return _grouped_wgrad_op(a, b, offs, matmul)
+        with _below_autograd():
+            return torch.ops.fmoe.grouped_wgrad(a, b, offs, matmul)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -198,48 +225,28 @@ class _GroupedWGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):                      # g [G, na, nb]
         a, b, offs = ctx.saved_tensors
-        ga = grouped_mm(b, g, offs, trans=True, matmul=ctx.matmul) if ctx.needs_input_grad[0] else None   # b_g g^T
-        gb = grouped_mm(a, g, offs, trans=False, matmul=ctx.matmul) if ctx.needs_input_grad[1] else None  # a_g g
+        ga = torch.ops.fmoe.grouped_mm(b, g, offs, True, ctx.matmul) if ctx.needs_input_grad[0] else None   # b_g g^T
+        gb = torch.ops.fmoe.grouped_mm(a, g, offs, False, ctx.matmul) if ctx.needs_input_grad[1] else None  # a_g g
         return ga, gb, None, None
 
     @staticmethod
     def jvp(ctx, da, db, _doffs, _dmatmul):
         a, b, offs = ctx.saved_tensors
-        out = None
-        if da is not None:
-            out = _grouped_wgrad_op(da, b, offs, ctx.matmul)
-        if db is not None:
-            t = _grouped_wgrad_op(a, db, offs, ctx.matmul)
-            out = t if out is None else out + t
-        return out
+        terms = [torch.ops.fmoe.grouped_wgrad(*ab, offs, ctx.matmul)
+                 for ab, d in (((da, b), da), ((a, db), db)) if d is not None]
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
-_GroupedWGradTraced = without_jvp(_GroupedWGrad)
+@torch.library.impl("fmoe::grouped_mm", "Autograd")
+def _(x, w, offs, trans, matmul):
+    with enable_single_level_autograd_function():
+        return _GroupedMM.apply(x, w, offs, trans, matmul)
 
 
-def _group_of_rows(offs: torch.Tensor, n: int) -> torch.Tensor:
-    """``[N]`` group index of every row (rows past ``offs[-1]`` get ``G``)."""
-    return torch.searchsorted(offs, torch.arange(n, device=offs.device, dtype=offs.dtype), right=True)
-
-
-def _grouped_mm_masked(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool) -> torch.Tensor:
-    """``grouped_mm`` from plain torch ops (one masked matmul per group: ``G`` times the FLOPs),
-    for ``torch.compile`` of a ``torch.func`` transform: Dynamo runs a custom operator's autograd
-    kernel under the transform's wrappers, which fails (or, after a graph break inside
-    ``torch.func.grad``, silently drops the weights' gradient), so this path uses none."""
-    group = _group_of_rows(offs, x.shape[0])                                    # [N]
-    out = None
-    for g in range(w.shape[0]):
-        y = x @ (w[g].t() if trans else w[g])                                   # [N, n]
-        y = torch.where((group == g).unsqueeze(-1), y, 0)
-        out = y if out is None else out + y
-    return out
-
-
-def _grouped_wgrad_masked(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``grouped_wgrad`` from plain torch ops (see :func:`_grouped_mm_masked`)."""
-    group = _group_of_rows(offs, a.shape[0])                                    # [N]
-    return torch.stack([torch.where((group == g).unsqueeze(-1), a, 0).t() @ b for g in range(offs.shape[0])])
+@torch.library.impl("fmoe::grouped_wgrad", "Autograd")
+def _(a, b, offs, matmul):
+    with enable_single_level_autograd_function():
+        return _GroupedWGrad.apply(a, b, offs, matmul)
 
 
 def check_matmul(fn: str, name: str, value: object) -> None:
@@ -250,7 +257,8 @@ def check_matmul(fn: str, name: str, value: object) -> None:
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool = True,
                matmul: str = "auto") -> torch.Tensor:
-    """Rows of group ``g`` times ``w[g].T`` (``trans``) or ``w[g]``; differentiable.
+    """Rows of group ``g`` times ``w[g].T`` (``trans``) or ``w[g]``; differentiable under every
+    transform (``fmoe::grouped_mm``).
 
     Args:
         x: ``[N, k]`` rows sorted by group.
@@ -262,13 +270,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool
         ``[N, n]``.
     """
     check_matmul("grouped_mm", "matmul", matmul)
-    if compiling() and func_active():
-        return _grouped_mm_masked(x, w, offs, trans)
-    return apply(_GroupedMM, _GroupedMMTraced, x, w, offs, trans, matmul)
+    return torch.ops.fmoe.grouped_mm(x, w, offs, trans, matmul)
 
 
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: str = "auto") -> torch.Tensor:
-    """Per-group ``a_g^T @ b_g`` (a weight gradient), ``[G, na, nb]``; zeros for an empty group.
+    """Per-group ``a_g^T @ b_g`` (a weight gradient), ``[G, na, nb]``; zeros for an empty group
+    (``fmoe::grouped_wgrad``).
 
     Args:
         a: ``[N, na]``; b: ``[N, nb]``; rows sorted by group.
@@ -283,9 +290,7 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: 
                 [2., 2., 2., 2.]])
     """
     check_matmul("grouped_wgrad", "matmul", matmul)
-    if compiling() and func_active():
-        return _grouped_wgrad_masked(a, b, offs)
-    return apply(_GroupedWGrad, _GroupedWGradTraced, a, b, offs, matmul)
+    return torch.ops.fmoe.grouped_wgrad(a, b, offs, matmul)
 
 
 def expert_mlp_offs(x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

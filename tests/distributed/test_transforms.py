@@ -143,11 +143,15 @@ def test_data_checks_raise_in_eager_and_do_not_break_vmap():
 
 
 def test_grouped_mm_ops_pass_opcheck():
-    from fmoe.experts.ops import _grouped_mm_op, _grouped_wgrad_op, offsets
+    from fmoe.experts.ops import offsets
     offs = offsets(torch.tensor([2, 0, 3]))
     for impl in ("grouped", "loop"):
-        torch.library.opcheck(_grouped_mm_op, (torch.randn(5, 4), torch.randn(3, 8, 4), offs, True, impl))
-        torch.library.opcheck(_grouped_wgrad_op, (torch.randn(5, 8), torch.randn(5, 4), offs, impl))
+        for rg in (False, True):     # with requires_grad: the operator's own autograd kernel
+            torch.library.opcheck(torch.ops.fmoe.grouped_mm.default,
+                                  (torch.randn(5, 4, requires_grad=rg), torch.randn(3, 8, 4, requires_grad=rg), offs,
+                                   True, impl))
+            torch.library.opcheck(torch.ops.fmoe.grouped_wgrad.default,
+                                  (torch.randn(5, 8, requires_grad=rg), torch.randn(5, 4, requires_grad=rg), offs, impl))
 
 
 # ------------------------------------------------------------------------------ one process: compile
