@@ -12,7 +12,7 @@ from .generate import generate
 from .mesh import Mesh
 from .moe import moe
 from .sharding import STYLES, P, Plan, gather, placement_of, shard, to_local
-from .tree_io import load, save
+from .checkpoint.tree_io import load, save
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "unshard", "unshard_layer",
            "unsharded_layers", "moe", "generate", "nn", "routing",

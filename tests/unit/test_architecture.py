@@ -347,7 +347,7 @@ LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own 
     (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat")),
     (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
-    (5, ("fmoe.model", "fmoe.testing", "fmoe.training", "fmoe.optim", "fmoe.tree_io", "fmoe.checkpoint", "fmoe.generate",
+    (5, ("fmoe.model", "fmoe.testing", "fmoe.training", "fmoe.optim", "fmoe.checkpoint", "fmoe.generate",
          "fmoe.data", "fmoe.memory.plan", "fmoe.memory.peak", "fmoe.memory.dry_run", "fmoe.memory.tracker",
          *PENDING_MOVES)),
     (6, ("fmoe.models",)),

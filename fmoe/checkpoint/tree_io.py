@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import tree as _tree
-from .checkpoint.atomic import atomic_directory
-from .checkpoint.safetensors_io import CONFIG, Checkpoint, write_checkpoint
-from .collectives import barrier
-from .mesh import Mesh
-from .sharding import Plan, from_local_slice, gather, placement_of, rank_blocks
+from .. import tree as _tree
+from ..collectives import barrier
+from ..mesh import Mesh
+from ..sharding import Plan, from_local_slice, gather, placement_of, rank_blocks
+from .atomic import atomic_directory
+from .safetensors_io import CONFIG, Checkpoint, write_checkpoint
 
 __all__ = ["save", "load"]
 
