@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Iterator, Optional, Sequence
+
+from .checkpoint.steps import step_of
 
 __all__ = ["log_rows", "series", "smooth", "latest_meta", "settings_label", "plot_metric", "pyplot", "save_png"]
 
@@ -88,8 +89,8 @@ def latest_meta(out: str) -> dict:
     Raises:
         ValueError: the file is not readable JSON.
     """
-    found = [(int(m.group(1)), os.path.join(out, d, "meta.json")) for d in os.listdir(out)
-             for m in [re.fullmatch(r"step-(\d+)", d)] if m and os.path.isfile(os.path.join(out, d, "meta.json"))]
+    found = [(s, os.path.join(out, d, "meta.json")) for d in os.listdir(out)
+             if (s := step_of(d)) is not None and os.path.isfile(os.path.join(out, d, "meta.json"))]
     if not found:
         return {}
     path = max(found)[1]

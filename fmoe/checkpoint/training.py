@@ -35,7 +35,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import warnings
 from typing import Any, Callable, Optional
 
@@ -48,14 +47,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import tree as _tree
 from . import atomic
 from .integrity import digests, verify
+from .steps import step_dir, step_of
 from ..collectives import all_gather_objects, barrier, broadcast_object
+from ..sharding import local_shard
 
 __all__ = ["save", "load", "latest", "read_meta", "packed_layout", "on_rank0", "FORMAT"]
 
 FORMAT = "fmoe-train-safetensors/1"   # meta.json "format" of this layout
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
 
 def _own(name: str) -> bool:
     """The files a training checkpoint consists of (a re-save of ``step-N`` replaces only those)."""
@@ -118,9 +116,7 @@ def _restore(tree: Any, view: dict[str, Any], packed: dict[str, tuple[int, int]]
             if path in packed:
                 k, d = packed[path]
                 blocks = [view[f"{path}.__block{j}"] for j in range(k)]
-                blocks = [b._local_tensor if isinstance(b, DTensor) else b for b in blocks]
-                dst = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
-                dst.copy_(torch.cat(blocks, dim=d))
+                local_shard(leaf).copy_(torch.cat([local_shard(b) for b in blocks], dim=d))
 
 
 def _views(params: Any, opt_state: Any, packed: dict) -> dict:
@@ -212,7 +208,7 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
             ``out_dir``, on every rank; RuntimeError for other failures of any rank.
     """
     packed = packed or {}
-    final = os.path.join(out_dir, f"step-{step}")
+    final = step_dir(out_dir, step)
     what = f"writing {final}"
     box: dict = {}
 
@@ -250,11 +246,11 @@ def latest(path: str) -> Optional[str]:
     """``path`` itself if it is a complete ``step-N`` checkpoint, else the complete ``step-N``
     with the largest N inside it (None if there is none). Temporary directories of unfinished
     saves and symbolic links are never picked."""
-    if os.path.isfile(os.path.join(path, "meta.json")) and _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
+    if os.path.isfile(os.path.join(path, "meta.json")) and step_of(os.path.basename(os.path.normpath(path))) is not None:
         return path
     if not os.path.isdir(path):
         return None
-    steps = [(int(m.group(1)), name) for name in os.listdir(path) if (m := _STEP_DIR.match(name))
+    steps = [(n, name) for name in os.listdir(path) if (n := step_of(name)) is not None
              and not os.path.islink(os.path.join(path, name))
              and os.path.isfile(os.path.join(path, name, "meta.json"))]
     return os.path.join(path, max(steps)[1]) if steps else None
@@ -311,7 +307,7 @@ def _check_files(ckpt: str, meta: dict) -> None:
 def _check_finite(tree: Any, ckpt: str) -> None:
     bad = None
     for path, leaf in _tree.flatten(tree).items():
-        local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+        local = local_shard(leaf)
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
             bad = f"{ckpt}: {path!r} holds non-finite values (NaN/Inf); resume from an earlier step"
             break
@@ -320,9 +316,10 @@ def _check_finite(tree: Any, ckpt: str) -> None:
         raise ValueError(bad)
 
 
-def load(ckpt: str, params: Any, opt_state: Any, packed: Optional[dict] = None) -> dict:
+def load(ckpt: str, params: Any, opt_state: Optional[Any], packed: Optional[dict] = None) -> dict:
     """Load a checkpoint into ``params`` and ``opt_state`` in place (any mesh: DCP reshards);
     call on every rank with the same ``packed`` layout as the save. Returns the meta.
+    ``opt_state=None`` reads the parameters only (decoding needs no optimizer state).
 
     Nothing is unpickled; the files are checked against ``meta.json``'s checksums first and the
     loaded values must be finite (``ValueError`` naming the file or the leaf otherwise).
@@ -330,14 +327,18 @@ def load(ckpt: str, params: Any, opt_state: Any, packed: Optional[dict] = None) 
     meta = read_meta(ckpt)
     _check_files(ckpt, meta)
     packed = packed or {}
-    state = _views(params, opt_state, packed)
+    state = _views(params, opt_state, packed) if opt_state is not None else {"params": _dcp_view(params, packed)}
     try:
         with torch.no_grad(), _single_process_ok():
             dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt), no_dist=not _dist())
-            opt_state["step"].copy_(state["opt"]["step"])
+            if opt_state is not None:
+                opt_state["step"].copy_(state["opt"]["step"])
     except (Exception, dcp.api.CheckpointException) as e:
         raise _io_error(e, f"reading {ckpt}") from e
     _restore(params, state["params"], packed)
+    if opt_state is None:
+        _check_finite({"params": params}, ckpt)
+        return meta
     _restore(opt_state["m"], state["opt"]["m"], packed)
     _restore(opt_state["v"], state["opt"]["v"], packed)
     _check_finite({"params": params, "m": opt_state["m"], "v": opt_state["v"]}, ckpt)

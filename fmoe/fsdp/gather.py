@@ -30,7 +30,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import tree as _tree
 from ..collectives import all_gather, group_size, reduce_scatter_rows
-from ..sharding import chunk_range, chunk_sizes, placed_like, placement_of, to_local
+from ..sharding import chunk_range, chunk_sizes, local_shard, placed_like, placement_of, to_local
 from ..transforms import peel
 from .regather import _remember, gather_flat
 
@@ -142,8 +142,8 @@ class _GatherLayer(torch.autograd.Function):
                 full = list(shape)
                 full[d] *= n
                 g = torch.zeros(full, dtype=ctx.dtype, device=ctx.device)
-            elif isinstance(g, DTensor):
-                g = g._local_tensor
+            else:
+                g = local_shard(g)
             pieces = torch.stack(g.split(shape[d], dim=d))                           # [n, *local]
             rows.append(pieces.reshape(n, -1))
         out = reduce_scatter_rows(torch.cat(rows, dim=1), ctx.group)                 # [total]

@@ -39,10 +39,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import tree as _tree
 from ..collectives import sum_over_world
-from ..precision import upcast
-from ..precision import store
+from ..precision import store, upcast
 from ..transforms import active as _transform_active
-from ..sharding import placed_like
+from ..sharding import local_shard, placed_like
 
 __all__ = ["AdamWConfig", "init", "update", "step", "global_norm"]
 
@@ -64,10 +63,6 @@ class AdamWConfig:
     no_decay: Optional[Sequence[str]] = None
 
 
-def _local(t: Any) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def init(params: Any, dtype: Optional[torch.dtype] = None) -> dict:
     """Optimizer state: a step counter and first/second moments shaped (and placed) like ``params``.
 
@@ -82,7 +77,7 @@ def init(params: Any, dtype: Optional[torch.dtype] = None) -> dict:
         >>> sorted(init({"w": torch.ones(2)}))
         ['m', 'step', 'v']
     """
-    zeros = lambda _, p: placed_like(torch.zeros_like(_local(p), dtype=dtype), p)  # noqa: E731
+    zeros = lambda _, p: placed_like(torch.zeros_like(local_shard(p), dtype=dtype), p)  # noqa: E731
     return {"step": torch.zeros((), dtype=torch.int64),
             "m": _tree.map_with_path(zeros, params), "v": _tree.map_with_path(zeros, params)}
 
@@ -122,7 +117,7 @@ def global_norm(tree: Any) -> torch.Tensor:
     leaves = _tree.leaves(tree)
     total = torch.zeros((), dtype=torch.float64)
     for leaf in leaves:
-        total = total + _square_sum(_local(leaf)) / _replicas(leaf)
+        total = total + _square_sum(local_shard(leaf)) / _replicas(leaf)
     out = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
     return sum_over_world(total).sqrt().to(out)
 
@@ -233,7 +228,7 @@ def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], c
             if path not in flat_g:                   # frozen (e.g. expert_bias): left as it is
                 new_p[path], new_m[path], new_v[path] = p, flat_m[path], flat_v[path]
                 continue
-            g0, m0, v0, p0 = _local(flat_g[path]), _local(flat_m[path]), _local(flat_v[path]), _local(p)
+            g0, m0, v0, p0 = local_shard(flat_g[path]), local_shard(flat_m[path]), local_shard(flat_v[path]), local_shard(p)
             wd = cfg.weight_decay if _decays(path, p, cfg) else 0.0
             if rounding is None and _fusable(g0, m0, v0, p0):
                 if not donate:                       # the kernel writes in place: into copies

@@ -41,12 +41,22 @@ import socket
 import tempfile
 from typing import Optional
 
+from ..checkpoint.steps import is_step_temporary, step_of
+
 __all__ = ["OutLock", "RunDirBusy", "holds_run", "clear_run", "newer_steps", "drop_after", "check_room",
            "links", "remove_temporaries", "append_row", "trim_log"]
 
 LOCK, LOG = ".lock", "log.jsonl"
-_RUN_FILE = re.compile(r"^(log\.jsonl|step-\d+|\.step-\d+\.tmp(-.*)?)$")
-_TEMPORARY = re.compile(r"^(\.step-\d+\.tmp(-.*)?|\.log\.jsonl\..*\.tmp)$")
+_LOG_TEMPORARY = re.compile(r"^\.log\.jsonl\..*\.tmp$")
+
+
+def _run_file(name: str) -> bool:
+    """A run's own file: the log, a checkpoint or an unfinished save (:mod:`fmoe.checkpoint.steps`)."""
+    return name == LOG or step_of(name) is not None or is_step_temporary(name)
+
+
+def _temporary(name: str) -> bool:
+    return is_step_temporary(name) or _LOG_TEMPORARY.match(name) is not None
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
@@ -58,7 +68,7 @@ def holds_run(out: str) -> list[str]:
     """The names of a run's files in ``out`` (``log.jsonl``, ``step-N``), sorted; [] if none."""
     if not os.path.isdir(out):
         return []
-    return sorted(n for n in os.listdir(out) if _RUN_FILE.match(n))
+    return sorted(n for n in os.listdir(out) if _run_file(n))
 
 
 def clear_run(out: str) -> list[str]:
@@ -76,8 +86,8 @@ def clear_run(out: str) -> list[str]:
 def newer_steps(out: str, step: int) -> list[str]:
     """The complete ``step-M`` checkpoints in ``out`` with ``M > step`` (temporaries of
     unfinished saves are not checkpoints: :func:`remove_temporaries` removes them)."""
-    found = [n for n in holds_run(out) if (m := re.match(r"^step-(\d+)$", n)) and int(m.group(1)) > step]
-    return sorted(found, key=lambda n: int(n[5:]))
+    found = [(s, n) for n in holds_run(out) if (s := step_of(n)) is not None and s > step]
+    return [n for _, n in sorted(found)]
 
 
 def links(out: str) -> list[str]:
@@ -85,7 +95,7 @@ def links(out: str) -> list[str]:
     the run's files, ``.lock`` and the log's temporaries."""
     if not os.path.isdir(out):
         return []
-    return sorted(n for n in os.listdir(out) if (_RUN_FILE.match(n) or _TEMPORARY.match(n) or n == LOCK)
+    return sorted(n for n in os.listdir(out) if (_run_file(n) or _temporary(n) or n == LOCK)
                   and os.path.islink(os.path.join(out, n)))
 
 
@@ -93,7 +103,7 @@ def remove_temporaries(out: str) -> list[str]:
     """Remove what interrupted writes left in ``out`` (``.step-N.tmp*`` directories, log
     temporaries); call while holding ``OUT``'s lock (then nobody else writes there). Links are
     removed, never followed. Returns the removed names."""
-    gone = sorted(n for n in os.listdir(out) if _TEMPORARY.match(n)) if os.path.isdir(out) else []
+    gone = sorted(n for n in os.listdir(out) if _temporary(n)) if os.path.isdir(out) else []
     for name in gone:
         _remove(os.path.join(out, name))
     return gone
