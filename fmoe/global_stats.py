@@ -40,7 +40,7 @@ import torch
 
 from .collectives import all_reduce, group_size
 
-__all__ = ["GlobalStat", "finalize", "reduce_over_batches", "routed_load", "imbalance",
+__all__ = ["GlobalStat", "finalize", "reduce_over_batches", "routed_load", "imbalance", "batch_mean",
            "weighted_sum", "stack_layers", "pack", "stat_sums"]
 
 
@@ -180,6 +180,19 @@ def weighted_sum(terms: Sequence[tuple[float, GlobalStat]]) -> GlobalStat:
         return torch.as_tensor(total)
 
     return GlobalStat(sums, finish)
+
+
+def batch_mean(value: torch.Tensor) -> GlobalStat:
+    """The mean over the data-parallel batches of a per-batch value (e.g. a router's loss on its
+    own tokens): every rank gets the same value, and each rank's gradient is ``1/N`` of its own
+    term's (what ``fmoe.moe`` makes of a :class:`fmoe.routing.Loss` of a plain tensor).
+
+    Example:
+        >>> batch_mean(torch.tensor(0.5)).local()
+        tensor(0.5000)
+    """
+    return GlobalStat({"value": value, "batches": torch.ones((), dtype=value.dtype, device=value.device)},
+                      lambda s: s["value"] / s["batches"])
 
 
 def imbalance(load: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,10 @@ tensors such as ``token_ids [T]`` or ``seq_ids [T]``). ``params["shared"]`` adds
 (:mod:`fmoe.shared_experts`).
 
 ``aux`` holds the router's own entries, with every :class:`fmoe.global_stats.GlobalStat` (aux
-losses, drop rates) reduced over the data-parallel batches and finished, plus
+losses, drop rates) reduced over the data-parallel batches and finished (a
+:class:`fmoe.routing.Loss` unwrapped: a tensor loss becomes its mean over the batches), the
+kind of each in ``router_keys`` (``{key: "loss" | "stat"}``: what a trainer adds to the loss,
+what it logs; :mod:`fmoe.routing.core`), plus
 ``tokens_per_expert`` (``[E]`` int64, this rank's slots per global expert), ``dispatch_rows``
 (rows this rank sent to *other* ranks), ``load`` (``[E]`` int64, routed slots per expert over all
 batches) and ``imbalance`` (max / mean of ``load``). All statistics travel in one small
@@ -47,6 +50,7 @@ from .fsdp import unshard
 from .mesh import Mesh
 from .global_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
+from .routing.core import as_stats
 from .shared_experts import check_shared, shared_expert
 from .transforms import peel, refuse_compiled_transform
 
@@ -198,7 +202,8 @@ def moe(
         logits = logits + unshard(params["router_bias"], keep=())
     routing = validate(call(router, logits, inputs), x.shape[0], E)
     experts = _local_experts(params, E, mesh, act, matmul)
-    stats = {**routing.aux, **routed_load(routing.weights, routing.expert_ids, E)}
+    router_stats, router_keys = as_stats(routing.aux)     # losses unwrapped (fmoe.routing.core)
+    stats = {**router_stats, **routed_load(routing.weights, routing.expert_ids, E)}
     chosen = _ep.get(name)
     packed = pack(stat_sums(stats)) if _ep.takes_stats(chosen, mesh) else None   # summed by the dispatch
     result = _ep.run(chosen, x, routing.weights, routing.expert_ids, experts, mesh, packed)
@@ -210,4 +215,5 @@ def moe(
     aux["tokens_per_expert"] = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add(0, ids, torch.ones_like(ids))
     aux["dispatch_rows"] = result.sent_rows
     aux.update(result.extra)
+    aux["router_keys"] = router_keys                # which router entries train, which are logged
     return out.to(x.dtype), aux

@@ -12,7 +12,7 @@ hand-written one.) Everything is a pure function of a parameter tree, built from
 with ``aux`` of each MoE layer returned beside the logits (load, imbalance, aux losses, drop
 rates: see :mod:`fmoe.global_stats`). :func:`train_lm` trains it in one process on the standard
 library's source (:class:`fmoe.data.TokenStream`, byte tokens) with fmoe's functional AdamW,
-adds every weighted ``*_loss`` aux term to the loss, and, for a router with an expert bias,
+adds every ``fmoe.routing.Loss`` aux term to the loss, and, for a router with an expert bias,
 moves the bias with :func:`fmoe.routing.update_bias` after each optimizer step (the bias is
 state, not a trained weight, so it stays out of the optimizer).
 
@@ -136,7 +136,7 @@ def train_lm(router: Callable, *, steps: int = 100, batch: int = 8, seq: int = 3
         router: the router of every MoE layer.
         steps: optimizer steps; batch, seq: B sequences of S byte tokens per step.
         lr: peak learning rate (linear warmup for ``warmup`` steps, cosine decay to 10%).
-        aux_weight: weight of the router's ``*_loss`` aux terms (already weighted by the router).
+        aux_weight: weight of the router's ``Loss`` aux terms (already weighted by the router).
         bias_rate: if set, the model gets ``moe.expert_bias`` and after each optimizer step
             ``update_bias(params, {layer: aux["load"]}, bias_rate)`` moves it.
         token_ids: give the router the token ids (hash routing).

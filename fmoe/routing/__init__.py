@@ -11,7 +11,11 @@ A new scheme, e.g. top-1 on noisy logits::
     def noisy_top1(logits):
         probs = torch.softmax(logits.float() + torch.randn_like(logits), -1)
         w, ids = probs.max(-1, keepdim=True)
-        return Routing(w, ids, {})
+        return Routing(w, ids, {"penalty": Loss(1e-3 * probs.max(-1).values.mean()),   # trained
+                                "top_prob": w.mean().detach()})                        # logged
+
+Every ``aux`` entry is a loss (:class:`Loss`: trained and logged) or a statistic (a tensor or a
+``GlobalStat``: logged); anything else is an error naming the key (:mod:`fmoe.routing.core`).
 
 The built-in schemes:
 
@@ -47,12 +51,12 @@ from . import aux_losses, balance  # noqa: F401  (submodules: fmoe.routing.aux_l
 from .aux_losses import with_losses
 from .bias import sigmoid_topk, update_bias
 from .capacity import capacity, expert_choice, switch
-from .core import Router, Routing, call, validate
+from .core import Loss, Router, Routing, call, validate
 from .fixed import balanced, hash_router, random_topk, token_hash
 from .record import replay
 from .spec import ROUTERS, from_spec, parse_spec
 from .topk import group_mask, group_topk, topk, topk_softmax
 
-__all__ = ["Routing", "Router", "validate", "call", "topk", "topk_softmax", "group_topk", "group_mask",
+__all__ = ["Routing", "Router", "Loss", "validate", "call", "topk", "topk_softmax", "group_topk", "group_mask",
            "sigmoid_topk", "update_bias", "switch", "expert_choice", "capacity", "hash_router",
            "token_hash", "balanced", "random_topk", "replay", "with_losses", "ROUTERS", "from_spec", "parse_spec"]

@@ -20,10 +20,12 @@ share. **Summed over the data-parallel batches** (one rank per batch; the ranks 
 tensor-parallel group hold identical copies) these router gradients equal the single-process
 gradient of the union.
 
-**Convention: every aux entry whose name ends in ``_loss`` is a term of the training loss**,
-already weighted by its coefficient (so a hand-written router can add ``aux["my_loss"]`` and
-every trainer picks it up). :func:`with_losses` writes ``load_balance_loss``,
-``seq_balance_loss`` and ``z_loss``; :func:`total` sums the ``*_loss`` entries of all layers.
+**Which entries are losses** is decided by type, not by name (:mod:`fmoe.routing.core`): an
+entry wrapped in :class:`fmoe.routing.Loss` is a term of the training loss, already weighted by
+its coefficient (so a hand-written router can add ``aux["my_penalty"] = Loss(...)`` and every
+trainer picks it up); ``fmoe.moe`` lists them in ``aux["router_keys"]``. :func:`with_losses`
+writes ``Loss`` entries ``load_balance_loss``, ``seq_balance_loss`` and ``z_loss``;
+:func:`total` sums the loss entries of all layers.
 
 **What the trainer does.** ``fmoe.training.grads.reduce_grads`` sums gradients over the batches
 and divides by their number ``N = mesh.num_batches`` (the per-batch mean that makes the LM loss
@@ -44,7 +46,7 @@ import torch
 
 from ..precision import at_least_f32, upcast
 from ..global_stats import GlobalStat, weighted_sum
-from .core import Router, Routing, call, validate
+from .core import Loss, Router, Routing, call, validate
 
 __all__ = ["load_balance_loss", "seq_balance_loss", "z_loss", "softmax_probs", "normalized_sigmoid",
            "with_losses", "total"]
@@ -157,7 +159,7 @@ def with_losses(router: Router, *, load_balance: Optional[float] = None, seq_bal
         probs: ``probs(logits) -> [T, E]`` used by the balance losses (default softmax; use
             :func:`normalized_sigmoid` with ``fmoe.routing.sigmoid_topk``).
     Returns:
-        ``router(logits, **inputs)`` adding ``coefficient * loss`` as ``aux["<name>_loss"]``.
+        ``router(logits, **inputs)`` adding ``Loss(coefficient * loss)`` as ``aux["<name>_loss"]``.
 
     Example:
         >>> import fmoe
@@ -182,7 +184,7 @@ def with_losses(router: Router, *, load_balance: Optional[float] = None, seq_bal
         if load_balance is not None or seq_balance is not None:
             p = probs(logits)
         if load_balance is not None:
-            aux["load_balance_loss"] = weighted_sum([(load_balance, load_balance_loss(p, routing.expert_ids))])
+            aux["load_balance_loss"] = Loss(weighted_sum([(load_balance, load_balance_loss(p, routing.expert_ids))]))
         if seq_balance is not None:
             T = logits.shape[0]
             if seq_ids is None:
@@ -193,9 +195,9 @@ def with_losses(router: Router, *, load_balance: Optional[float] = None, seq_bal
                     raise ValueError(f"with_losses: T={T} tokens is not a whole number of "
                                      f"sequences of seq_len={seq_len}")
                 seq_ids = torch.arange(T, device=logits.device) // seq_len
-            aux["seq_balance_loss"] = weighted_sum([(seq_balance, seq_balance_loss(p, routing.expert_ids, seq_ids))])
+            aux["seq_balance_loss"] = Loss(weighted_sum([(seq_balance, seq_balance_loss(p, routing.expert_ids, seq_ids))]))
         if z is not None:
-            aux["z_loss"] = weighted_sum([(z, z_loss(logits))])
+            aux["z_loss"] = Loss(weighted_sum([(z, z_loss(logits))]))
         return Routing(routing.weights, routing.expert_ids, aux)
 
     wrapped.__name__ = f"with_losses({getattr(router, '__name__', 'router')})"
@@ -203,7 +205,8 @@ def with_losses(router: Router, *, load_balance: Optional[float] = None, seq_bal
 
 
 def total(auxes: Sequence[Mapping[str, object]]) -> torch.Tensor:
-    """Sum of every ``*_loss`` entry (scalar tensor) of every layer's aux: the aux training loss.
+    """Sum of every loss entry of every layer's aux (``aux["router_keys"][key] == "loss"``, as
+    ``fmoe.moe`` records them): the aux training loss.
 
     Args:
         auxes: one finalized aux dict per MoE layer (as returned by ``fmoe.moe``).
@@ -211,13 +214,15 @@ def total(auxes: Sequence[Mapping[str, object]]) -> torch.Tensor:
         a scalar tensor (0.0 when there is none).
 
     Example:
-        >>> total([{"z_loss": torch.tensor(0.5), "load": torch.ones(4)}, {"z_loss": torch.tensor(0.25)}])
+        >>> total([{"z_loss": torch.tensor(0.5), "load": torch.ones(4), "router_keys": {"z_loss": "loss"}},
+        ...        {"z_loss": torch.tensor(0.25), "router_keys": {"z_loss": "loss"}}])
         tensor(0.7500)
     """
     out = torch.zeros(())
     for aux in auxes:
-        for key, v in aux.items():
-            if key.endswith("_loss"):
+        for key, kind in aux.get("router_keys", {}).items():
+            v = aux[key]
+            if kind == "loss":
                 if not isinstance(v, torch.Tensor) or v.ndim != 0:
                     raise ValueError(f"aux_losses.total: aux[{key!r}] must be a scalar tensor "
                                      f"(finalized by fmoe.moe), got {type(v).__name__}")

@@ -4,17 +4,27 @@
 probability; an expert accepts at most ``C = ceil(capacity_factor * T * k / E)`` assignments,
 first come first served in (slot, token) order — all first choices before any second choice,
 tokens in batch order. A rejected assignment keeps its expert id with weight 0: the token skips
-that expert and (with k = 1) passes through the residual only. ``aux["drop_rate"]`` is the
-fraction of assignments dropped, over all data-parallel batches.
+that expert and (with k = 1) passes through the residual only.
 
 **Expert choice** (Zhou et al. 2022): each expert picks its top ``C`` tokens by softmax score,
 ``C = min(T, ceil(capacity_factor * T * k / E))``, so every expert is exactly full and a token
 may get 0, 1 or several experts. The fixed ``K`` slots of a ``Routing`` hold a token's chosen
 experts best-first; spare slots repeat the token's first slot (its best chosen expert, or its
 highest-scoring expert if none chose it) with weight 0, so no id leaves ``[0, E)`` and no extra
-token is sent. ``K = max_experts`` (default ``E``: exact); a token chosen by more experts keeps
-its best ``max_experts``. Zero-weight slots still cost expert compute, so a smaller
-``max_experts`` is faster. ``aux["drop_rate"]`` is the fraction of tokens no expert chose.
+token is sent. ``K = max_experts``. Zero-weight slots still cost expert compute, so the
+default is ``max_experts = min(E, ceil(2 * capacity_factor * k))``: twice the mean number of
+experts per token (``capacity_factor * k``), not ``E``. A token chosen by more experts keeps its
+best ``max_experts``; the share of the experts' choices cut so is ``aux["truncated_rate"]``
+(0 in the exact form, ``max_experts=E``).
+
+**Statistics** (each a GlobalStat over all data-parallel batches, logged by the trainer):
+
+- ``drop_rate``: one definition for both routers: the fraction of **tokens** that no expert
+  processes (every slot weight 0; they pass through the residual only). For switch with
+  ``k = 1`` this is also the fraction of assignments dropped.
+- ``load_routed`` (``[E]``): the load *before* capacity, each token's top-k experts by score
+  (switch: the assignments it asked for; expert choice: what token choice would have sent),
+  beside the layer's ``load`` after dropping; the trainer logs ``maxvio_routed`` from it.
 
 Both decide over **this rank's tokens only**: under data parallelism the capacity and the
 competition are per data-parallel batch (the ranks of a tensor-parallel group hold the same
@@ -41,6 +51,16 @@ def _rate(numerator: torch.Tensor, denominator: torch.Tensor) -> GlobalStat:
                       lambda s: s["dropped"] / s["total"].clamp(min=1))
 
 
+def _statistics(weights: torch.Tensor, wanted: torch.Tensor, num_experts: int) -> dict:
+    """``drop_rate`` (tokens with every slot at weight 0) and ``load_routed`` (``wanted [T, k]``
+    counted per expert), as GlobalStats."""
+    dropped = (weights.detach() == 0).all(-1).sum().float()                  # tokens no expert takes
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=wanted.device)
+    counts = counts.scatter_add(0, wanted.reshape(-1), torch.ones_like(wanted.reshape(-1)))   # [E]
+    return {"drop_rate": _rate(dropped, weights.new_tensor(float(weights.shape[0]), dtype=torch.float32)),
+            "load_routed": GlobalStat({"load_routed": counts}, lambda s: s["load_routed"])}
+
+
 def _check_factor(capacity_factor: float) -> None:
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0:
         raise ValueError(f"router: capacity_factor must be a number > 0, got {capacity_factor!r}")
@@ -64,7 +84,7 @@ def switch(capacity_factor: float = 1.25, k: int = 1, normalize: bool = False) -
         k: experts per token (Switch: 1; GShard: 2).
         normalize: renormalise the k kept probabilities before dropping.
     Returns:
-        a router with ``aux["drop_rate"]`` (a GlobalStat the layer reduces over batches).
+        a router with ``aux["drop_rate"]`` and ``aux["load_routed"]`` (module docstring).
 
     Example:
         >>> r = switch(capacity_factor=1.0)(torch.tensor([[2.0, 0.0], [1.0, 0.0]]))
@@ -86,8 +106,7 @@ def switch(capacity_factor: float = 1.25, k: int = 1, normalize: bool = False) -
         position = (slot_major.cumsum(0) * slot_major).sum(-1) - 1                # [K*T]
         keep = (position < C).reshape(k, T).t()                                   # [T, K]
         weights = torch.where(keep, weights, 0.0)
-        dropped = (~keep).sum().float()
-        return Routing(weights, ids, {"drop_rate": _rate(dropped, probs.new_tensor(float(T * k)))})
+        return Routing(weights, ids, _statistics(weights, ids, E))
 
     return router
 
@@ -98,10 +117,11 @@ def expert_choice(capacity_factor: float = 1.0, k: int = 1, max_experts: Optiona
     Args:
         capacity_factor, k: ``C = min(T, ceil(capacity_factor * T * k / E))`` tokens per expert
             (on average ``capacity_factor * k`` experts per token).
-        max_experts: slots per token, K (default E). A token chosen by more experts keeps
-            its best ones.
+        max_experts: slots per token, K (default ``min(E, ceil(2 * capacity_factor * k))``;
+            ``E``: exact). A token chosen by more experts keeps its best ones.
     Returns:
-        a router with ``aux["drop_rate"]`` = fraction of tokens that no expert chose.
+        a router with ``aux["drop_rate"]`` (fraction of tokens that no expert chose),
+        ``aux["load_routed"]`` and ``aux["truncated_rate"]`` (module docstring).
 
     Example:
         >>> r = expert_choice(k=1)(torch.log(torch.tensor([[.7, .3], [.6, .4], [.2, .8]])))
@@ -115,8 +135,8 @@ def expert_choice(capacity_factor: float = 1.0, k: int = 1, max_experts: Optiona
 
     def router(logits: torch.Tensor) -> Routing:
         T, E = logits.shape if logits.ndim == 2 else (0, 0)
-        K = E if max_experts is None else max_experts
-        check_logits(logits, K)
+        K = min(E, math.ceil(2 * capacity_factor * k - 1e-9)) if max_experts is None else max_experts
+        check_logits(logits, max(K, k))
         scores = torch.softmax(upcast(logits), dim=-1)                            # [T, E]
         C = min(T, capacity(T, E, k, capacity_factor))
         chosen_tok = scores.topk(C, dim=0).indices                                # [C, E]
@@ -127,8 +147,10 @@ def expert_choice(capacity_factor: float = 1.0, k: int = 1, max_experts: Optiona
         used = chosen.gather(1, ids)                                              # [T, K]
         ids = torch.where(used, ids, ids[:, :1])                                  # spare -> slot 0
         weights = torch.where(used, scores.gather(1, ids), 0.0)
-        unrouted = (~chosen.any(-1)).sum().float()
-        return Routing(weights, ids, {"drop_rate": _rate(unrouted, scores.new_tensor(float(T)))})
+        cut = (chosen.sum(-1) - used.sum(-1)).sum().float()                   # choices beyond K slots
+        aux = _statistics(weights, scores.detach().topk(k, dim=-1).indices, E)
+        aux["truncated_rate"] = _rate(cut, scores.new_tensor(float(C * E), dtype=torch.float32))
+        return Routing(weights, ids, aux)
 
     router.no_balance_loss = "every expert takes exactly C tokens: the load is balanced by construction"
     return router

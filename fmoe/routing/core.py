@@ -22,6 +22,21 @@ does not fit (expert choice: balanced by construction; hash / round-robin / rand
 experts fixed whatever the scores): the trainer then defaults to no balancing and refuses
 ``--balance aux`` / ``seq_aux`` / ``global_aux`` with that reason.
 
+**What ``aux`` may hold.** Every entry is a *loss* or a *statistic*, decided by its type:
+
+- ``Loss(value)`` (:class:`Loss`): a term of the training loss, already weighted. ``value`` is a
+  scalar tensor (computed on this rank's tokens; the layer averages it over the data-parallel
+  batches) or a :class:`fmoe.global_stats.GlobalStat` (a quantity of the global batch). The
+  trainer adds it to the loss and logs it under its key.
+- a tensor or a ``GlobalStat``: a statistic, logged (per layer; a tensor's value is averaged over
+  the ranks, a ``GlobalStat`` is finished over all batches), never trained.
+
+Anything else is a ``TypeError`` naming the key; so is a key the layer writes itself
+(:data:`RESERVED`), and a bare tensor under a key ending in ``_loss`` (once the loss
+convention: wrap it in :class:`Loss` to train it, or rename it to log it) — so no entry is
+ever dropped silently. ``fmoe.moe`` returns the finished values (plain tensors) and records
+which key is which in ``aux["router_keys"]`` (``{key: "loss" | "stat"}``).
+
 A slot with weight exactly 0 contributes nothing to the output or to any gradient that
 reaches the router (its weight is a constant), so routers that give a token fewer than ``K``
 experts (capacity dropping, expert choice) fill the spare slots with weight 0 and an expert id
@@ -35,9 +50,30 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
+from ..global_stats import GlobalStat, batch_mean
 from ..transforms import compiling, data_checks_enabled
 
-__all__ = ["Routing", "Router", "validate", "call", "check_k", "check_logits"]
+__all__ = ["Routing", "Router", "Loss", "RESERVED", "validate", "check_aux", "as_stats", "call", "check_k", "check_logits"]
+
+#: aux keys ``fmoe.moe`` writes itself; a router may not use them.
+RESERVED = ("load", "imbalance", "tokens_per_expert", "dispatch_rows", "router_keys")
+
+
+class Loss(NamedTuple):
+    """Marks a router's aux entry as a term of the training loss (already weighted).
+
+    Attributes:
+        value: a scalar tensor (this rank's tokens; averaged over the data-parallel batches by
+            ``fmoe.moe``) or a :class:`fmoe.global_stats.GlobalStat` finishing to a scalar.
+
+    Example:
+        >>> logits = torch.zeros(2, 4, requires_grad=True)
+        >>> sorted(Routing(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long),
+        ...                {"zz_penalty": Loss(logits.square().mean())}).aux)
+        ['zz_penalty']
+    """
+
+    value: Any
 
 
 class Routing(NamedTuple):
@@ -120,6 +156,67 @@ def call(router: Callable, logits: torch.Tensor, inputs: Mapping[str, Any] | Non
     return router(logits, **inputs)
 
 
+def check_aux(aux: object) -> dict:
+    """``{key: "loss" | "stat"}`` of a router's aux, or a ``TypeError`` naming the entry that is
+    neither (see the module docstring).
+
+    Example:
+        >>> check_aux({"p": Loss(torch.tensor(0.1)), "n": torch.tensor(3)})
+        {'p': 'loss', 'n': 'stat'}
+        >>> check_aux({"n": 3})
+        Traceback (most recent call last):
+        ...
+        TypeError: router: aux['n'] is int; an aux entry is fmoe.routing.Loss(scalar tensor or GlobalStat) (trained and logged), or a tensor or GlobalStat (a statistic, logged)
+    """
+    if not isinstance(aux, dict):
+        raise TypeError(f"router: aux must be a dict, got {type(aux).__name__}")
+    kinds = {}
+    for key, v in aux.items():
+        if not isinstance(key, str):
+            raise TypeError(f"router: aux keys must be strings, got {key!r}")
+        if key in RESERVED:
+            raise TypeError(f"router: aux[{key!r}]: the layer writes {', '.join(RESERVED)} itself; rename it")
+        if isinstance(v, Loss):
+            inner = v.value
+            if isinstance(inner, torch.Tensor) and inner.ndim != 0:
+                raise TypeError(f"router: aux[{key!r}] = Loss(tensor of shape {tuple(inner.shape)}): a loss is a "
+                                "scalar")
+            if not isinstance(inner, (torch.Tensor, GlobalStat)):
+                raise TypeError(f"router: aux[{key!r}] = Loss({type(inner).__name__}): a loss is a scalar tensor or "
+                                "a GlobalStat")
+            kinds[key] = "loss"
+        elif isinstance(v, (torch.Tensor, GlobalStat)):
+            if key.endswith("_loss"):
+                raise TypeError(f"router: aux[{key!r}] is a bare {type(v).__name__} named like a loss; wrap it in "
+                                f"fmoe.routing.Loss(...) to train it, or rename it to log it as a statistic")
+            kinds[key] = "stat"
+        else:
+            raise TypeError(f"router: aux[{key!r}] is {type(v).__name__}; an aux entry is fmoe.routing.Loss(scalar "
+                            "tensor or GlobalStat) (trained and logged), or a tensor or GlobalStat (a statistic, "
+                            "logged)")
+    return kinds
+
+
+def as_stats(aux: dict) -> tuple[dict, dict]:
+    """``(stats, kinds)``: the aux with every :class:`Loss` unwrapped into a ``GlobalStat`` (a
+    plain tensor loss becomes its mean over the data-parallel batches,
+    :func:`fmoe.global_stats.batch_mean`) for ``fmoe.moe`` to finalize, and :func:`check_aux`'s
+    ``{key: "loss" | "stat"}``.
+
+    Example:
+        >>> stats, kinds = as_stats({"p": Loss(torch.tensor(0.5))})
+        >>> stats["p"].local(), kinds
+        (tensor(0.5000), {'p': 'loss'})
+    """
+    kinds = check_aux(aux)
+    stats = {}
+    for key, v in aux.items():
+        if isinstance(v, Loss):
+            v = v.value if isinstance(v.value, GlobalStat) else batch_mean(v.value)
+        stats[key] = v
+    return stats, kinds
+
+
 def validate(routing: object, num_tokens: int, num_experts: int) -> Routing:
     """Check what a router returned; raise ``ValueError``/``TypeError`` naming the problem.
 
@@ -146,8 +243,7 @@ def validate(routing: object, num_tokens: int, num_experts: int) -> Routing:
     w, ids, aux = routing
     if not isinstance(w, torch.Tensor) or not isinstance(ids, torch.Tensor):
         raise TypeError("router: weights and expert_ids must be tensors")
-    if not isinstance(aux, dict):
-        raise TypeError(f"router: aux must be a dict, got {type(aux).__name__}")
+    check_aux(aux)
     if ids.ndim != 2 or ids.shape[0] != num_tokens:
         raise ValueError(f"router: expert_ids must have shape [T={num_tokens}, K], got {tuple(ids.shape)}")
     if w.shape != ids.shape:

@@ -55,13 +55,15 @@ def dead_experts(load: torch.Tensor) -> torch.Tensor:
     return (load.detach() == 0).sum(-1)
 
 
-def load_metrics(loads: Sequence[torch.Tensor], prefix: str = "") -> dict:
+def load_metrics(loads: Sequence[torch.Tensor], prefix: str = "", suffix: str = "") -> dict:
     """Log-row metrics of per-layer loads: ``maxvio`` (list per layer), its mean, percentiles
-    across layers and max, ``dead_experts`` (list per layer); keys start with ``prefix``.
+    across layers and max, ``dead_experts`` (list per layer); keys start with ``prefix`` and
+    carry ``suffix`` after the metric's name (``maxvio_routed_mean``).
 
     Args:
         loads: one ``[E]`` load per MoE layer, in layer order (empty: no metrics).
         prefix: e.g. ``"eval_"``.
+        suffix: e.g. ``"_routed"`` (the load before capacity dropped assignments).
     Returns:
         a dict of floats / lists of numbers (JSON-ready).
 
@@ -69,14 +71,16 @@ def load_metrics(loads: Sequence[torch.Tensor], prefix: str = "") -> dict:
         >>> m = load_metrics([torch.tensor([2, 2]), torch.tensor([4, 0])])
         >>> m["maxvio"], m["maxvio_max"], m["dead_experts"]
         ([0.0, 1.0], 1.0, [0, 1])
+        >>> sorted(load_metrics([torch.tensor([2, 2])], "eval_", "_routed"))[:2]
+        ['eval_dead_experts_routed', 'eval_maxvio_routed']
     """
     loads = list(loads)
     if not loads:
         return {}
     v = maxvio(torch.stack([lo.detach().cpu().to(torch.float64) for lo in loads]))        # [L]
-    out = {f"{prefix}maxvio": v.tolist(), f"{prefix}maxvio_mean": float(v.mean()),
-           f"{prefix}maxvio_max": float(v.max())}
+    name = f"{prefix}maxvio{suffix}"
+    out = {name: v.tolist(), f"{name}_mean": float(v.mean()), f"{name}_max": float(v.max())}
     for p in PERCENTILES:
-        out[f"{prefix}maxvio_p{p}"] = float(torch.quantile(v, p / 100))
-    out[f"{prefix}dead_experts"] = [int(d) for d in dead_experts(torch.stack([lo.detach().cpu() for lo in loads]))]
+        out[f"{name}_p{p}"] = float(torch.quantile(v, p / 100))
+    out[f"{prefix}dead_experts{suffix}"] = [int(d) for d in dead_experts(torch.stack([lo.detach().cpu() for lo in loads]))]
     return out

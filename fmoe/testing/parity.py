@@ -14,11 +14,23 @@ The check the project writes by hand in its distributed tests, as one call:
    the sum over the batches, as the one process computes it);
 3. every rank compares its output with the reference's slice, each gathered gradient with the
    reference gradient and its input gradients with the reference's slice. A value passes when
-   ``max|got - want| <= atol + rtol * max|want|``.
+   ``max|got - want| <= atol + rtol * max|want|``. Whether to run backward is decided
+   **collectively**: when the output differs on any rank (or ``fn`` raised there), no rank runs
+   backward (its collectives would wait for the missing rank), so a one-rank difference is an
+   ``AssertionError`` within seconds, never a hang or a transport error (the error then says
+   that the gradients were not compared).
 
 The ``AssertionError`` lists what differs, worst first (by the ratio of the error to its
 tolerance), each line naming the mesh, the rank, the leaf by its dotted path and the leaf's
 placement on that mesh.
+
+**Routers that decide per batch** (switch and expert choice with their capacity, BASE-style
+balanced assignment: any function whose result on a token depends on the other tokens of its
+batch) see only their data-parallel batch on a mesh, so they equal the one-process run on the
+*union* only when the capacity never binds. ``per_batch=True`` makes the reference what such a
+layer computes: one process calling ``fn`` on each data-parallel batch in turn (the same
+``tensor_split`` pieces the ranks get), outputs concatenated, gradients summed. Top-k routers
+decide per token and pass either way.
 
 Example (a test file; any function of a tree works, here one MoE layer)::
 
@@ -44,6 +56,7 @@ import re
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from fmoe import tree as _tree
 from fmoe.mesh import Mesh, RankLayout
@@ -84,7 +97,8 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
                   plan: Union[Plan, Any, Callable[[Mesh], Plan]],
                   meshes: Sequence[str] = ("tp1/ep4", "tp2/ep2"), grads: bool = True,
                   rtol: Optional[float] = None, atol: Optional[float] = None, world: Optional[int] = None,
-                  pool: Optional[Pool] = None, timeout: float = 300.0, seed: int = 0) -> None:
+                  pool: Optional[Pool] = None, timeout: float = 300.0, seed: int = 0,
+                  per_batch: bool = False) -> None:
     """Assert that ``fn`` on each mesh equals ``fn`` on one process (see the module docstring).
 
     Args:
@@ -101,6 +115,8 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
         pool: a :class:`fmoe.testing.Pool` to run on (default: a pool for this call).
         timeout: seconds per mesh.
         seed: seed of the cotangent ``probe``.
+        per_batch: the reference runs ``fn`` on each data-parallel batch of the mesh separately
+            (routers that decide per batch; module docstring).
     Raises:
         AssertionError: naming the worst leaf, its mesh, rank and placement.
         ValueError / TypeError: bad arguments, before any rank starts.
@@ -119,7 +135,9 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
     if not (callable(plan) and not isinstance(plan, Plan)):
         plan = plan if isinstance(plan, Plan) else Plan(plan)
         plan.resolve(params)                      # unknown leaves / globs raise here, not on ranks
-    ref = _reference(fn, params, inputs, grads, seed)
+    batches = {m: RankLayout(world, 0, **s).num_batches if per_batch else 1 for m, s in specs.items()}
+    refs = {n: _reference(fn, params, inputs, grads, seed, n) for n in sorted(set(batches.values()))}
+    ref = next(iter(refs.values()))
     dtype = ref["out"].dtype if ref["out"].is_floating_point() else torch.float32
     rtol = 100 * torch.finfo(dtype).eps if rtol is None else rtol
     atol = rtol * 1e-3 if atol is None else atol
@@ -129,7 +147,7 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
     checks = 0
     try:
         for name, sizes in specs.items():
-            results = pool.run(_on_rank, fn, params, inputs, plan, sizes, ref, grads, rtol, atol,
+            results = pool.run(_on_rank, fn, params, inputs, plan, sizes, refs[batches[name]], grads, rtol, atol,
                                timeout=timeout, world=world)
             for r, (n, fails) in enumerate(results):
                 checks += n
@@ -140,8 +158,10 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
     if failures:
         failures.sort(key=lambda f: -f[0])
         lines = "\n".join(f"  {w}" for _, w in failures[:20])
+        skipped = "" if not any(": output:" in w for _, w in failures) else (
+            "\n  (gradients not compared on a mesh whose output differs: no rank ran backward)")
         raise AssertionError(f"assert_parity: {len(failures)} of {checks} checks differ from the one-process "
-                             f"run (rtol {rtol:.1e}, atol {atol:.1e}); worst: {failures[0][1]}\n{lines}")
+                             f"run (rtol {rtol:.1e}, atol {atol:.1e}); worst: {failures[0][1]}\n{lines}{skipped}")
 
 
 def _batch(t: torch.Tensor, b: int, n: int) -> torch.Tensor:
@@ -164,10 +184,15 @@ def _call(fn, params, inputs, mesh) -> torch.Tensor:
     return out
 
 
-def _reference(fn, params, inputs, grads, seed) -> dict:
-    """The one-process run: output, cotangent probe, gradients of every leaf (zeros if unused)."""
+def _reference(fn, params, inputs, grads, seed, batches: int = 1) -> dict:
+    """The one-process run: output, cotangent probe, gradients of every leaf (zeros if unused);
+    with ``batches > 1``, ``fn`` on each of the ``batches`` pieces of the inputs, concatenated."""
     p, x = _leaves(params, grads), _leaves(inputs, grads)
-    out = _call(fn, p, x, None)
+    if batches == 1:
+        out = _call(fn, p, x, None)
+    else:
+        out = torch.cat([_call(fn, p, _tree.map_with_path(lambda _, t: _batch(t, b, batches), x), None)
+                         for b in range(batches)])
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
     ref = {"out": out.detach(), "probe": probe}
     if grads:
@@ -204,7 +229,9 @@ def _on_rank(rank: int, world: int, fn, params, inputs, plan, sizes, ref, grads,
     x = _leaves(_tree.map_with_path(lambda _, t: _batch(t, b, n), inputs), grads)
     out = _call(fn, sharded, x, mesh)
     results = [_compare("output", out, _batch(ref["out"], b, n), rtol, atol)]
-    if grads and results[0] is None:
+    differs = torch.tensor([float(results[0] is not None)])
+    dist.all_reduce(differs)                   # collective: backward on every rank or on none
+    if grads and not differs.item():
         if out.requires_grad:
             (out * _batch(ref["probe"], b, n)).sum().backward()
         flat, got = _tree.flatten(sharded), _grads(sharded)

@@ -159,7 +159,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
                                           mesh=mesh, step_cfg=step_cfg, lr=lr)
         if options.should_eval(args, step):
             m.update(evaluate(model, cfg, params, held_out, mesh=mesh, batches=args.eval_batches, batch=args.batch,
-                              seq=args.seq, seed=args.seed, impl=args.impl, router=step_cfg.router,
+                              seq=args.seq, seed=vars(args).get("eval_seed", 0), impl=args.impl, router=step_cfg.router,
                               dtype=args.dtype, device=device))
         last = {"step": step, **m}
         if rank0:

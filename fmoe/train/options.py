@@ -31,6 +31,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, default=0, help="evaluate on the held-out split every N steps (0: never)")
     g.add_argument("--eval-batches", type=int, default=4, help="held-out batches per data-parallel rank")
     g.add_argument("--eval-fraction", type=float, default=0.05, help="tail of the data held out for evaluation")
+    g.add_argument("--eval-seed", type=int, default=0, help="seed of the held-out batches, apart from --seed so "
+                   "runs of different seeds evaluate on the same tokens (default: 0)")
     g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="compute dtype (autocast); the weights and moments keep --master-dtype / --optim-dtype")
     g.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32",
@@ -51,7 +53,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     """Usage errors (``ap.error``, exit code 2) for bad values of these flags."""
-    for name in ("eval_every",):
+    for name in ("eval_every", "eval_seed"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("eval_batches", "grad_accum", "loss_chunks"):
@@ -180,7 +182,7 @@ def run_meta(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> 
             "optim_dtype": args.optim_dtype, "remat": args.remat, "grad_accum": args.grad_accum,
             "data": args.data, "tokenizer_flag": args.tokenizer, "tokenizer": tokenizer.name,
             "tokenizer_digest": tokenizer.digest,
-            "device": device.type, "eval_fraction": args.eval_fraction}
+            "device": device.type, "eval_fraction": args.eval_fraction, "eval_seed": vars(args).get("eval_seed", 0)}
 
 
 def step_options(args: argparse.Namespace) -> dict:

@@ -1,7 +1,10 @@
 """Held-out evaluation: mean next-token loss and perplexity over fixed batches.
 
 Every evaluation reads the same ``batches`` batches of the held-out stream (batch ``i`` is
-``stream.batch(step=i + 1, ...)``), so ``eval_loss`` is comparable across steps and runs. Each
+``stream.batch(step=i + 1, ..., seed=eval_seed)``), so ``eval_loss`` is comparable across steps
+and runs. The held-out batches have their own seed (``--eval-seed``, default
+:data:`EVAL_SEED`), not the training seed: runs of different ``--seed`` evaluate on the same
+tokens. Each
 data-parallel batch reads its own slice; the result is the mean over all of them, equal on every
 rank, and equal to one process evaluating the union of the batches.
 
@@ -9,6 +12,9 @@ For MoE models the routed load per expert is summed over every held-out batch (a
 ``fmoe.moe``, over the data-parallel batches): ``eval_maxvio`` (per layer, the *global* MaxVio of
 the held-out set), its percentiles across layers, ``eval_dead_experts`` and, under capacity
 routers, ``eval_drop_rate`` (mean over the batches, all of one size) (:mod:`fmoe.routing.metrics`).
+Every statistic a router reports is logged the same way with the ``eval_`` prefix
+(:mod:`fmoe.training.router_aux`): ``eval_drop_rate``, and for capacity routers the pre-drop
+``eval_load_routed`` and ``eval_maxvio_routed``.
 """
 
 from __future__ import annotations
@@ -21,13 +27,17 @@ import torch
 from ..mesh import Mesh
 from ..nn import cross_entropy
 from ..routing.metrics import load_metrics
+from . import router_aux
 from .step import _world_mean, autocast, forward_with_aux
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "EVAL_SEED"]
+
+#: the held-out batches' seed unless ``--eval-seed`` says otherwise (any constant: not ``--seed``).
+EVAL_SEED = 0
 
 
 def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batches: int, batch: int, seq: int,
-             seed: int = 0, impl: str = "auto", router: Optional[Any] = None, dtype: str = "fp32",
+             seed: int = EVAL_SEED, impl: str = "auto", router: Optional[Any] = None, dtype: str = "fp32",
              device: Optional[torch.device] = None) -> dict:
     """``{"eval_loss": mean cross-entropy, "eval_ppl": exp(eval_loss)}`` on the held-out stream,
     plus the held-out load statistics of MoE models (``eval_maxvio`` ...: module docstring).
@@ -38,7 +48,8 @@ def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batc
         mesh: the training mesh (``mesh.batch_index`` picks this rank's slice).
         batches: evaluation batches per data-parallel rank.
         batch, seq: rows per batch and tokens per row.
-        seed, impl, router, dtype: as in training.
+        seed: the held-out batches' seed (``--eval-seed``; independent of the training seed).
+        impl, router, dtype: as in training.
         device: where the tokens go (default CPU).
     Returns:
         floats, equal on every rank.
@@ -49,7 +60,7 @@ def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batc
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
         raise ValueError(f"evaluate: batches must be an int >= 1, got {batches!r}")
     total = torch.zeros((), dtype=torch.float64)
-    loads, drops = None, []
+    loads, stats = None, []
     with torch.no_grad():
         for i in range(batches):
             x, y = stream.batch(i + 1, mesh.batch_index, batch, seq, seed, num_batches=mesh.num_batches)
@@ -62,10 +73,7 @@ def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batc
             if layers and all("load" in layer for layer in layers):      # global over the batches
                 now = [layer["load"].cpu() for layer in layers]
                 loads = now if loads is None else [a + b for a, b in zip(loads, now)]
-            if layers and all("drop_rate" in layer for layer in layers):
-                drops.append([float(layer["drop_rate"]) for layer in layers])
+            stats.append(router_aux.stats(aux))                       # drop_rate, load_routed, ...
     loss = float(_world_mean(total / batches))
     out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), **load_metrics(loads or [], "eval_")}
-    if drops:
-        out["eval_drop_rate"] = [sum(col) / len(col) for col in zip(*drops)]
-    return out
+    return {**out, **router_aux.stat_metrics(stats, "eval_")}

@@ -6,8 +6,9 @@ plus the router aux losses, gradients by autograd, data-parallel reduction to th
 aux-loss-free bias update (``expert_bias`` leaves, moved against the global load). The result
 equals one process training on the union of all batches.
 
-Aux losses (every ``*_loss`` entry of a MoE layer's aux, already weighted and computed on global
-statistics by ``fmoe.moe``) enter as ``mesh.num_batches * total``: the gradient reduction divides
+Aux losses (every :class:`fmoe.routing.Loss` entry of a MoE layer's aux, already weighted and
+computed on global statistics by ``fmoe.moe``; :mod:`fmoe.training.router_aux`, which also logs
+every statistic entry) enter as ``mesh.num_batches * total``: the gradient reduction divides
 by the number of batches, which is right for the per-batch-mean LM loss but would shrink the
 global aux loss (see :mod:`fmoe.routing.aux_losses`). Leaves that do not require grad (``expert_bias``)
 get no gradient and no optimizer update.
@@ -38,25 +39,25 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .. import remat as _remat
 from .. import tree as _tree
 from ..global_stats import imbalance
 from ..routing.metrics import load_metrics
-from ..sharding import gather
+from ..sharding import gather, local_shard
 from . import global_balance as _global_balance
+from . import router_aux as _router_aux
 from ..mesh import Mesh
 from ..model import model_of
 from ..nn import cross_entropy
 from ..nn.chunked_loss import chunked_cross_entropy
 from ..collectives import sum_over_world
 from ..fsdp import cast_shards, regather_in_backward
-from .grads import reduce_grads
+from .grads import reduce_flat
 from ..optim import AdamWConfig, adamw
 from ..precision import DTYPES, dtype_of, round_generator, upcast
 
@@ -87,6 +88,11 @@ class StepConfig:
             them up), so the update holds no second copy of them.
         loss_chunks: > 1 computes the loss by that many chunks of tokens, each recomputed in
             backward (:mod:`fmoe.nn.chunked_loss`): no whole fp32 ``[T, V]`` log-softmax.
+        compile: ``torch.compile`` the step's forward and backward (True: Inductor; or a backend
+            name such as ``"aot_eager"``). On one process forward + loss compile as one graph
+            (backward by AOTAutograd); on a multi-rank mesh each decoder layer is compiled once
+            and reused by every layer, the expert-parallel exchange between the graphs
+            (:func:`fmoe.remat.compiled`; ``docs/transforms.md``). Same numbers as eager.
     """
 
     opt: AdamWConfig = AdamWConfig()
@@ -101,6 +107,7 @@ class StepConfig:
     round_seed: Optional[int] = None
     donate: bool = False
     loss_chunks: int = 1
+    compile: Union[bool, str] = False
 
     def __post_init__(self):
         dtype_of(self.dtype, "StepConfig.dtype")                # the compute dtype's name (fmoe.precision)
@@ -116,6 +123,10 @@ class StepConfig:
                 raise ValueError(f"StepConfig.{name} must be a finite number >= 0, got {v!r}")
         if isinstance(self.loss_chunks, bool) or not isinstance(self.loss_chunks, int) or self.loss_chunks < 1:
             raise ValueError(f"StepConfig.loss_chunks must be an int >= 1, got {self.loss_chunks!r}")
+        if not isinstance(self.compile, (bool, str)) or (
+                isinstance(self.compile, str) and self.compile not in torch._dynamo.list_backends(exclude_tags=())):
+            raise ValueError(f"StepConfig.compile must be a bool or a torch.compile backend name "
+                             f"({torch._dynamo.list_backends(exclude_tags=())}), got {self.compile!r}")
 
 
 def autocast(dtype: str, device: torch.device):
@@ -146,9 +157,26 @@ def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, me
     return declared.forward(params, tokens, cfg, mesh, impl=impl, return_aux=True, **kwargs)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor gradient (no autograd), or the plain tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+def forward_loss(model: Any, params: Any, tokens: torch.Tensor, targets: torch.Tensor, cfg: Any,
+                 mesh: Optional[Mesh], step_cfg: StepConfig) -> tuple[torch.Tensor, dict]:
+    """The mean next-token cross-entropy of ``tokens`` against ``targets`` and the model's aux:
+    the part of a step that ``StepConfig(compile=True)`` compiles whole on one process."""
+    logits, aux = forward_with_aux(model, params, tokens, cfg, mesh, step_cfg.impl, step_cfg.router)
+    loss = (cross_entropy(upcast(logits), targets) if step_cfg.loss_chunks == 1      # see fmoe.nn.chunked_loss
+            else chunked_cross_entropy(logits, targets, step_cfg.loss_chunks))
+    return loss, aux
+
+
+def _compiled(step_cfg: StepConfig, mesh: Mesh) -> tuple[Any, Any]:
+    """``(forward_loss, region)``: with ``step_cfg.compile``, on one process the compiled
+    :func:`forward_loss` and no region; on a multi-rank mesh eager :func:`forward_loss` inside
+    :func:`fmoe.remat.compiled` (each decoder layer compiled once, reused by every layer)."""
+    if not step_cfg.compile:
+        return forward_loss, contextlib.nullcontext()
+    backend = "inductor" if step_cfg.compile is True else step_cfg.compile
+    if mesh.world == 1:
+        return torch.compile(forward_loss, backend=backend), contextlib.nullcontext()
+    return forward_loss, _remat.compiled("layer", backend=backend)
 
 
 def _world_mean(x: torch.Tensor) -> torch.Tensor:
@@ -158,20 +186,15 @@ def _world_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _aux_terms(aux: dict) -> tuple[Optional[torch.Tensor], dict]:
-    """Sum of every ``*_loss`` entry over layers, and per-name sums for metrics."""
-    total, named = None, {}
-    for layer in aux.get("moe", []):
-        for k, v in layer.items():
-            if k.endswith("_loss") and isinstance(v, torch.Tensor) and v.ndim == 0:
-                named[k] = named.get(k, 0.0) + v
-                total = v if total is None else total + v
-    return total, named
+def _moe_paths(flat: dict) -> list[str]:
+    """Dotted paths of the MoE param dicts of a flat parameter dict, in forward order (``layers.3.moe``)."""
+    return [p[: -len(".router")] for p in flat if p.endswith("moe.router")]
 
 
-def _moe_paths(params: Any) -> list[str]:
-    """Dotted paths of the MoE param dicts, in forward order (``layers.3.moe``)."""
-    return [p[: -len(".router")] for p in _tree.paths(params) if p.endswith("moe.router")]
+def _unflatten_new(new: dict, old: dict, tree: Any) -> Any:
+    """``tree`` itself when the optimizer left every leaf of its flat form ``old`` in place (a
+    donated step), else the new leaves in ``tree``'s structure."""
+    return tree if all(new[k] is old[k] for k in old) else _tree.unflatten(new, like=tree)
 
 
 def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[torch.Tensor, torch.Tensor],
@@ -206,18 +229,17 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         raise ValueError(f"train_step: grad_accum={n_micro} must divide the batch's {tokens.shape[0]} rows")
     flat = _tree.flatten(params)
     train_paths = [p for p, t in flat.items() if t.requires_grad]
-    acc, losses, aux_sums, loads, drops = None, [], {}, None, []
+    acc, losses, aux_sums, loads, router_stats = None, [], {}, None, []
     weights = compute_params(params, step_cfg.dtype)      # once per step, before any gather
     run = lambda mt: forward_with_aux(model, weights, mt, cfg, mesh, step_cfg.impl, step_cfg.router)  # noqa: E731
+    fwd_loss, region = _compiled(step_cfg, mesh)
     if step_cfg.global_balance:                     # the step's frequencies first (global_balance)
         with _remat.policy(step_cfg.remat):
             counts = _global_balance.step_counts(run, tokens.chunk(n_micro))
     for mt, my in zip(tokens.chunk(n_micro), targets.chunk(n_micro)):
-        with regather_in_backward(), _remat.policy(step_cfg.remat):
-            logits, aux = run(mt)
-            loss = (cross_entropy(upcast(logits), my) if step_cfg.loss_chunks == 1      # see fmoe.nn.chunked_loss
-                    else chunked_cross_entropy(logits, my, step_cfg.loss_chunks))
-            aux_total, aux_named = _aux_terms(aux)
+        with regather_in_backward(), _remat.policy(step_cfg.remat), region:
+            loss, aux = fwd_loss(model, weights, mt, my, cfg, mesh, step_cfg)
+            aux_total, aux_named = _router_aux.losses(aux)      # the routers' Loss entries
             total = loss if aux_total is None else loss + mesh.num_batches * aux_total
             total = total / n_micro if n_micro > 1 else total
             if step_cfg.global_balance:             # this micro-batch's share of the step's loss
@@ -229,32 +251,34 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
             acc = list(grads)
         else:
             for a, g in zip(acc, grads):                 # in place on the local shards
-                _local(a).add_(_local(g))
+                local_shard(a).add_(local_shard(g))
         losses.append(loss.detach())
         for k, v in aux_named.items():
             aux_sums[k] = aux_sums.get(k, 0.0) + v.detach() / n_micro
         layer_loads = [layer["load"] for layer in aux.get("moe", []) if "load" in layer]
         loads = layer_loads if loads is None else [a + b for a, b in zip(loads, layer_loads)]
-        if aux.get("moe") and all("drop_rate" in layer for layer in aux["moe"]):   # equal-size micro-batches
-            drops.append([float(layer["drop_rate"]) for layer in aux["moe"]])
-        del logits, grads
+        router_stats.append(_router_aux.stats(aux))      # the routers' statistics (drop_rate, ...)
+        del grads
     weights = run = None                           # the compute copies are freed before the update
     loss = torch.stack(losses).mean()
-    grads = reduce_grads(dict(zip(train_paths, acc)), {p: flat[p] for p in train_paths}, mesh, inplace=True)
+    # one flat working form per step: the flat dicts go to the reduction and the optimizer as they are
+    grads = reduce_flat(dict(zip(train_paths, acc)), flat, mesh, inplace=True)
     mean_loss = _world_mean(loss)
     if bool(torch.isfinite(mean_loss)):            # a non-finite loss or grad norm: no update at all
         rounding = None if step_cfg.round_seed is None else round_generator(   # bf16 weights: stochastic
             step_cfg.round_seed, int(opt_state["step"]) + 1, mesh.rank, tokens.device)
-        params, opt_state, stats = adamw.step(grads, opt_state, params, lr, step_cfg.opt, rounding=rounding,
-                                              donate=step_cfg.donate)
+        flat_m, flat_v = _tree.flatten(opt_state["m"]), _tree.flatten(opt_state["v"])
+        flat, new_m, new_v, count, stats = adamw.step_flat(grads, flat_m, flat_v, flat, opt_state["step"], lr,
+                                                           step_cfg.opt, rounding=rounding, donate=step_cfg.donate)
+        opt_state = {"step": count, "m": _unflatten_new(new_m, flat_m, opt_state["m"]),
+                     "v": _unflatten_new(new_v, flat_v, opt_state["v"])}
     else:
         stats = {"grad_norm": adamw.global_norm(grads), "skipped": True}
-    flat = _tree.flatten(params)
     moe_layers = aux.get("moe", [])
-    biased = [p for p in _moe_paths(params) if p + ".expert_bias" in flat]
+    biased = [p for p in _moe_paths(flat) if p + ".expert_bias" in flat]
     if biased and step_cfg.bias_rate and not stats.get("skipped"):   # aux-loss-free balancing
         from ..routing import update_bias
-        by_path = {p: load for p, load in zip(_moe_paths(params), loads) if p in biased}
+        by_path = {p: load for p, load in zip(_moe_paths(flat), loads) if p in biased}
         for p, load in by_path.items():
             flat[p + ".expert_bias"] = update_bias(flat[p + ".expert_bias"], load, step_cfg.bias_rate,
                                                    rule=step_cfg.bias_update)
@@ -271,8 +295,11 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         metrics["load_imbalance"] = ([float(layer["imbalance"]) for layer in moe_layers] if n_micro == 1
                                      else [float(imbalance(load)) for load in loads])
         metrics.update(load_metrics(loads))             # maxvio per layer, percentiles, dead experts
-        if drops:                                       # mean over the micro-batches
-            metrics["drop_rate"] = [sum(col) / len(col) for col in zip(*drops)]
+    logged = _router_aux.stat_metrics(router_stats)     # fmoe.training.router_aux (collective)
+    if set(logged) & set(metrics):
+        raise ValueError(f"train_step: router statistic(s) {sorted(set(logged) & set(metrics))} collide with the "
+                         "step's own metrics; rename them in the router's aux")
+    metrics.update(logged)
     if biased:
         full = gather({p: flat[p + ".expert_bias"].detach() for p in biased})     # fsdp-split biases
         metrics["expert_bias_absmax"] = [float(full[p].abs().max()) for p in biased]

@@ -128,7 +128,7 @@ def test_aux_losses_use_the_routers_score_function():
     r = balancing.router_for(args, None, fmoe.routing.sigmoid_topk(2),
                              importlib.import_module("fmoe.models.qwen3_moe").MODEL)
     logits = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
-    got = r(logits).aux["load_balance_loss"].local()
+    got = r(logits).aux["load_balance_loss"].value.local()
     ids = fmoe.routing.sigmoid_topk(2)(logits).expert_ids
     want = 0.05 * fmoe.routing.aux_losses.load_balance_loss(fmoe.routing.aux_losses.normalized_sigmoid(logits), ids).local()
     torch.testing.assert_close(got, want)

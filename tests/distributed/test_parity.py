@@ -95,3 +95,67 @@ def test_bad_meshes_are_refused_before_any_rank_starts():
         assert_parity(layer, moe_params(), x, MOE_PLAN, meshes=["tp1/ep4", "tp3"])
     with pytest.raises(ValueError, match="meshes must be a non-empty list"):
         assert_parity(layer, moe_params(), x, MOE_PLAN, meshes="tp1/ep4")
+
+
+# ----------------------------------------------------------------- one rank differs; per-batch routers
+def off_on_rank1(params, x, mesh=None):
+    """The planted bug: rank 1's output is off by 1e-2 (the other ranks agree with one process)."""
+    y = layer(params, x, mesh)
+    return y + 1e-2 if mesh is not None and mesh.rank == 1 else y
+
+
+def grad_off_on_rank1(params, x, mesh=None):
+    """The planted bug: equal outputs everywhere, rank 1's w_down gradient (its experts' shard) x2."""
+    if mesh is not None and mesh.rank == 1:
+        w = params["w_down"]
+        params = dict(params, w_down=w + (w - w.detach()))
+    return layer(params, x, mesh)
+
+
+def test_a_one_rank_difference_fails_within_seconds_naming_mesh_rank_and_leaf(pool):
+    """Every rank votes on running backward: the ranks whose output matched do not enter the
+    backward all-to-all alone (once: a transport error after a hang)."""
+    import time
+
+    x = torch.randn(32, D, generator=torch.Generator().manual_seed(1))
+    t0 = time.perf_counter()
+    with pytest.raises(AssertionError) as info:
+        assert_parity(off_on_rank1, moe_params(), x, MOE_PLAN, meshes=["tp1/ep2"], world=2, pool=pool)
+    msg = str(info.value)
+    assert "worst: tp1/ep2 rank 1: output: max |diff| 1.00e-02" in msg and "rank 0" not in msg, msg
+    assert "gradients not compared" in msg, msg
+    with pytest.raises(AssertionError) as info:
+        assert_parity(grad_off_on_rank1, moe_params(), x, MOE_PLAN, meshes=["tp1/ep2"], world=2, pool=pool)
+    msg = str(info.value)
+    assert "tp1/ep2 rank" in msg and "grad params.w_down" in msg and "output" not in msg, msg   # gathered on both
+    assert time.perf_counter() - t0 < 30, "a parity failure must not wait for a timeout"
+
+
+def switch_layer(params, x, mesh=None):
+    return fmoe.moe(params, x, router=fmoe.routing.switch(1.0, k=2), mesh=mesh)[0]
+
+
+def expert_choice_layer(params, x, mesh=None):
+    return fmoe.moe(params, x, router=fmoe.routing.expert_choice(2.0), mesh=mesh)[0]
+
+
+@pytest.mark.parametrize("fn", [switch_layer, expert_choice_layer], ids=["switch", "expert_choice"])
+def test_routers_that_decide_per_batch_pass_against_a_per_batch_reference(pool, fn):
+    """Capacity binds within each data-parallel batch: the union reference differs, the
+    per-batch one (one process, each batch in turn) is what the mesh computes."""
+    x = torch.randn(32, D, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(AssertionError, match="tp1/ep2 rank"):
+        assert_parity(fn, moe_params(), x, MOE_PLAN, meshes=["tp1/ep2"], world=2, pool=pool)
+    assert_parity(fn, moe_params(), x, MOE_PLAN, meshes=["tp1/ep2", "tp2/ep2", "tp1/ep4"], pool=pool, per_batch=True)
+
+
+def test_a_second_call_leaves_no_gloo_group_behind():
+    """Two calls in one process, each with its own pool: no 'gloo group(s) outlived the call'."""
+    import warnings
+
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert_parity(layer, moe_params(), x, MOE_PLAN, meshes=["tp1/ep2"], world=2)
+    assert not [w for w in caught if "outlived" in str(w.message)], [str(w.message) for w in caught]

@@ -8,13 +8,20 @@ import torch
 
 import fmoe
 from fmoe import global_stats, routing
-from fmoe.routing import Routing, aux_losses
+from fmoe.routing import Loss, Routing, aux_losses
+from fmoe.routing.core import as_stats
 from moe_cases import D, E, batch, full_params, shared_params
 
 
 def L(*probs):
     """Logits whose softmax over the row is exactly ``probs`` (rows must sum to 1)."""
     return torch.log(torch.tensor(probs, dtype=torch.float32))
+
+
+def finish(aux):
+    """A router's aux as ``fmoe.moe`` finishes it in one process (losses unwrapped, kinds recorded)."""
+    stats, kinds = as_stats(aux)
+    return {**global_stats.finalize(stats), "router_keys": kinds}
 
 
 def close(got, want):
@@ -85,7 +92,10 @@ def test_switch_capacity_drops_in_order_and_reports_rate():
     r = routing.switch(capacity_factor=1.0, k=2)(logits)
     assert r.expert_ids.tolist() == [[0, 1], [0, 2], [0, 1]]
     close(r.weights, [[0.5, 0.3], [0.6, 0.3], [0.0, 0.2]])
-    close(global_stats.finalize(r.aux)["drop_rate"], 1 / 6)
+    done = global_stats.finalize(r.aux)
+    close(done["drop_rate"], 0.0)                       # drop_rate counts tokens no expert takes: none here
+    assert done["load_routed"].tolist() == [3, 2, 1]    # before capacity; after it e0 keeps 2
+    assert global_stats.routed_load(r.weights, r.expert_ids, 3)["load"].local().tolist() == [2, 2, 1]
     r = routing.switch(capacity_factor=2.0)(L([0.9, 0.1], [0.8, 0.2], [0.7, 0.3]))
     close(r.weights, [[0.9], [0.8], [0.7]])                               # C = 3: nothing dropped
     close(global_stats.finalize(r.aux)["drop_rate"], 0.0)
@@ -97,13 +107,27 @@ def test_expert_choice_zero_one_or_several_experts_per_token():
     close(r.weights, [[0.7, 0.0], [0.6, 0.4], [0.8, 0.0]])
     close(global_stats.finalize(r.aux)["drop_rate"], 0.0)
     logits = L([0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.55, 0.45])           # C = ceil(.5*4/2) = 1
-    r = routing.expert_choice(capacity_factor=0.5)(logits)
+    r = routing.expert_choice(capacity_factor=0.5, max_experts=2)(logits)  # exact: E slots
     assert r.expert_ids.tolist() == [[0, 0], [0, 0], [1, 1], [0, 0]]       # unrouted: best expert, w 0
     close(r.weights, [[0.9, 0.0], [0.0, 0.0], [0.7, 0.0], [0.0, 0.0]])
     close(global_stats.finalize(r.aux)["drop_rate"], 0.5)
+    assert global_stats.finalize(r.aux)["load_routed"].tolist() == [3, 1]   # each token's top-1 by score
     r = routing.expert_choice(k=1, max_experts=1)(L([0.7, 0.3], [0.6, 0.4], [0.2, 0.8]))
     assert r.expert_ids.tolist() == [[0], [0], [1]]                        # token 1 keeps its best
     close(r.weights, [[0.7], [0.6], [0.8]])
+    close(global_stats.finalize(r.aux)["truncated_rate"], 1 / 4)            # its choice by e1 is cut
+
+
+def test_expert_choice_default_slots_are_twice_the_mean_and_report_what_they_cut():
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    small, exact = routing.expert_choice(2.0)(logits), routing.expert_choice(2.0, max_experts=8)(logits)
+    assert small.weights.shape == (64, 4) and exact.weights.shape == (64, 8)   # ceil(2 * 2.0 * 1) = 4 slots
+    assert float(global_stats.finalize(exact.aux)["truncated_rate"]) == 0.0
+    cut = float(global_stats.finalize(small.aux)["truncated_rate"])
+    kept = int((small.weights > 0).sum())
+    assert kept == round(16 * 8 * (1 - cut)) and kept <= int((exact.weights > 0).sum())   # C = 16 per expert
+    top = exact.weights.topk(4, dim=-1).values                               # the best 4 of the exact slots
+    torch.testing.assert_close(small.weights.sort(-1, descending=True).values, top)
 
 
 def test_hash_router_by_token_id():
@@ -173,7 +197,8 @@ def test_zero_weight_slots_change_nothing(router):
     assert torch.equal(aux["load"], routed)
     assert int(aux["tokens_per_expert"].sum()) == r.expert_ids.numel()    # slots, zero-weight included
     close(aux["imbalance"], routed.max() * E / routed.sum())
-    assert 0 < float(aux["drop_rate"]) < 1
+    close(aux["drop_rate"], (r.weights == 0).all(-1).float().mean())      # tokens no expert takes
+    assert aux["router_keys"]["drop_rate"] == "stat" and int(aux["load_routed"].sum()) == 2 * 9   # top-2 of 9
 
 
 def test_layer_passes_expert_bias_detached_and_router_inputs():
@@ -212,7 +237,7 @@ def test_aux_losses_match_their_definitions():
                            [0.5, 0.5, 3.0, 0.0], [1.0, 0.0, 0.0, 0.0]], requires_grad=True)
     router = aux_losses.with_losses(routing.topk(1), load_balance=0.1, seq_balance=0.2, z=0.3, seq_len=2)
     r = router(logits)
-    out = global_stats.finalize(r.aux)
+    out = finish(r.aux)
     p = torch.softmax(logits, -1)
     assert r.expert_ids.flatten().tolist() == [0, 1, 2, 0]
     f = torch.tensor([2, 1, 1, 0]) / 4.0
@@ -223,17 +248,18 @@ def test_aux_losses_match_their_definitions():
     close(out["load_balance_loss"], 0.1 * lb)                                # weighted terms
     close(out["seq_balance_loss"], 0.2 * (seq[0] + seq[1]) / 2)
     close(out["z_loss"], 0.3 * zl)
-    close(aux_losses.total([out, {"z_loss": torch.tensor(1.0)}]), 0.1 * lb + 0.2 * (seq[0] + seq[1]) / 2 + 0.3 * zl + 1)
+    close(aux_losses.total([out, {"z_loss": torch.tensor(1.0), "router_keys": {"z_loss": "loss"}}]), 0.1 * lb + 0.2 * (seq[0] + seq[1]) / 2 + 0.3 * zl + 1)
     g = torch.autograd.grad(aux_losses.total([out]), logits)[0]
     gw = torch.autograd.grad(0.1 * lb + 0.2 * (seq[0] + seq[1]) / 2 + 0.3 * zl, logits)[0]
     torch.testing.assert_close(g, gw, rtol=1e-5, atol=1e-7)
     # perfectly balanced uniform routing gives 1.0; seq_ids from router inputs group tokens freely
     uni = aux_losses.load_balance_loss(torch.full((4, 4), 0.25), torch.tensor([[0], [1], [2], [3]]))
     close(uni.local(), 1.0)
+    assert out["router_keys"] == {"load_balance_loss": "loss", "seq_balance_loss": "loss", "z_loss": "loss"}
     r = aux_losses.with_losses(routing.topk(1), seq_balance=1.0)(logits, seq_ids=torch.tensor([7, 3, 7, 3]))
     by_ids = [4 * (torch.tensor(c) / 2.0 * p[rows].mean(0)).sum() for c, rows in
               (([1, 0, 1, 0], [0, 2]), ([1, 1, 0, 0], [1, 3]))]
-    close(global_stats.finalize(r.aux)["seq_balance_loss"], (by_ids[0] + by_ids[1]) / 2)
+    close(finish(r.aux)["seq_balance_loss"], (by_ids[0] + by_ids[1]) / 2)
 
 
 def test_normalized_sigmoid_probs_for_deepseek_balance():
@@ -241,7 +267,7 @@ def test_normalized_sigmoid_probs_for_deepseek_balance():
     r = aux_losses.with_losses(routing.sigmoid_topk(1), load_balance=1.0,
                                probs=aux_losses.normalized_sigmoid)(logits)
     p = torch.tensor([[0.4, 0.6], [0.6, 0.4]])                              # .5/1.25, .75/1.25
-    close(global_stats.finalize(r.aux)["load_balance_loss"], 2 * (0.5 * p.mean(0)).sum())
+    close(finish(r.aux)["load_balance_loss"], 2 * (0.5 * p.mean(0)).sum())
 
 
 def test_load_statistics_and_stacking():
@@ -326,8 +352,17 @@ def test_update_bias_forms_and_layer_loop():
     (lambda: aux_losses.with_losses(routing.topk(1), seq_balance=1.0, seq_len=3)(torch.zeros(4, 4)), ValueError,
      "T=4 tokens is not a whole number of sequences of seq_len=3"),
     (lambda: aux_losses.with_losses(routing.topk(1), z="big"), TypeError, "z must be a number or None"),
-    (lambda: aux_losses.total([{"z_loss": aux_losses.z_loss(torch.zeros(2, 2))}]), ValueError,
-     r"aux\['z_loss'\] must be a scalar tensor \(finalized by fmoe.moe\), got GlobalStat"),
+    (lambda: aux_losses.total([{"z_loss": aux_losses.z_loss(torch.zeros(2, 2)), "router_keys": {"z_loss": "loss"}}]),
+     ValueError, r"aux\['z_loss'\] must be a scalar tensor \(finalized by fmoe.moe\), got GlobalStat"),
+    (lambda: routing.validate(Routing(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), {"n": 3}), 2, 4),
+     TypeError, r"aux\['n'\] is int; an aux entry is fmoe.routing.Loss"),
+    (lambda: routing.validate(Routing(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long),
+                                      {"my_loss": torch.tensor(1.0)}), 2, 4),
+     TypeError, r"aux\['my_loss'\] is a bare Tensor named like a loss; wrap it in fmoe.routing.Loss"),
+    (lambda: routing.validate(Routing(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long),
+                                      {"p": Loss(torch.ones(2))}), 2, 4), TypeError, r"aux\['p'\] = Loss\(tensor of shape \(2,\)\)"),
+    (lambda: routing.validate(Routing(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long),
+                                      {"load": torch.ones(4)}), 2, 4), TypeError, r"aux\['load'\]: the layer writes"),
     (lambda: fmoe.moe(full_params(), torch.zeros(3, D), router=routing.hash_router()), ValueError,
      r"needs keyword input\(s\) \['token_ids'\]"),
     (lambda: fmoe.moe(full_params(), torch.zeros(3, D), router=routing.topk(2), router_inputs={"token_ids": 1}),

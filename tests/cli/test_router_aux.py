@@ -1,0 +1,53 @@
+"""The router contract end to end: every aux entry is trained (a ``Loss``) or logged (a tensor or
+``GlobalStat``), whatever its name, and reaches ``log.jsonl``; anything else is an error naming it."""
+
+import pytest
+import torch
+
+import fmoe.train
+from fmoe.global_stats import GlobalStat
+from fmoe.routing import Loss, Routing, topk
+from fmoe.training import StepConfig
+from fmoe.routing.aux_losses import with_losses
+from train_cases import read_log
+
+FLAGS = dict(model="qwen3_moe", preset="tiny", steps=2, batch=2, seq=16, warmup=1, quiet=True)
+
+
+def penalized(weight, extra=None):
+    """Top-2 plus a penalty named without ``_loss`` and a statistic of the global batch."""
+    base = topk(2)
+
+    def router(logits):
+        r = base(logits)
+        probs = torch.softmax(logits.float(), -1)                          # [T, E]
+        aux = {"zz_penalty": Loss(weight * probs.square().sum(-1).mean()),
+               "top_share": GlobalStat({"top": r.weights[:, 0].detach().sum(), "n": probs.new_tensor(float(len(probs)))},
+                                       lambda s: s["top"] / s["n"]),
+               **(extra or {})}
+        return Routing(r.weights, r.expert_ids, aux)
+
+    return router
+
+
+def run(out, router):
+    fmoe.train.run(out=str(out), step_config=StepConfig(router=router), **FLAGS)
+    return read_log(out)
+
+
+def test_a_loss_named_anything_trains_and_a_statistic_is_logged(tmp_path):
+    off, on = run(tmp_path / "off", penalized(0.0)), run(tmp_path / "on", penalized(1.0))
+    assert off[0]["loss"] == on[0]["loss"]                                 # the same forward ...
+    assert off[0]["grad_norm"] != on[0]["grad_norm"]                       # ... other gradients
+    assert off[1]["loss"] != on[1]["loss"]
+    assert on[0]["zz_penalty"] > 0.1 and off[0]["zz_penalty"] == 0.0       # summed over the 2 MoE layers
+    for row in on:
+        assert len(row["top_share"]) == 2 and all(0.5 <= v <= 1.0 for v in row["top_share"]), row["top_share"]
+    # the built-in losses are Loss entries too: logged under their keys
+    lb = run(tmp_path / "lb", with_losses(penalized(0.0), load_balance=0.01))
+    assert lb[0]["load_balance_loss"] > 0 and "top_share" in lb[0]
+
+
+def test_an_entry_that_is_neither_is_an_error_naming_it(tmp_path):
+    with pytest.raises(TypeError, match=r"aux\['note'\] is str"):
+        run(tmp_path / "bad", penalized(1.0, {"note": "hello"}))
