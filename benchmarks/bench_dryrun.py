@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-from fmoe.memplan.cli import main as plan_main
+from fmoe.cli.memory import main as plan_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "configs", "qwen3-30b-a3b.json")

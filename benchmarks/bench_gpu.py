@@ -16,7 +16,7 @@ one run, with CUDA events after warm-up, median of the repetitions:
     python benchmarks/bench_gpu.py            # needs CUDA; about a minute on an H100/H200
     python benchmarks/bench_gpu.py --dry-run  # tiny fp32 shapes on CPU: checks the script logic
 
-5. **main job** (also): a 20-step ``python -m fmoe.train --device cuda --dtype bf16`` on the
+5. **main job** (also): a 20-step ``fmoe train --device cuda --dtype bf16`` on the
    small preset (``--dry-run``: 3 CPU steps, fp32), its final metrics next to the memory plan's
    prediction for it (``--no-main-job`` skips it).
 
@@ -233,14 +233,14 @@ def main_job(device: str, dry_run: bool) -> dict:
         run_flags = ["--steps", "3", "--device", "cpu"]
     flags = shape + run_flags
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "fmoe.train", *flags, "--out", os.path.join(out, "run"), "--quiet"]
+        cmd = [sys.executable, "-m", "fmoe", "train", *flags, "--out", os.path.join(out, "run"), "--quiet"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if done.returncode:
             raise RuntimeError(f"main job failed: {done.stderr[-2000:]}")
-        plan = subprocess.run([sys.executable, "-m", "fmoe.plan", "--json", *shape], capture_output=True, text=True,
+        plan = subprocess.run([sys.executable, "-m", "fmoe", "memory", "--json", *shape], capture_output=True, text=True,
                               timeout=300)
     final = json.loads(done.stdout.strip().splitlines()[-1])["final"]
-    return {"command": " ".join(["python", "-m", "fmoe.train", *flags]), "final": final,
+    return {"command": " ".join(["python", "-m", "fmoe", "train", *flags]), "final": final,
             "plan": json.loads(plan.stdout)["ranks"][0] if plan.returncode == 0 else plan.stderr[-500:]}
 
 

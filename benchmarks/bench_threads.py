@@ -1,8 +1,8 @@
-"""Intra-op threads of the main job: median step time of ``python -m fmoe.train`` per ``--threads``.
+"""Intra-op threads of the main job: median step time of ``fmoe train`` per ``--threads``.
 
 Runs the job (qwen3_moe ``small``, one process by default) once per thread setting, 8 steps,
 and prints the median step time of steps 3..8 from its ``log.jsonl`` (``auto``: the job's own
-default, :mod:`fmoe.train.threads`), with the machine's cores and load average at start.
+default, :mod:`fmoe.training.threads`), with the machine's cores and load average at start.
 
     PYTHONPATH=. python benchmarks/bench_threads.py --threads 1 2 auto [--nproc 1]
 """
@@ -28,7 +28,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             load = os.getloadavg()[0]
             flags = [] if t == "auto" else ["--threads", t]
-            subprocess.run([sys.executable, "-m", "fmoe.train", "--model", "qwen3_moe", "--preset", "small",
+            subprocess.run([sys.executable, "-m", "fmoe", "train", "--model", "qwen3_moe", "--preset", "small",
                             "--steps", str(args.steps), "--batch", "4", "--seq", "64", "--nproc", str(args.nproc),
                             "--ep", str(args.nproc), "--quiet", "--out", out, *flags], check=True, env=env,
                            capture_output=True)

@@ -20,7 +20,7 @@ B, S, LR = 2, 16, 3e-3
 
 
 def settings(model, balance, **flags):
-    """The resolved balancing flags of a run (as ``python -m fmoe.train`` resolves them)."""
+    """The resolved balancing flags of a run (as ``fmoe train`` resolves them)."""
     args = argparse.Namespace(model=model, balance=balance, aux_weight=flags.get("aux_weight", 0.05),
                               z_weight=flags.get("z_weight"), bias_rate=flags.get("bias_rate"),
                               bias_update=flags.get("bias_update"), router=flags.get("router"), seq=S,

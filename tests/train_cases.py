@@ -68,14 +68,31 @@ def train(name, mesh, steps=STEPS, num_batches=None, cfg=None):
 
 
 def train_cli(*args, env=None, check=True, timeout=900):
-    """``python -m fmoe.train *args`` in a subprocess (``env`` added to the environment); with
-    ``check`` the run must succeed."""
+    """``fmoe train *args``: in this process (the program's own ``main``: its parser, its exit codes,
+    its one-line errors), or with ``env`` (added to the environment) in a ``python -m fmoe train``
+    subprocess; with ``check`` the run must succeed. Returns ``returncode``, ``stdout``, ``stderr``."""
+    import contextlib
+    import io
     import os
     import subprocess
     import sys
+    import types
 
-    out = subprocess.run([sys.executable, "-m", "fmoe.train", *args], capture_output=True, text=True,
-                         timeout=timeout, env=None if env is None else {**os.environ, **env})
+    if env is not None:
+        out = subprocess.run([sys.executable, "-m", "fmoe", "train", *args], capture_output=True, text=True,
+                             timeout=timeout, env={**os.environ, **env})
+    else:
+        from fmoe.cli.train import main
+
+        threads, stdout, stderr = torch.get_num_threads(), io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = main(list(args))
+            except SystemExit as e:          # a usage error
+                code = e.code
+            finally:
+                torch.set_num_threads(threads)    # the job sets its own; the test process keeps its
+        out = types.SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
     if check:
         assert out.returncode == 0, out.stderr[-4000:]
     return out

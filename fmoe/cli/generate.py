@@ -1,7 +1,7 @@
-"""``python -m fmoe.generate --ckpt DIR --prompt "..." [--nproc N --tp T --ep E]``.
+"""``fmoe generate --ckpt DIR --prompt "..." [--nproc N --tp T --ep E]``: decode with :func:`fmoe.generate`.
 
 ``DIR`` is a Hugging Face checkpoint (``config.json`` + safetensors, e.g. written by
-``python -m fmoe.train ... --export-hf DIR``; its ``model_type`` picks the model) or an fmoe
+``fmoe train ... --export-hf DIR``; its ``model_type`` picks the model) or an fmoe
 training checkpoint (``OUT/step-N`` or ``OUT``, its latest; ``meta.json`` names the model).
 It decodes what was trained: the router recorded with the weights (``meta.json``'s ``router``,
 or ``config.json``'s ``fmoe_router`` of an ``--export-hf``) is the one used; a recorded
@@ -31,7 +31,7 @@ from ..models import NAMES, get
 
 def build_parser() -> argparse.ArgumentParser:
     """The flag parser (``--help`` shows every default)."""
-    ap = argparse.ArgumentParser(prog="python -m fmoe.generate", description="Generate text with an fmoe model.",
+    ap = argparse.ArgumentParser(prog="fmoe generate", description="Generate text with an fmoe model.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--ckpt", required=True, help="HF checkpoint dir, or a training checkpoint (OUT or OUT/step-N)")
     ap.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
@@ -165,7 +165,6 @@ def load(ckpt: str, mesh: Any, args: Optional[argparse.Namespace] = None) -> tup
                              record.get("tokenizer_digest"), given_tok, record_file)
         return model, params, cfg, router, tok
     from fmoe.checkpoint import training as tckpt
-    from fmoe.optim.adamw import init as adamw_init
 
     step = tckpt.latest(ckpt)
     if step is None:
@@ -177,14 +176,14 @@ def load(ckpt: str, mesh: Any, args: Optional[argparse.Namespace] = None) -> tup
         raise ValueError(f"{file}: 'model' is {meta.get('model')!r}, not one of {sorted(NAMES)}")
     model = get(meta["model"])
     if "hf_config" not in meta:
-        raise ValueError(f"{file}: no 'hf_config' (the model config); not written by fmoe.train")
+        raise ValueError(f"{file}: no 'hf_config' (the model config); not written by fmoe train")
     cfg = config_from_dict(model, meta["hf_config"], f"{file} 'hf_config'", fits=True)
     router = _router(meta.get("router"), given_router, file)
     tok = _tokenizer(meta.get("tokenizer"), meta.get("tokenizer_digest"), given_tok, file)
     full = model.init(cfg)
     plan = model.build_plan(cfg, mesh=mesh, params=full, data_parallel=True)
     params = fmoe.shard(full, plan, mesh)
-    tckpt.load(step, params, adamw_init(params), tckpt.packed_layout(plan, full))   # checksums, finite values
+    tckpt.load(step, params, None, tckpt.packed_layout(plan, full))   # weights only: checksums, finite values
     return model, params, cfg, router, tok
 
 
@@ -252,10 +251,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             rows = launch.run(run, args.nproc, args, timeout=1800)[0]
     except (ValueError, TypeError) as e:
-        print(f"fmoe.generate: error: {e}", file=sys.stderr)
+        print(f"fmoe generate: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"fmoe.generate: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
+        print(f"fmoe generate: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
         return 1
     for r in rows:
         if args.json:
@@ -264,6 +263,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(r["text"] if r["text"] is not None else " ".join(map(str, r["ids"])))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,8 +13,9 @@ from train_cases import read_log, train_cli
 BASE = ["--model", "deepseek_v3", "--preset", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--quiet"]
 
 
-def test_bias_moves_and_is_exported_only_when_balancing_with_it(tmp_path, capsys):
-    from fmoe.train.parse import parse_args
+def test_bias_moves_and_is_exported_only_when_balancing_with_it(tmp_path):
+    from fmoe.cli.train import parse_args
+    from fmoe.training import JobConfigError, resolve
 
     runs = {"bias": ["--balance", "bias", "--bias-rate", "0.01"], "aux": ["--balance", "aux"]}
     exported = {}
@@ -39,9 +40,9 @@ def test_bias_moves_and_is_exported_only_when_balancing_with_it(tmp_path, capsys
     # resume keeps the balancing settings
     for flags, match in ((["--balance", "aux"], "trained with --balance 'bias'"),
                          (["--bias-rate", "0.5"], "trained with --bias-rate 0.01")):
-        with pytest.raises(SystemExit):
-            parse_args(BASE[:-5] + ["--steps", "3", "--resume", str(tmp_path / "bias"), "--out",
-                                    str(tmp_path / "bias"), *flags])
-        assert match in capsys.readouterr().err
-    args = parse_args(BASE[:-5] + ["--steps", "3", "--resume", str(tmp_path / "bias"), "--out", str(tmp_path / "bias")])
+        with pytest.raises(JobConfigError, match=match):
+            resolve(parse_args(BASE[:-5] + ["--steps", "3", "--resume", str(tmp_path / "bias"), "--out",
+                                            str(tmp_path / "bias"), *flags]))
+    args = resolve(parse_args(BASE[:-5] + ["--steps", "3", "--resume", str(tmp_path / "bias"), "--out",
+                                           str(tmp_path / "bias")]))
     assert (args.balance, args.bias_rate, args.bias_update, args.aux_weight) == ("bias", 0.01, "sign", None)

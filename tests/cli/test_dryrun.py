@@ -1,4 +1,4 @@
-"""The dry run (``python -m fmoe.plan --dry-run``) against the analytic plan (issue 21).
+"""The dry run (``fmoe memory --dry-run``) against the analytic plan (issue 21).
 
 - A reduced-size dry run: two decoder layers of Qwen3-30B-A3B's widths (D=2048, 128 experts,
   top-8, I=768, 32 / 4 heads), a 8192-word vocabulary, one sequence of 1024 tokens per batch, pure
@@ -73,7 +73,7 @@ def test_remat_layer_regathers_fsdp_weights_in_backward():
 
 
 def _plan_cli(*flags):
-    return subprocess.run([sys.executable, "-m", "fmoe.plan", *flags], capture_output=True, text=True, timeout=900,
+    return subprocess.run([sys.executable, "-m", "fmoe", "memory", *flags], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
 
 

@@ -1,4 +1,4 @@
-"""fmoe.plot draws each run's logged curves, labelled by its meta.json."""
+"""fmoe plot draws each run's logged curves, labelled by its meta.json."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fmoe.plot import PANELS, plot_runs
+from fmoe.cli.plot import PANELS, plot_runs
 
 
 def _fake_run(d, model, router, loss0, eval_every=2):
@@ -46,10 +46,10 @@ def test_plot_writes_png_with_the_logged_curves(tmp_path):
 
 def test_plot_command_and_bad_run(tmp_path):
     a = _fake_run(tmp_path / "a", "qwen3_moe", None, 5.0)
-    r = subprocess.run([sys.executable, "-m", "fmoe.plot", a, "--out", str(tmp_path / "x.png")],
+    r = subprocess.run([sys.executable, "-m", "fmoe", "plot", a, "--out", str(tmp_path / "x.png")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (tmp_path / "x.png").stat().st_size > 10_000, r.stderr
-    r = subprocess.run([sys.executable, "-m", "fmoe.plot", str(tmp_path), "--out", str(tmp_path / "y.png")],
+    r = subprocess.run([sys.executable, "-m", "fmoe", "plot", str(tmp_path), "--out", str(tmp_path / "y.png")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "has no log.jsonl" in r.stderr
 
@@ -58,7 +58,7 @@ def test_plot_keeps_one_colour_per_run_and_never_overwrites_silently(tmp_path, m
     """A run without eval rows keeps its colour in every panel, the legend names every run
     directory, the default runs.png is never replaced silently, a missing --out directory is one
     line, and an image path that is a link is replaced, not written through."""
-    from fmoe.plot import main
+    from fmoe.cli.plot import main
     a = _fake_run(tmp_path / "a", "qwen3_moe", None, 5.0, eval_every=100)      # no eval rows at all
     b = _fake_run(tmp_path / "b", "mixtral", None, 3.0)
     fig = plot_runs([a, b], str(tmp_path / "r.png"))
@@ -73,7 +73,7 @@ def test_plot_keeps_one_colour_per_run_and_never_overwrites_silently(tmp_path, m
     assert (tmp_path / "runs.png").read_bytes() == before
     assert main([a, "--out", str(tmp_path / "nope" / "x.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"fmoe.plot: error: --out {str(tmp_path / 'nope' / 'x.png')!r}: the directory " \
+    assert err[-1] == f"fmoe plot: error: --out {str(tmp_path / 'nope' / 'x.png')!r}: the directory " \
                       f"{str(tmp_path / 'nope')!r} does not exist"
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -81,7 +81,7 @@ def test_plot_keeps_one_colour_per_run_and_never_overwrites_silently(tmp_path, m
     assert main([a, "--out", "link.png"]) == 0
     assert victim.read_text() == "precious" and not (tmp_path / "link.png").is_symlink()
 def test_metric_plot_log_smooth_per_layer_and_settings_labels(tmp_path):
-    from fmoe.plot_metric import plot_metric
+    from fmoe.cli.plot_metric import plot_metric
 
     a = _fake_run(tmp_path / "a", "qwen3_moe", None, 6.0)
     meta = tmp_path / "a" / "step-6" / "meta.json"
@@ -95,16 +95,16 @@ def test_metric_plot_log_smooth_per_layer_and_settings_labels(tmp_path):
     assert fig.axes[0].get_yscale() == "log"
     fig = plot_metric([a], str(tmp_path / "l.png"), "load_imbalance", per_layer=True)
     assert [list(ln.get_ydata())[:2] for ln in fig.axes[0].lines] == [[2.0, 3.0], [4.0, 5.0]]
-    r = subprocess.run([sys.executable, "-m", "fmoe.plot", a, "--metric", "maxvio", "--out", str(tmp_path / "x.png")],
+    r = subprocess.run([sys.executable, "-m", "fmoe", "plot", a, "--metric", "maxvio", "--out", str(tmp_path / "x.png")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no row with 'maxvio'" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "fmoe.plot", a, "--metric", "load_imbalance", "--log", "--smooth", "3",
+    r = subprocess.run([sys.executable, "-m", "fmoe", "plot", a, "--metric", "load_imbalance", "--log", "--smooth", "3",
                         "--out", str(tmp_path / "y.png")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (tmp_path / "y.png").stat().st_size > 10_000, r.stderr
 
 
 def test_plot_without_matplotlib_says_which_extra_to_install(tmp_path, monkeypatch, capsys):
-    from fmoe.plot import main
+    from fmoe.cli.plot import main
 
     a = _fake_run(tmp_path / "a", "qwen3_moe", None, 5.0)
     monkeypatch.setitem(sys.modules, "matplotlib", None)        # as if it were not installed

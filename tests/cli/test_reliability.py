@@ -1,4 +1,4 @@
-"""The training job under attack (issue 14): OUT protection and locking, resume validation, the
+"""Operating the training job (docs/operating-runs.md): OUT protection and locking, resume validation, the
 non-finite guard, one-line errors and exit codes, signals, ranks dying with their launcher,
 loopback-only rendezvous and resources released by a failed spawn."""
 
@@ -17,15 +17,15 @@ import torch
 import fmoe
 from fmoe.testing import spawn
 from fmoe.checkpoint import training as ckpt
-from fmoe.train import cli
+from fmoe.cli import train as cli
 from fmoe.optim import lr_at
-from fmoe.train.outdir import OutLock
+from fmoe.training.outdir import OutLock
 
 BASE = ["--model", "llama", "--preset", "tiny", "--batch", "2", "--seq", "16", "--quiet"]
 
 
 def job(*args, check=None, **kw):
-    out = subprocess.run([sys.executable, "-m", "fmoe.train", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "fmoe", "train", *args], capture_output=True, text=True,
                          timeout=600, **kw)
     if check is not None:
         assert out.returncode == check, out.stderr[-3000:]
@@ -70,7 +70,7 @@ def one_line(stderr):
 def test_help_gives_every_flag_a_meaning_and_a_default():
     ap = cli.build_parser()
     text = ap.format_help()
-    fmt = ap.formatter_class("python -m fmoe.train")
+    fmt = ap.formatter_class("fmoe train")
     for a in ap._actions:
         if a.option_strings and a.dest != "help":
             assert a.help and "(default: " in fmt._get_help_string(a), a.dest
@@ -120,7 +120,7 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path, capsys):
     # one job per OUT: a live lock refuses, a stale one is taken over
     with OutLock(out):
         r = in_process(capsys, 1, *BASE, "--out", out, "--resume", out, "--steps", "5")
-        assert f"in use by another fmoe.train job (pid {os.getpid()}" in one_line(r)
+        assert f"in use by another fmoe train job (pid {os.getpid()}" in one_line(r)
     open(os.path.join(out, ".lock"), "w").write("pid 999999 on a-dead-host")
     in_process(capsys, 0, *BASE, "--out", out, "--resume", out, "--steps", "5")     # extends the run
     rows = strict_log(out)
@@ -152,7 +152,7 @@ def test_non_finite_steps_stop_before_the_update_and_never_reach_a_checkpoint(tm
     line = one_line(r)
     rows = strict_log(out)
     bad = rows[-1]
-    assert f"fmoe.train: error: step {bad['step']}: non-finite" in line and "last good checkpoint" in line
+    assert f"fmoe train: error: step {bad['step']}: non-finite" in line and "last good checkpoint" in line
     assert bad["nonfinite"] and all(bad[k] is None for k in bad["nonfinite"]) and bad["skipped"] is True
     assert all(r["skipped"] is False and "nonfinite" not in r for r in rows[:-1])
     steps = sorted(n for n in os.listdir(out) if n.startswith("step-"))
@@ -209,7 +209,7 @@ def _wait_for(cond, timeout):
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])
 def test_ranks_die_with_the_launcher(tmp_path, sig, code):
     out = str(tmp_path / "run")
-    p = subprocess.Popen([sys.executable, "-m", "fmoe.train", *BASE, "--nproc", "2", "--steps", "100000",
+    p = subprocess.Popen([sys.executable, "-m", "fmoe", "train", *BASE, "--nproc", "2", "--steps", "100000",
                           "--save-every", "2", "--out", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log = os.path.join(out, "log.jsonl")
@@ -221,7 +221,7 @@ def test_ranks_die_with_the_launcher(tmp_path, sig, code):
         _, err = p.communicate(timeout=60)
         assert p.returncode == code
         if sig == signal.SIGTERM:
-            assert one_line(err).startswith("fmoe.train: error: stopped by SIGTERM")
+            assert one_line(err).startswith("fmoe train: error: stopped by SIGTERM")
         assert _wait_for(lambda: not any(_alive(k) for k in ranks), 10), "ranks outlived the launcher"
         n = len(open(log).readlines())
         time.sleep(1.5)
@@ -236,13 +236,13 @@ def test_ranks_die_with_the_launcher(tmp_path, sig, code):
 
 def test_sigint_in_one_process_exits_130(tmp_path):
     out = str(tmp_path / "run")
-    p = subprocess.Popen([sys.executable, "-m", "fmoe.train", *BASE, "--steps", "100000", "--out", out],
+    p = subprocess.Popen([sys.executable, "-m", "fmoe", "train", *BASE, "--steps", "100000", "--out", out],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = os.path.join(out, "log.jsonl")
     assert _wait_for(lambda: os.path.exists(log) and len(open(log).readlines()) >= 1, 300)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and one_line(err).startswith("fmoe.train: error: stopped by SIGINT")
+    assert p.returncode == 130 and one_line(err).startswith("fmoe train: error: stopped by SIGINT")
     assert not os.path.exists(os.path.join(out, ".lock"))
 
 
@@ -259,7 +259,7 @@ def test_checkpoint_failures_are_one_line_errors(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
     assert cli.main([*BASE, "--steps", "1", "--out", out]) == 1
     err = capsys.readouterr().err
-    assert one_line(err) == f"fmoe.train: error: no space left on device writing {out}/step-1"
+    assert one_line(err) == f"fmoe train: error: no space left on device writing {out}/step-1"
 
     def other(*a, **k):
         raise CheckpointException("save failed", {0: (RuntimeError("boom"), None)})
@@ -270,7 +270,7 @@ def test_checkpoint_failures_are_one_line_errors(tmp_path, monkeypatch, capsys):
     assert cli.main([*BASE, "--steps", "1", "--out", str(tmp_path / "r3"), "--debug"]) == 1
     assert "Traceback" in capsys.readouterr().err
     # not enough room for a checkpoint: refused before the first step
-    monkeypatch.setattr("fmoe.train.outdir.shutil.disk_usage", lambda p: type("U", (), {"free": 1000})())
+    monkeypatch.setattr("fmoe.training.outdir.shutil.disk_usage", lambda p: type("U", (), {"free": 1000})())
     assert cli.main([*BASE, "--steps", "1", "--out", str(tmp_path / "r4")]) == 1
     assert "no space left on device for a checkpoint in" in one_line(capsys.readouterr().err)
     assert not os.path.exists(tmp_path / "r4" / "log.jsonl")
@@ -285,7 +285,7 @@ def test_checkpoint_failures_are_one_line_errors(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(os, "open", ro_open)
     assert cli.main([*BASE, "--steps", "1", "--out", ro]) == 1
-    assert one_line(capsys.readouterr().err) == f"fmoe.train: error: cannot write --out {ro}: Read-only file system"
+    assert one_line(capsys.readouterr().err) == f"fmoe train: error: cannot write --out {ro}: Read-only file system"
 
 
 # ------------------------------------------------------------------------------ spawn harness
@@ -415,7 +415,7 @@ def test_a_real_full_disk_and_a_real_read_only_out(tmp_path):
     try:
         out = str(full / "run")
         r = job(*BASE, "--steps", "2", "--out", out, check=1)
-        assert one_line(r.stderr) == f"fmoe.train: error: no space left on device writing {out}/step-2"
+        assert one_line(r.stderr) == f"fmoe train: error: no space left on device writing {out}/step-2"
         assert sorted(os.listdir(out)) == ["log.jsonl"]      # no step-2, no partial save, no lock left
     finally:
         subprocess.run(["umount", str(full)])
@@ -423,6 +423,6 @@ def test_a_real_full_disk_and_a_real_read_only_out(tmp_path):
     assert _mount_tmpfs(ro, "ro,size=64k")
     try:
         r = job(*BASE, "--steps", "2", "--out", str(ro / "run"), check=1)
-        assert one_line(r.stderr) == f"fmoe.train: error: cannot write --out {ro / 'run'}: Read-only file system"
+        assert one_line(r.stderr) == f"fmoe train: error: cannot write --out {ro / 'run'}: Read-only file system"
     finally:
         subprocess.run(["umount", str(ro)])

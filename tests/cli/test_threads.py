@@ -4,7 +4,7 @@ import json
 import os
 
 
-from fmoe.train import threads
+from fmoe.training import threads
 from train_cases import train_cli
 
 

@@ -1,4 +1,5 @@
-"""The main job end to end: flags, log, checkpoints, bitwise resume, resharded resume."""
+"""The main job end to end (``fmoe train``, in this process unless a launcher is tested): flags, log,
+checkpoints, bitwise resume, resharded resume, torchrun."""
 
 import os
 import subprocess
@@ -42,7 +43,7 @@ def load_params(path):
     (["--nproc", "4", "--ep", "8"], "--ep 8 must divide fsdp * tp = 4 * 1 = 4 (the ranks of one data-parallel "
                                     "replica); valid --ep: 1, 2, 4"),
     (["--model", "gpt5"], "invalid choice: 'gpt5'"),
-    (["--lr", "-1"], "--lr must be a number > 0"),
+    (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
     (["--resume", "/nonexistent/dir"], "--resume '/nonexistent/dir' does not exist"),
     (["--seed", str(2**70)], f"--seed must be an integer in [0, {2**63 - 1}], got {2**70}"),
     (["--seed", "-1"], f"--seed must be an integer in [0, {2**63 - 1}], got -1"),
@@ -107,7 +108,7 @@ def test_under_torchrun_it_uses_the_launchers_ranks(tmp_path):
     from fmoe.testing import free_port
     out = str(tmp_path / "run")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(free_port()), "-m", "fmoe.train", *BASE, "--steps", "2",
+                          "--master_port", str(free_port()), "-m", "fmoe", "train", *BASE, "--steps", "2",
                           "--out", out], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count('"final"') == 1
@@ -119,7 +120,7 @@ def test_in_process_job_leaves_no_spawn_marker_for_later_torchrun_children(tmp_p
     # A job run in-process with --nproc 2 marks its spawned ranks; the mark must not stay in this
     # process's environment, or a later torchrun child would take every rank for a spawned one
     # (each then locking OUT itself: RunDirBusy).
-    from fmoe.train.cli import main
+    from fmoe.cli.train import main
 
     monkeypatch.delenv("FMOE_SPAWNED", raising=False)
     assert main([*BASE, "--nproc", "2", "--steps", "1", "--out", str(tmp_path / "run")]) == 0

@@ -1,6 +1,6 @@
 """The main job on your own data: text + a BPE tokenizer, shards, eval, resume, bf16, routers.
 
-Each run is a real ``python -m fmoe.train`` on 2 or 4 local gloo ranks.
+Each run is a real ``fmoe train`` on 2 or 4 local gloo ranks.
 """
 
 import json
@@ -40,7 +40,7 @@ def test_text_and_tokenizer_train_eval_shards_and_resume(corpus, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tmp_path / "hf"))
     # the same job from pre-tokenized shards: identical batches, hence identical losses
     shards = str(tmp_path / "shards")
-    subprocess.run([sys.executable, "-m", "fmoe.data", "prepare", "--tokenizer", tok, "--out", shards, "--quiet",
+    subprocess.run([sys.executable, "-m", "fmoe", "data", "prepare", "--tokenizer", tok, "--out", shards, "--quiet",
                     "--shard-tokens", "3000", d], check=True, capture_output=True, timeout=300)
     cli(*flags, "--data", shards, "--steps", "12", "--save-every", "6", "--out", b)
     assert [r["loss"] for r in log(b)] == losses and [r.get("eval_loss") for r in log(b)] == [r.get("eval_loss") for r in rows]
@@ -119,7 +119,7 @@ def test_remat_grad_accum_and_routers_from_the_command_line(tmp_path):
 @pytest.mark.parametrize("flags,match", [
     (["--router", "nope"], "'nope' is not a built-in scheme"),
     (["--router", "topk:j=2"], "unexpected keyword argument 'j'"),
-    (["--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
+    (["--grad-accum", "0"], "--grad-accum must be an integer >= 1, got 0"),
     (["--eval-fraction", "1.5"], "--eval-fraction must be in (0, 1)"),
     (["--data", "/nonexistent/x.txt"], "--data '/nonexistent/x.txt' does not exist"),
     (["--tokenizer", "/nonexistent"], "--tokenizer '/nonexistent': not 'bytes'"),
@@ -127,8 +127,8 @@ def test_remat_grad_accum_and_routers_from_the_command_line(tmp_path):
     (["--dtype", "fp16"], "invalid choice: 'fp16'"),
 ])
 def test_bad_data_and_precision_flags_are_usage_errors(flags, match, capsys):
-    from fmoe.train.cli import parse_args
+    from fmoe.cli.train import main
     with pytest.raises(SystemExit) as e:
-        parse_args(flags)
+        main(flags)                                 # refused before anything starts
     err = capsys.readouterr().err
     assert e.value.code == 2 and match in err, err

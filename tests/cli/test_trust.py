@@ -3,7 +3,7 @@ every interrupted run resumes, what was trained is what is exported and decoded.
 
 One small qwen3_moe run (in this process) is trained once per module; each case copies it and
 crafts what an attacker or a crash would leave: meta.json values, links in OUT, torn log rows,
-stale temporaries. Usage errors are checked by ``parse_args`` alone (no training)."""
+stale temporaries. Usage errors are refused before anything starts (no training)."""
 
 import errno
 import json
@@ -18,8 +18,8 @@ import fmoe
 from fmoe.checkpoint import atomic
 from fmoe.checkpoint import training as ckpt
 from fmoe.checkpoint.config_check import config_from_dict, read_config
-from fmoe.train import cli, outdir, resume
-from fmoe.train.parse import parse_args
+from fmoe.cli import train as cli
+from fmoe.training import outdir, resume
 
 BASE = ["--model", "qwen3_moe", "--batch", "2", "--seq", "16", "--quiet"]
 
@@ -35,9 +35,9 @@ def main(capsys, code, *args):
 
 
 def usage_error(capsys, *args):
-    """The one ``fmoe.train: error:`` line of a usage error (exit 2, before anything runs)."""
+    """The one ``fmoe train: error:`` line of a usage error (exit 2, before anything runs)."""
     with pytest.raises(SystemExit) as e:
-        parse_args(list(args))
+        cli.main(list(args))
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     return err.strip().splitlines()[-1]
@@ -91,8 +91,8 @@ def test_a_recorded_code_router_is_never_imported_and_kept_values_are_checked(ru
         "warmup": (-1, "'warmup' is -1, not a value --warmup accepts"),
         "batch": ("4", "'batch' is '4', not a value --batch accepts"),
         "seed": (True, "'seed' is True, not a value --seed accepts"),
-        "preset": ("huge", "'preset' is 'huge', not one of --preset's choices"),
-        "grad_accum": (0, "--grad-accum must be >= 1, got 0"),
+        "preset": ("huge", "'preset' is 'huge', not a value --preset accepts"),
+        "grad_accum": (0, "--grad-accum must be an integer >= 1, got 0"),
         "router": ("nosuch:k=2", "'nosuch' is not a built-in scheme"),
     }
     for key, (value, want) in cases.items():
@@ -212,7 +212,7 @@ def test_a_finished_checkpoint_exports_without_training_and_quiet_keeps_warnings
     assert sorted(os.listdir(out)) == ["log.jsonl", "step-1", "step-2"]      # no step trained, nothing saved
     with open(os.path.join(hf, "fmoe.json")) as f:
         assert json.load(f)["step"] == 2
-    from fmoe.generate.__main__ import load as load_for_generate
+    from fmoe.cli.generate import load as load_for_generate
     from fmoe.models import qwen3_moe
     exported, _ = qwen3_moe.load_hf(hf)
     trained = load_for_generate(out, fmoe.Mesh())[1]                      # step-2's parameters
@@ -287,8 +287,8 @@ def _bpe(path, words, vocab_size=300, special="[UNK]"):
 
 def test_export_and_generate_use_the_trained_router_and_the_datas_tokenizer(tmp_path, capsys):
     from fmoe.data import load_tokenizer, open_data, prepare
-    from fmoe.generate.__main__ import load as load_for_generate
-    from fmoe.generate.__main__ import main as generate_main
+    from fmoe.cli.generate import load as load_for_generate
+    from fmoe.cli.generate import main as generate_main
     from fmoe.models import qwen3_moe
 
     a = _bpe(str(tmp_path / "tok_a"), ["the quick brown fox", "jumps over the lazy dog", "mixture of experts"])
@@ -337,7 +337,7 @@ def test_a_router_the_hf_config_can_say_runs_the_same_in_transformers(tmp_path):
 
     from fmoe.data import load_tokenizer
     from fmoe.models import qwen3_moe
-    from fmoe.train.export import export_hf, hf_router_fields
+    from fmoe.training.export import export_hf, hf_router_fields
 
     assert hf_router_fields("mixtral", "topk:k=1,normalize=False") is None       # mixtral always renormalizes
     assert hf_router_fields("deepseek_v3", "sigmoid_topk:k=2,scale=2.5") == {"num_experts_per_tok": 2,
@@ -357,7 +357,7 @@ def test_a_router_the_hf_config_can_say_runs_the_same_in_transformers(tmp_path):
 
 
 def test_generate_refuses_bad_values_in_one_line(run, tmp_path, capsys):
-    from fmoe.generate.__main__ import main as generate_main
+    from fmoe.cli.generate import main as generate_main
     from fmoe.models import llama
 
     with pytest.raises(SystemExit) as e:

@@ -87,7 +87,8 @@ def test_global_balance_is_the_loss_over_the_whole_step():
 
 
 def test_usage_errors(tmp_path, capsys):
-    from fmoe.train.parse import parse_args
+    from fmoe.cli.train import main, parse_args
+    from fmoe.training import resolve
 
     base = ["--preset", "tiny", "--steps", "1", "--out", str(tmp_path / "o")]
     cases = [(["--model", "llama", "--balance", "aux"], "--balance: model llama is dense"),
@@ -107,19 +108,19 @@ def test_usage_errors(tmp_path, capsys):
               "do not depend on the router's scores")]
     for flags, match in cases:
         with pytest.raises(SystemExit) as e:
-            parse_args(base + flags)
+            main(base + flags)                  # refused before anything starts
         err = capsys.readouterr().err
         assert e.value.code == 2 and match in err, (flags, err[-600:])
     # resolved: the weights that apply, None for the rest
-    args = parse_args(base + ["--model", "deepseek_v3"])
+    args = resolve(parse_args(base + ["--model", "deepseek_v3"]))
     assert (args.balance, args.aux_weight, args.bias_rate, args.bias_update) == ("bias", None, 1e-3, "sign")
-    args = parse_args(base + ["--model", "deepseek_v3", "--router", "topk:k=2"])
+    args = resolve(parse_args(base + ["--model", "deepseek_v3", "--router", "topk:k=2"]))
     assert (args.balance, args.aux_weight, args.bias_rate) == ("aux", 0.01, None)    # the bias stays frozen
-    args = parse_args(base + ["--model", "llama"])
+    args = resolve(parse_args(base + ["--model", "llama"]))
     assert (args.balance, args.aux_weight) == ("none", None)
-    args = parse_args(base + ["--model", "qwen3_moe", "--router", "expert_choice:capacity_factor=2.0"])
+    args = resolve(parse_args(base + ["--model", "qwen3_moe", "--router", "expert_choice:capacity_factor=2.0"]))
     assert (args.balance, args.aux_weight) == ("none", None)        # nothing for a loss to balance
-    args = parse_args(base + ["--model", "qwen3_moe", "--router", "expert_choice", "--balance", "z"])
+    args = resolve(parse_args(base + ["--model", "qwen3_moe", "--router", "expert_choice", "--balance", "z"]))
     assert (args.balance, args.z_weight) == ("z", 1e-3)
 
 

@@ -136,9 +136,9 @@ def test_training_matches_single_process_on_four_ranks():
 
 
 def test_main_job_from_a_transformers_checkpoint(tmp_path):
-    """``python -m fmoe.train --model deepseek_v3 --init-hf DIR`` trains on 2 ranks (tp1/ep2) and
+    """``fmoe train --model deepseek_v3 --init-hf DIR`` trains on 2 ranks (tp1/ep2) and
     exports a checkpoint transformers loads."""
-    from fmoe.train.cli import main
+    from fmoe.cli.train import main
     cfg = ds.Config.tiny(vocab_size=256)
     hf_deepseek(cfg).save_pretrained(tmp_path / "hf")
     argv = ["--model", "deepseek_v3", "--init-hf", str(tmp_path / "hf"), "--nproc", "2", "--ep", "2", "--steps", "2",

@@ -129,7 +129,7 @@ def test_killed_save_keeps_the_previous_checkpoint(tmp_path):
     assert (name, note) == ("step-1", "good")
     assert torch.equal(params["w"], torch.arange(16.0).view(4, 4)) and torch.equal(params["v"], torch.ones(4))
     from fmoe.checkpoint.atomic import remove_stale
-    from fmoe.train.outdir import remove_temporaries
+    from fmoe.training.outdir import remove_temporaries
     assert remove_stale(os.path.join(out, "step-2")) == partial          # its process is gone: a new save cleans it
     os.makedirs(os.path.join(out, ".step-2.tmp"))                       # the old layout's leftover
     assert remove_temporaries(out) == [".step-2.tmp"]                   # what the next job does under the lock
@@ -140,7 +140,7 @@ def test_same_seed_and_mesh_are_bitwise_reproducible(tmp_path):
     logs = []
     for run in "ab":
         out = str(tmp_path / run)
-        res = subprocess.run([sys.executable, "-m", "fmoe.train", "--model", "qwen3_moe", "--nproc", "2", "--ep", "2",
+        res = subprocess.run([sys.executable, "-m", "fmoe", "train", "--model", "qwen3_moe", "--nproc", "2", "--ep", "2",
                               "--steps", "3", "--batch", "2", "--seq", "16", "--out", out, "--quiet"],
                              capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]

@@ -195,8 +195,8 @@ def test_command_line_prints_text_on_one_and_four_ranks(tmp_path):
 
 
 def test_command_line_reads_a_training_checkpoint_as_bytes(tmp_path):
-    from fmoe.generate.__main__ import main as generate_main
-    from fmoe.train.cli import main as train_main
+    from fmoe.cli.generate import main as generate_main
+    from fmoe.cli.train import main as train_main
 
     assert train_main(["--model", "deepseek_v3", "--steps", "1", "--batch", "2", "--seq", "16", "--quiet",
                        "--out", str(tmp_path / "run"), "--export-hf", str(tmp_path / "hf")]) == 0

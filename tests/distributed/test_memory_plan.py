@@ -1,6 +1,6 @@
 """fmoe.memory.plan against what training really holds, per rank, on several meshes.
 
-Measured on each rank of a real (gloo) job laid out as ``python -m fmoe.train`` lays it out:
+Measured on each rank of a real (gloo) job laid out as ``fmoe train`` lays it out:
 parameter, gradient and optimizer bytes are the local slices' ``nbytes`` (the plan must equal
 them exactly); activations are the distinct storages autograd saves for backward during one
 forward + loss (FSDP-gathered weights, which the trainer re-gathers in backward instead of
@@ -100,7 +100,7 @@ def test_plan_matches_measured_bytes(mesh):
 
 def test_plan_command_json_text_and_warning():
     def run(*flags):
-        return subprocess.run([sys.executable, "-m", "fmoe.plan", *flags], capture_output=True, text=True, timeout=120)
+        return subprocess.run([sys.executable, "-m", "fmoe", "memory", *flags], capture_output=True, text=True, timeout=120)
     flags = ["--model", "qwen3_moe", "--preset", "small", "--nproc", "4", "--tp", "2", "--ep", "4", "--batch", "2",
              "--seq", "64", "--dtype", "bf16", "--remat", "layer"]
     r = run(*flags, "--json", "--memory-gb", "0.05")

@@ -103,13 +103,13 @@ class _NotBytes:
 def test_prepare_command_writes_shards_with_a_progress_bar(corpus, tmp_path):
     _, d, tok_dir = corpus
     out = tmp_path / "sh"
-    r = subprocess.run([sys.executable, "-m", "fmoe.data", "prepare", "--tokenizer", tok_dir, "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "fmoe", "data", "prepare", "--tokenizer", tok_dir, "--out", str(out),
                         "--shard-tokens", "2000", d], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert "tokenizing" in r.stderr and "file" in r.stderr                   # tqdm's bar
     assert summary["tokens"] == len(open_data(d, load_tokenizer(tok_dir))) and summary["shards"] >= 2
-    r = subprocess.run([sys.executable, "-m", "fmoe.data", "prepare", "--out", str(out), d],
+    r = subprocess.run([sys.executable, "-m", "fmoe", "data", "prepare", "--out", str(out), d],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is not an empty directory" in r.stderr
 

@@ -1,13 +1,20 @@
-"""``python -m fmoe.plan``: per-rank memory and traffic of a training job, before running it.
+"""``fmoe memory``: per-rank memory and traffic of a training job, before running it; with
+``--dry-run`` also the bytes the real step measures on fake tensors.
 
 The program only reads flags and reports: the model comes from the registry
 (:func:`fmoe.models.get`), the job's config is the model's preset widened as the main job widens
 it (:meth:`fmoe.model.Model.preset`) or a Hugging Face ``--config`` (KV heads widened by the same
 rule, :meth:`fmoe.model.Model.widen_kv_heads`), and the estimate is the library's
-:func:`fmoe.memory.plan.memory_plan`.
+:func:`fmoe.memory.plan.memory_plan`. The flags are the job's (``fmoe train``'s names, checked by
+its :func:`fmoe.training.job.check_value`). With ``--dry-run`` every rank reports ``planned``
+(the plan's bytes by category at its predicted peak) beside ``measured``
+(:func:`fmoe.memory.dry_run.dry_run_report`); ``--json`` prints ``{"ranks": [{"rank", "role",
+"planned": {"total_bytes", ...}, "measured": {"peak_bytes", ...}}], ...}``, and ``--memory-gb G``
+makes the dry run exit with code 1 when a rank's measured peak exceeds ``G * 1e9`` bytes (the
+plan alone only warns).
 
 Example:
-    python -m fmoe.plan --model qwen3_moe --preset small --nproc 4 --ep 4 --batch 4 --seq 256 --dtype bf16
+    fmoe memory --model qwen3_moe --preset small --nproc 4 --ep 4 --batch 4 --seq 256 --dtype bf16
 """
 
 from __future__ import annotations
@@ -18,11 +25,11 @@ import sys
 from typing import Any, Optional, Sequence
 
 from ..checkpoint.config_check import read_config
-from ..dryrun import cli as dry
-from ..memory.dry_run import format_report
+from ..memory.dry_run import dry_run_report, format_report
 from ..memory.plan import format_plan, memory_plan
 from ..model import PRESETS, Model
 from ..models import NAMES, get
+from ..training.job import check_value
 
 __all__ = ["main", "build_parser"]
 
@@ -40,8 +47,8 @@ def _load_config(model: Model, args: argparse.Namespace) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The flags of ``python -m fmoe.plan``."""
-    ap = argparse.ArgumentParser(prog="python -m fmoe.plan",
+    """The flags of ``fmoe memory``."""
+    ap = argparse.ArgumentParser(prog="fmoe memory",
                                  description="Per-rank memory and traffic of a training job, before running it.")
     ap.add_argument("--model", choices=NAMES, default="qwen3_moe", help="a model of fmoe.models")
     src = ap.add_mutually_exclusive_group()
@@ -58,22 +65,31 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--memory-gb", type=float, default=None, help="warn when a rank needs more")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    dry.add_arguments(ap)                                 # --master-dtype --optim-dtype --loss-chunks --dry-run
+    g = ap.add_argument_group("precision, loss, dry run")
+    g.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of the weights the optimizer updates (and their gradients)")
+    g.add_argument("--optim-dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of AdamW's moments")
+    g.add_argument("--loss-chunks", type=int, default=1, help="compute the loss by N chunks of tokens")
+    g.add_argument("--dry-run", action="store_true",
+                   help="also run the real train step of each rank role on fake tensors and report measured bytes")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="device of the dry run's fake tensors (auto: cuda on a CUDA build of torch, else cpu)")
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m fmoe.plan``: print the per-rank memory plan of a training job (``--json``:
+    """``fmoe memory``: print the per-rank memory plan of a training job (``--json``:
     one JSON object; ``--dry-run``: also the measured bytes of the real step on fake tensors,
     :mod:`fmoe.memory.dry_run`). Exit code 0, 2 for bad flags, 1 when a dry-run rank does not fit
     ``--memory-gb``."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.loss_chunks < 1:
-        ap.error(f"--loss-chunks must be >= 1, got {args.loss_chunks}")
-    for name in ("nproc", "tp", "dp_replicate", "batch", "seq", "grad_accum") + (("ep",) if args.ep else ()):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("nproc", "tp", "ep", "dp_replicate", "batch", "seq", "grad_accum", "loss_chunks", "memory_gb"):
+        if getattr(args, name) is not None:
+            try:                                          # the job's own checks of the same flags
+                check_value(name, getattr(args, name))
+            except ValueError as e:
+                ap.error(str(e))
     model = get(args.model)
     try:
         cfg = _load_config(model, args)
@@ -82,12 +98,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            grad_accum=args.grad_accum, master_dtype=args.master_dtype,
                            optim_dtype=args.optim_dtype, loss_chunks=args.loss_chunks)
         if args.dry_run:
-            result, code = dry.report(plan, model, cfg, args)
+            result = dry_run_report(plan, model, cfg, device=args.device, memory_gb=args.memory_gb)
     except (ValueError, TypeError, OSError) as e:
         ap.error(str(e))
     if args.dry_run:
         print(json.dumps(result) if args.json else format_report(result, args.memory_gb))
-        return code
+        return 0 if result.get("fits", True) else 1
     if args.memory_gb is not None:
         plan["memory_gb"] = args.memory_gb
         plan["fits"] = plan["max_total_bytes"] <= args.memory_gb * 1e9

@@ -239,7 +239,7 @@ class OutLock:
         except BlockingIOError:
             owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown pid"
             os.close(fd)
-            raise RunDirBusy(f"--out {self.out} is in use by another fmoe.train job ({owner}; lock "
+            raise RunDirBusy(f"--out {self.out} is in use by another fmoe train job ({owner}; lock "
                              f"{self.path}); wait for it to finish or choose another --out") from None
         previous = os.pread(fd, 200, 0).decode(errors="replace").strip()
         self.stale = previous or None         # the kernel released that owner's flock: it is gone

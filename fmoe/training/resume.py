@@ -30,9 +30,10 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any, Callable, Optional
+
+from .job import DEFAULTS, check_value, flag
 
 __all__ = ["KEPT", "apply", "check_router", "check_kept_value", "schedule_record"]
 
@@ -41,7 +42,7 @@ KEPT: dict[str, str] = {
     "model": "model", "preset": "preset", "seed": "seed", "batch": "batch", "seq": "seq",
     "lr": "lr", "warmup": "warmup", "weight_decay": "weight_decay", "clip": "clip",
     "aux_weight": "aux_weight",
-    # the data stream (fmoe.train.options): same files, tokenizer, held-out cut and rows per step
+    # the data stream (fmoe.training.options): same files, tokenizer, held-out cut and rows per step
     "data": "data", "tokenizer": "tokenizer_flag", "eval_fraction": "eval_fraction", "grad_accum": "grad_accum",
     "router": "router",
     # load balancing (fmoe.training.balancing)
@@ -53,10 +54,10 @@ KEPT: dict[str, str] = {
 MIN_RATIO = 0.1     # the cosine ends at MIN_RATIO * lr
 
 
-def schedule_record(args: argparse.Namespace) -> dict:
+def schedule_record(job: Any) -> dict:
     """The ``schedule`` entry of ``meta.json`` for this run."""
-    return {"kind": "warmup-cosine", "lr": args.lr, "warmup": args.warmup,
-            "total": args.schedule_total, "min_ratio": MIN_RATIO}
+    return {"kind": "warmup-cosine", "lr": job.lr, "warmup": job.warmup,
+            "total": job.schedule_total, "min_ratio": MIN_RATIO}
 
 
 #: kept values that may be null: the preset of an --init-hf run, and the balancing weights a run's
@@ -64,38 +65,24 @@ def schedule_record(args: argparse.Namespace) -> dict:
 NULLABLE = ("preset", "aux_weight", "z_weight", "bias_rate", "bias_update")
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def check_kept_value(action: argparse.Action, key: str, value: Any, file: str) -> Optional[str]:
-    """Why ``meta.json``'s ``value`` for ``key`` is not one its flag (``action``) accepts, or None.
+def check_kept_value(name: str, key: str, value: Any, file: str) -> Optional[str]:
+    """Why ``meta.json``'s ``value`` for ``key`` is not one the setting ``name`` accepts, or None.
 
     Example:
-        >>> from fmoe.train.flags import build_parser
-        >>> lr = next(a for a in build_parser()._actions if a.dest == "lr")
-        >>> check_kept_value(lr, "lr", float("nan"), "meta.json")
-        "meta.json: 'lr' is nan, not a value --lr accepts (--lr must be a number > 0, got nan)"
+        >>> check_kept_value("lr", "lr", float("nan"), "meta.json")
+        "meta.json: 'lr' is nan, not a value --lr accepts (--lr must be a finite number > 0, got nan)"
     """
-    flag = _flag(action.dest)
     if value is None:                # no preset (--init-hf); a balancing weight that did not apply
-        return None if action.default is None or key in NULLABLE else f"{file}: {key!r} is null; {flag} needs a value"
-    if action.choices is not None and value not in action.choices:
-        return f"{file}: {key!r} is {value!r}, not one of {flag}'s choices {list(action.choices)}"
-    if action.type is None:
-        return None if isinstance(value, str) else f"{file}: {key!r} is {value!r}; {flag} takes a string"
+        needed = name in DEFAULTS and key not in NULLABLE
+        return f"{file}: {key!r} is null; {flag(name)} needs a value" if needed else None
     try:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"a number, not {type(value).__name__}")
-        got = action.type(repr(value) if isinstance(value, float) else str(value))
-    except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
-        return f"{file}: {key!r} is {value!r}, not a value {flag} accepts ({e})"
-    if got != value or type(got) is not type(value) and not isinstance(value, int):
-        return f"{file}: {key!r} is {value!r}, not a value {flag} accepts"
+        check_value(name, value)
+    except ValueError as e:
+        return f"{file}: {key!r} is {value!r}, not a value {flag(name)} accepts ({e})"
     return None
 
 
-def check_router(saved: Any, args: argparse.Namespace, file: str) -> Optional[str]:
+def check_router(saved: Any, job: Any, file: str) -> Optional[str]:
     """Why the recorded router ``saved`` cannot be used as it is, or None (see the module
     docstring: only ``fmoe.routing`` names with literal arguments; code must be passed again)."""
     from ..routing.spec import from_spec, parse_spec
@@ -109,7 +96,7 @@ def check_router(saved: Any, args: argparse.Namespace, file: str) -> Optional[st
     except ValueError as e:
         return f"{file}: 'router' {saved!r} is not a router name ({e})"
     if module != "fmoe.routing":
-        if "router" in args.explicit and args.router == saved:
+        if "router" in job.explicit and job.router == saved:
             return None                              # the user names the code, not the checkpoint
         return (f"{file}: 'router' is {saved!r}, code from module {module!r}; a checkpoint never chooses code "
                 f"to import and run. If you trust it, pass --router {saved} again")
@@ -120,48 +107,45 @@ def check_router(saved: Any, args: argparse.Namespace, file: str) -> Optional[st
     return None
 
 
-def apply(args: argparse.Namespace, meta: dict, where: str, error: Callable[[str], Any]) -> None:
+def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None:
     """Check a resume against the checkpoint's ``meta`` and fill in the kept settings.
 
     Args:
-        args: parsed flags; ``args.explicit`` is the set of dests given on the command line.
+        job: the resolved job (:class:`fmoe.training.resolve.Job`; ``job.explicit``: the settings given).
         meta: the checkpoint's ``meta.json`` (already read and checked by ``ckpt.read_meta``).
         where: the checkpoint path (for messages).
-        error: called with the message of a mismatch (``ArgumentParser.error``: exit 2).
+        error: called with the message of a mismatch; raises (a usage error).
     """
-    from .flags import build_parser
-
     file = os.path.join(where, "meta.json")
-    actions = {a.dest: a for a in build_parser()._actions}
     for dest, key in KEPT.items():
         if key not in meta:
             error(f"--resume {where}: meta.json has no {key!r}; it was not written by this version of "
-                  "fmoe.train and cannot be checked")
+                  "fmoe and cannot be checked")
         saved = meta[key]
-        problem = check_router(saved, args, file) if dest == "router" else check_kept_value(actions[dest], key, saved, file)
+        problem = check_router(saved, job, file) if dest == "router" else check_kept_value(dest, key, saved, file)
         if problem:
             error(f"--resume: {problem}")
-        if dest in args.explicit and getattr(args, dest) != saved:
-            error(f"--resume {where} was trained with {_flag(dest)} {saved!r}, this run has "
-                  f"{_flag(dest)} {getattr(args, dest)!r}; a resumed run keeps it (drop the flag, or "
+        if dest in job.explicit and getattr(job, dest) != saved:
+            error(f"--resume {where} was trained with {flag(dest)} {saved!r}, this run has "
+                  f"{flag(dest)} {getattr(job, dest)!r}; a resumed run keeps it (drop the flag, or "
                   "start a new run). Changeable on resume: the mesh (same number of data-parallel "
                   "batches), --steps, --out, --save-every, --impl, --timeout, --quiet, --export-hf")
-        setattr(args, dest, saved)
+        setattr(job, dest, saved)
     step = meta["step"]
-    if args.steps < step or (args.steps == step and not args.export_hf):
-        error(f"--steps {args.steps} is not beyond the checkpoint's step {step} ({where}); pass "
+    if job.steps < step or (job.steps == step and not job.export_hf):
+        error(f"--steps {job.steps} is not beyond the checkpoint's step {step} ({where}); pass "
               f"--steps > {step} to train further (or --steps {step} --export-hf DIR to export it as it is)")
     mesh = meta.get("mesh")
     if not isinstance(mesh, dict):
-        error(f"--resume: {file}: 'mesh' is {mesh!r}, not the mesh record fmoe.train writes")
-    batches = args.world // args.tp
+        error(f"--resume: {file}: 'mesh' is {mesh!r}, not the mesh record fmoe train writes")
+    batches = job.world // job.tp
     if mesh.get("num_batches") != batches:
         error(f"--resume {where} was trained with {mesh.get('num_batches')} data-parallel batches per step "
-              f"(mesh {mesh}); this mesh (world {args.world}, --tp {args.tp}) has {batches}: every step "
+              f"(mesh {mesh}); this mesh (world {job.world}, --tp {job.tp}) has {batches}: every step "
               "would see other data. Choose --nproc/--tp with world / tp = "
               f"{mesh.get('num_batches')}")
     schedule = meta.get("schedule")
     total = schedule.get("total") if isinstance(schedule, dict) else None
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
         error(f"--resume {where}: meta.json has no valid schedule.total ({total!r})")
-    args.schedule_total = total
+    job.schedule_total = total

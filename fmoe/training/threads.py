@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-__all__ = ["usable_cores", "default_threads", "local_ranks", "add_argument", "threads_of"]
+__all__ = ["usable_cores", "default_threads", "local_ranks", "threads_of"]
 
 
 def usable_cores() -> int:
@@ -62,14 +62,6 @@ def local_ranks(nproc: int) -> int:
     return nproc
 
 
-def add_argument(group: Any, type_: Any) -> None:
-    """Add ``--threads N`` (``type_`` checks N >= 1) to an argparse group."""
-    group.add_argument("--threads", metavar="N", type=type_, default=None,
-                       help="intra-op threads per rank (default: the usable cores / the local ranks, at least 1; "
-                            "fmoe.train.threads)")
-
-
-def threads_of(args: Any) -> int:
+def threads_of(job: Any) -> int:
     """The job's threads per rank: ``--threads``, else :func:`default_threads` of its local ranks."""
-    given: Optional[int] = vars(args).get("threads")
-    return given if given else default_threads(local_ranks(vars(args).get("nproc", 1)))
+    return job.threads if job.threads else default_threads(local_ranks(job.nproc))

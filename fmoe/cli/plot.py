@@ -1,4 +1,4 @@
-"""``python -m fmoe.plot OUT [OUT ...] --out runs.png``: training curves of one or several runs.
+"""``fmoe plot OUT [OUT ...] --out runs.png``: training curves of one or several runs.
 
 Reads each run directory's ``log.jsonl`` (one JSON object per step, written by the main job) and
 the ``meta.json`` of its latest checkpoint, and draws four panels against the step: training
@@ -102,15 +102,15 @@ def _check_out(path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``python -m fmoe.plot``; returns the exit code (2: a bad run or --out)."""
-    ap = argparse.ArgumentParser(prog="python -m fmoe.plot", description="Plot training runs of python -m fmoe.train.",
+    """Entry point of ``fmoe plot``; returns the exit code (2: a bad run or --out)."""
+    ap = argparse.ArgumentParser(prog="fmoe plot", description="Plot training runs of fmoe train.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("outs", nargs="+", metavar="OUT", help="run directories (each with log.jsonl)")
     ap.add_argument("--out", default=None, help=f"image to write (default: {DEFAULT_OUT}, never overwritten: "
                                                 "an existing one needs --out)")
     ap.add_argument("--title", default=None, help="figure title (default: fmoe training runs)")
     ap.add_argument("--metric", default=None, help="draw this log.jsonl key alone (e.g. maxvio, eval_maxvio; "
-                    "fmoe.plot_metric) instead of the four panels")
+                    "fmoe.cli.plot_metric) instead of the four panels")
     ap.add_argument("--log", action="store_true", help="with --metric: logarithmic y axis")
     ap.add_argument("--smooth", type=int, default=1, metavar="N", help="with --metric: trailing mean over N points")
     ap.add_argument("--per-layer", action="store_true", help="with --metric: one line per MoE layer")
@@ -126,17 +126,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             plot_runs(args.outs, path, args.title)
     except ValueError as e:
-        print(f"fmoe.plot: error: {e}", file=sys.stderr)
+        print(f"fmoe plot: error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:                          # matplotlib missing: the plot extra
-        print(f"fmoe.plot: error: {e}", file=sys.stderr)
+        print(f"fmoe plot: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"fmoe.plot: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
+        print(f"fmoe plot: error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
         return 1
     print(path)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``python -m fmoe.plot OUT... --metric maxvio --log --smooth N [--per-layer]``: one logged
+"""``fmoe plot OUT... --metric maxvio --log --smooth N [--per-layer]``: one logged
 metric of several runs against the step, for routing studies.
 
 Any key of ``log.jsonl`` works (``maxvio``, ``eval_maxvio``, ``load_imbalance``, ``loss``,
@@ -6,7 +6,7 @@ Any key of ``log.jsonl`` works (``maxvio``, ``eval_maxvio``, ``load_imbalance``,
 layers, or one line per layer with ``--per-layer``; ``--smooth N`` is a trailing mean over the
 last ``N`` logged points (the first points average what exists), ``--log`` a logarithmic y axis
 (non-positive values are not drawn there). Each run is labelled by its recorded settings: model, router and
-mesh (as :func:`fmoe.plot.label`) plus the balancing of its ``meta.json``
+mesh (as :func:`fmoe.cli.plot.label`) plus the balancing of its ``meta.json``
 (``balance bias u=0.01 sign``, ``balance aux w=0.01``).
 
 Example:
@@ -20,7 +20,7 @@ import json
 import os
 from typing import Iterator, Optional, Sequence
 
-from .checkpoint.steps import step_of
+from ..checkpoint.steps import step_of
 
 __all__ = ["log_rows", "series", "smooth", "latest_meta", "settings_label", "plot_metric", "pyplot", "save_png"]
 
@@ -29,7 +29,7 @@ def log_rows(out: str) -> Iterator[dict]:
     """The rows of ``OUT/log.jsonl`` (blank lines skipped), in order.
 
     Args:
-        out: a run directory of ``python -m fmoe.train``.
+        out: a run directory of ``fmoe train``.
     Returns:
         an iterator of dicts.
     Raises:
@@ -40,7 +40,7 @@ def log_rows(out: str) -> Iterator[dict]:
     """
     path = os.path.join(out, "log.jsonl")
     if not os.path.isfile(path):
-        raise ValueError(f"fmoe.plot: {out!r} has no log.jsonl (not a run directory of python -m fmoe.train)")
+        raise ValueError(f"fmoe plot: {out!r} has no log.jsonl (not a run directory of fmoe train)")
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -48,7 +48,7 @@ def log_rows(out: str) -> Iterator[dict]:
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"fmoe.plot: {path} line {n} is not JSON ({e.msg})") from None
+                raise ValueError(f"fmoe plot: {path} line {n} is not JSON ({e.msg})") from None
 
 
 def series(out: str, metric: str) -> tuple[list, list]:
@@ -65,14 +65,14 @@ def series(out: str, metric: str) -> tuple[list, list]:
             steps.append(row["step"])
             values.append(v)
     if not steps:
-        raise ValueError(f"fmoe.plot: {os.path.join(out, 'log.jsonl')} has no row with {metric!r}")
+        raise ValueError(f"fmoe plot: {os.path.join(out, 'log.jsonl')} has no row with {metric!r}")
     return steps, values
 
 
 def smooth(values: Sequence[float], n: int) -> list[float]:
     """Trailing mean over the last ``n`` values (``n = 1``: unchanged)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"fmoe.plot: --smooth must be an int >= 1, got {n!r}")
+        raise ValueError(f"fmoe plot: --smooth must be an int >= 1, got {n!r}")
     out, total = [], 0.0
     for i, v in enumerate(values):
         total += v
@@ -103,7 +103,7 @@ def latest_meta(out: str) -> dict:
 
 
 def settings_label(run: dict) -> str:
-    """Model, router, mesh (as :func:`fmoe.plot.label`) plus the balancing settings of a run's
+    """Model, router, mesh (as :func:`fmoe.cli.plot.label`) plus the balancing settings of a run's
     ``meta.json`` (``run = {"out": dir, "meta": dict}``).
 
     Example:
@@ -188,7 +188,7 @@ def plot_metric(outs: Sequence[str], path: str, metric: str, *, log: bool = Fals
 
 def save_png(fig, path: str) -> None:
     """PNG into a temporary file beside ``path``, then one rename (a link at ``path`` is replaced,
-    never written through). The one way ``fmoe.plot`` writes an image."""
+    never written through). The one way ``fmoe plot`` writes an image."""
     import tempfile
 
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",

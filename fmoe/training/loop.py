@@ -12,16 +12,15 @@ to N such steps first).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 from dataclasses import asdict, is_dataclass
+from typing import Any
 
 from ..precision import dtype_of
-from . import options
-from ..training import balancing
+from . import balancing, options
 from .threads import threads_of
 
 __all__ = ["run", "log_row", "NonFiniteStep"]
@@ -70,20 +69,20 @@ class NonFiniteStep(RuntimeError):
     """A step's loss or gradient norm was NaN/Inf (the update was not applied)."""
 
 
-def _job_meta(args: argparse.Namespace, model, cfg, mesh) -> dict:
-    """What ``meta.json`` records about the job (read back by :mod:`fmoe.train.resume`)."""
-    from fmoe.train import resume
+def _job_meta(job: Any, model, cfg, mesh) -> dict:
+    """What ``meta.json`` records about the job (read back by :mod:`fmoe.training.resume`)."""
+    from . import resume
 
-    return {"model": args.model, "preset": None if args.init_hf else args.preset, "init_hf": args.init_hf,
-            "config": _config_dict(cfg), "hf_config": cfg.to_hf(), "seed": args.seed, "batch": args.batch,
-            "seq": args.seq, "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
-            "clip": args.clip, "aux_weight": args.aux_weight, "param_dtype": str(dtype_of(args.master_dtype))[6:],
-            "schedule": resume.schedule_record(args),
+    return {"model": job.model, "preset": None if job.init_hf else job.preset, "init_hf": job.init_hf,
+            "config": _config_dict(cfg), "hf_config": cfg.to_hf(), "seed": job.seed, "batch": job.batch,
+            "seq": job.seq, "lr": job.lr, "warmup": job.warmup, "weight_decay": job.weight_decay,
+            "clip": job.clip, "aux_weight": job.aux_weight, "param_dtype": str(dtype_of(job.master_dtype))[6:],
+            "schedule": resume.schedule_record(job),
             "mesh": {"tp": mesh.tp, "ep": mesh.ep, "fsdp": mesh.fsdp, "dp_replicate": mesh.dp_replicate,
                      "world": mesh.world, "num_batches": mesh.num_batches}}
 
 
-def run(rank: int, world: int, args: argparse.Namespace) -> dict:
+def run(rank: int, world: int, job: Any) -> dict:
     """Train on this rank (process group already initialised when ``world > 1``)."""
 
     import torch
@@ -94,80 +93,82 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from fmoe.training.evaluate import evaluate
     from fmoe.optim import AdamWConfig, lr_at
     from fmoe.optim.adamw import init as adamw_init
-    from fmoe.train.outdir import append_row, check_room
+    from .outdir import append_row, check_room
     from fmoe.training.step import StepConfig, train_step
 
-    torch.set_num_threads(threads_of(args))           # --threads (fmoe.train.threads)
-    model = get(args.model)                            # the declared Model, from the registry
-    mesh = fmoe.Mesh(tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate)
-    device = options.resolve_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))
-    if args.init_hf and vars(args).get("upcycle"):    # a dense llama checkpoint, MLPs copied into experts
+    torch.set_num_threads(threads_of(job))            # --threads (fmoe.training.threads)
+    model = get(job.model)                            # the declared Model, from the registry
+    mesh = fmoe.Mesh(tp=job.tp, ep=job.ep, dp_replicate=job.dp_replicate)
+    device = options.resolve_device(job.device, int(os.environ.get("LOCAL_RANK", rank)))
+    if job.init_hf and job.upcycle:    # a dense llama checkpoint, MLPs copied into experts
         from fmoe.training.upcycle import parse_upcycle, upcycle
-        dense, dense_cfg = get("llama").load_hf(args.init_hf, dtype=torch.float32)
-        full, cfg = upcycle(dense, dense_cfg, model.Config, *parse_upcycle(args.upcycle), seed=args.seed)
-        tokenizer = options.resolve_tokenizer(args, cfg.vocab_size)
-    elif args.init_hf:                                 # fp32 master weights whatever the file holds
-        full, cfg = model.load_hf(args.init_hf, dtype=torch.float32)
-        tokenizer = options.resolve_tokenizer(args, cfg.vocab_size)
-    elif args.resume_path:                             # the config the checkpoint was trained with
-        cfg = model.Config.from_hf(args.resume_meta["hf_config"])
-        tokenizer = options.resolve_tokenizer(args, cfg.vocab_size)
-        full = model.init(cfg, seed=args.seed)
+        dense, dense_cfg = get("llama").load_hf(job.init_hf, dtype=torch.float32)
+        full, cfg = upcycle(dense, dense_cfg, model.Config, *parse_upcycle(job.upcycle), seed=job.seed)
+        tokenizer = options.resolve_tokenizer(job, cfg.vocab_size)
+    elif job.init_hf:                                 # fp32 master weights whatever the file holds
+        full, cfg = model.load_hf(job.init_hf, dtype=torch.float32)
+        tokenizer = options.resolve_tokenizer(job, cfg.vocab_size)
+    elif job.resume_path:                             # the config the checkpoint was trained with
+        cfg = model.Config.from_hf(job.resume_meta["hf_config"])
+        tokenizer = options.resolve_tokenizer(job, cfg.vocab_size)
+        full = model.init(cfg, seed=job.seed)
     else:
-        tokenizer = options.resolve_tokenizer(args)
-        cfg = options.fit_vocab(model.preset(args.preset, args.tp), tokenizer, args.tp)
-        full = model.init(cfg, seed=args.seed)
-    train_data, held_out = options.open_streams(args, tokenizer)
+        tokenizer = options.resolve_tokenizer(job)
+        cfg = options.fit_vocab(model.preset(job.preset, job.tp), tokenizer, job.tp)
+        full = model.init(cfg, seed=job.seed)
+    train_data, held_out = options.open_streams(job, tokenizer)
     if cfg.vocab_size < max(256, train_data.vocab_size or 0):
         raise ValueError(f"model vocab_size {cfg.vocab_size} cannot hold the data's token ids "
                          f"(vocabulary {train_data.vocab_size} of {train_data.name})")
-    full = fmoe.tree.map_with_path(lambda _, t: t.to(device, dtype_of(args.master_dtype)), full)  # trained dtype
+    full = fmoe.tree.map_with_path(lambda _, t: t.to(device, dtype_of(job.master_dtype)), full)  # trained dtype
     # the trainer's router carries the balance losses (fmoe.training.balancing); the exported config
     # records the Switch loss weight as transformers reads it
-    hf_cfg = model.with_aux_loss(cfg, args.aux_weight if args.balance == "aux" else 0.0)
+    hf_cfg = model.with_aux_loss(cfg, job.aux_weight if job.balance == "aux" else 0.0)
     cfg = model.with_aux_loss(cfg, 0.0)                # declared switch, no probing
-    full = balancing.with_expert_bias(full, args)      # --balance bias on any MoE model
+    full = balancing.with_expert_bias(full, job)      # --balance bias on any MoE model
     model_plan = model.build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model.build_plan(cfg, model_plan, mesh, full, data_parallel=True)
     packed = ckpt.packed_layout(plan, full)
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(full))   # params + 2 moments
-    ckpt.on_rank0(lambda: check_room(args.out, need), f"checking --out {args.out}")
+    ckpt.on_rank0(lambda: check_room(job.out, need), f"checking --out {job.out}")
     params = fmoe.shard(fmoe.tree.map_with_path(
         lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")), full), plan, mesh)
     del full
-    opt_state = adamw_init(params, dtype=dtype_of(args.optim_dtype))
+    opt_state = adamw_init(params, dtype=dtype_of(job.optim_dtype))
     start = 0
-    if args.resume_path:
-        start = ckpt.load(args.resume_path, params, opt_state, packed)["step"]
-    step_cfg = vars(args).get("step_config") or StepConfig(   # fmoe.train.run(step_config=...) replaces it
-        opt=AdamWConfig(weight_decay=args.weight_decay, max_grad_norm=args.clip),
-        impl=args.impl, **balancing.step_options(args, cfg, options.step_options(args), model))
-    step_cfg, write_record = balancing.with_recording(args, step_cfg, rank)     # --record-routing
+    if job.resume_path:
+        start = ckpt.load(job.resume_path, params, opt_state, packed)["step"]
+    step_cfg = job.step_config or StepConfig(   # fmoe.training.run(cfg, step_config=...) replaces it
+        opt=AdamWConfig(weight_decay=job.weight_decay, max_grad_norm=job.clip),
+        impl=job.impl, **balancing.step_options(job, cfg, options.step_options(job), model))
+    step_cfg, write_record = balancing.with_recording(job, step_cfg, rank)     # --record-routing
     rank0 = rank == 0
     if rank0:                                          # --quiet keeps only its warning
-        options.print_memory_plan(args, model, cfg, model_plan, world)
-    meta = {**_job_meta(args, model, hf_cfg, mesh), **options.run_meta(args, tokenizer, device),
-            **balancing.record(args), "upcycle": vars(args).get("upcycle"), "threads": torch.get_num_threads()}
-    bar = _Progress(args.steps, start, rank0 and not args.quiet)
+        options.print_memory_plan(job, model, cfg, model_plan, world)
+    meta = {**_job_meta(job, model, hf_cfg, mesh), **options.run_meta(job, tokenizer, device),
+            **balancing.record(job), "upcycle": job.upcycle, "threads": torch.get_num_threads()}
+    bar = _Progress(job.steps, start, rank0 and not job.quiet)
     last: dict = {}
     skipped = 0
-    for step in range(start + 1, args.steps + 1):
-        batch = train_data.batch(step, mesh.batch_index, args.batch * args.grad_accum, args.seq, args.seed,
-                                 num_batches=mesh.num_batches)
-        lr = lr_at(step, args.lr, args.warmup, args.schedule_total)
+    for step in range(start + 1, job.steps + 1):
+        batch = (train_data.union(step, job.batch * job.grad_accum, job.seq, job.seed, job.dp_batches)
+                 if job.dp_batches > 1 else         # one process, the batches of N ranks
+                 train_data.batch(step, mesh.batch_index, job.batch * job.grad_accum, job.seq, job.seed,
+                                  num_batches=mesh.num_batches))
+        lr = lr_at(step, job.lr, job.warmup, job.schedule_total)
         params, opt_state, m = train_step(model, cfg, params, opt_state, tuple(t.to(device) for t in batch),
                                           mesh=mesh, step_cfg=step_cfg, lr=lr)
-        if options.should_eval(args, step):
-            m.update(evaluate(model, cfg, params, held_out, mesh=mesh, batches=args.eval_batches, batch=args.batch,
-                              seq=args.seq, seed=vars(args).get("eval_seed", 0), impl=args.impl, router=step_cfg.router,
-                              dtype=args.dtype, device=device))
+        if options.should_eval(job, step):
+            m.update(evaluate(model, cfg, params, held_out, mesh=mesh, batches=job.eval_batches, batch=job.batch,
+                              seq=job.seq, seed=job.eval_seed, impl=job.impl, router=step_cfg.router,
+                              dtype=job.dtype, device=device))
         last = {"step": step, **m}
         if rank0:
-            append_row(os.path.join(args.out, "log.jsonl"), log_row(last))   # one write, no link followed
+            append_row(os.path.join(job.out, "log.jsonl"), log_row(last))   # one write, no link followed
         if m.get("skipped"):
             skipped += 1
-            if skipped > args.skip_nonfinite:
-                good = ckpt.latest(args.out)
+            if skipped > job.skip_nonfinite:
+                good = ckpt.latest(job.out)
                 what = "loss" if not math.isfinite(m["loss"]) else "gradient norm"
                 raise NonFiniteStep(
                     f"step {step}: non-finite {what} (loss {m['loss']}, gradient norm {m['grad_norm']}); the "
@@ -175,14 +176,14 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
                     f"Try a lower --lr, or --skip-nonfinite N to skip up to N such steps")
         else:
             bar.update(step, m)
-        if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            ckpt.save(args.out, step, params, opt_state, meta, packed)
+        if (job.save_every and step % job.save_every == 0) or step == job.steps:
+            ckpt.save(job.out, step, params, opt_state, meta, packed)
     bar.close()
     if write_record is not None:
         write_record()
-    if args.export_hf:                                 # the weights, the router and the tokenizer
-        from fmoe.train.export import export_hf
+    if job.export_hf:                                 # the weights, the router and the tokenizer
+        from .export import export_hf
 
-        export_hf(model, params, hf_cfg, args.export_hf, model_name=args.model, router=args.router,
-                  tokenizer=tokenizer, step=max(start, last.get("step", start)), overwrite=args.overwrite)
+        export_hf(model, params, hf_cfg, job.export_hf, model_name=job.model, router=job.router,
+                  tokenizer=tokenizer, step=max(start, last.get("step", start)), overwrite=job.overwrite)
     return last

@@ -84,7 +84,7 @@ def export_hf(model: Any, params: Any, cfg: Any, path: str, *, model_name: str, 
         path: ``--export-hf DIR``.
         model_name: ``--model``.
         router: the ``--router`` spec (None: the model's own).
-        tokenizer: the job's tokenizer (from :func:`fmoe.train.options.resolve_tokenizer`).
+        tokenizer: the job's tokenizer (from :func:`fmoe.training.options.resolve_tokenizer`).
         step: the step the weights are at.
         overwrite: as ``--overwrite``.
     """

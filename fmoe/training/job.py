@@ -1,0 +1,224 @@
+"""The main job as a typed config: :class:`JobConfig`, one frozen dataclass whose fields are the
+flags of ``fmoe train`` (``--bias-rate`` is ``bias_rate``), checked when it is built.
+
+``fmoe train --model deepseek_v3 --balance bias --bias-rate 1e-2 --out runs/a`` and
+``fmoe.training.run(JobConfig(model="deepseek_v3", balance="bias", bias_rate=1e-2, out="runs/a"))``
+run the same job: the program parses its command line into this class (its flags are made from
+:data:`FIELDS`: name, group, help, metavar, choices) and calls :func:`fmoe.training.run`.
+
+Each field's value is checked alone here (type, range, choices): a bad one is a ``ValueError``
+naming the field as its flag (``--lr``), the value and what is valid. What needs more than one
+field, the environment or the disk (the mesh over the launcher's world, ``--resume``'s checkpoint,
+``OUT``) is checked by :func:`fmoe.training.resolve.resolve` before anything starts
+(:class:`JobConfigError`).
+
+``None`` is "not given": a setting a ``--resume`` keeps (:data:`fmoe.training.resume.KEPT`)
+then takes the checkpoint's value, else its default (:data:`DEFAULTS`); so ``JobConfig().lr`` is
+None and the job trains at ``DEFAULTS["lr"]``.
+
+Example:
+    >>> JobConfig(model="qwen3_moe", nproc=4, ep=4).nproc
+    4
+    >>> JobConfig(bias_rate=-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: --bias-rate must be a finite number >= 0, got -1.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from ..model import PRESETS
+from ..models import NAMES
+
+__all__ = ["JobConfig", "JobConfigError", "FIELDS", "DEFAULTS", "DEFAULT_OUT", "SEED_MAX", "flag", "check_value"]
+
+DEFAULT_OUT = "runs/fmoe"
+SEED_MAX = 2**63 - 1   # torch.Generator.manual_seed takes 64-bit seeds; derived seeds wrap to 64 bits
+PRECISIONS = ("fp32", "bf16")
+
+#: the value a field left None takes (where it is not the checkpoint's on --resume)
+DEFAULTS: dict[str, Any] = {"model": "qwen3_moe", "preset": "tiny", "seed": 0, "batch": 4, "seq": 64, "lr": 3e-3,
+                            "warmup": 5, "weight_decay": 0.1, "clip": 1.0, "eval_fraction": 0.05, "grad_accum": 1,
+                            "dtype": "fp32", "master_dtype": "fp32", "optim_dtype": "fp32", "out": DEFAULT_OUT}
+
+
+class JobConfigError(ValueError):
+    """The job's settings do not fit together, the environment or the disk (found before any
+    rank starts or anything is written; the program's usage error, exit code 2)."""
+
+
+def flag(name: str) -> str:
+    """The flag of a field: ``bias_rate`` -> ``--bias-rate``."""
+    return "--" + name.replace("_", "-")
+
+
+# (check kind, argument): "int" (low, high or None), "float" (low, strict), "fraction" (open (0, 1)),
+# "choice" (values), "str", "bool"
+def _f(group: str, check: tuple, help: str, default: Any = None, metavar: Optional[str] = None) -> Any:
+    return dataclasses.field(default=default, metadata={"group": group, "check": check, "help": help,
+                                                        "metavar": metavar})
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """The main job's settings (module docstring); every field is a flag of ``fmoe train``."""
+
+    # model
+    model: Optional[str] = _f("model", ("choice", NAMES), "model family (fmoe.models)")
+    preset: Optional[str] = _f("model", ("choice", PRESETS), "model size preset")
+    init_hf: Optional[str] = _f("model", ("str",), "start from this Hugging Face checkpoint (config and weights; "
+                                "weights cast to fp32 master weights) instead of a random --preset model", metavar="DIR")
+    aux_weight: Optional[float] = _f("model", ("float", 0.0, False), "coefficient of the per-layer load-balance "
+                                     "loss of MoE models (--balance aux / seq_aux / global_aux; 0: off) (default: 0.01)",
+                                     metavar="X")
+    balance: Optional[str] = _f("model", ("str",), "load-balancing methods of MoE models, from none, aux, seq_aux, "
+                                "global_aux, z, bias (default: the model's own: aux for qwen3_moe/mixtral/gpt_oss, bias "
+                                "for deepseek_v3)", metavar="M[,M]")
+    z_weight: Optional[float] = _f("model", ("float", 0.0, False), "coefficient of the router z-loss (--balance z) "
+                                   "(default: 0.001)", metavar="X")
+    bias_rate: Optional[float] = _f("model", ("float", 0.0, False), "step of the expert-bias update after each step "
+                                    "(--balance bias; 0: the bias stays frozen) (default: 0.001)", metavar="U")
+    bias_update: Optional[str] = _f("model", ("choice", ("sign", "proportional")), "rule of the expert-bias update: "
+                                    "sign(mean - load) or (mean - load) / mean (--balance bias) (default: sign)")
+    record_routing: Optional[str] = _f("model", ("str",), "record every router call's expert ids (one safetensors "
+                                       "file per rank, written at the end) for --router replay:record=DIR", metavar="DIR")
+    upcycle: Optional[str] = _f("model", ("str",), "with --model mixtral --init-hf LLAMA_DIR: start from the dense "
+                                "model, each MLP copied into E experts, top-K routing (fmoe.training.upcycle)",
+                                metavar="E,K")
+    impl: str = _f("model", ("str",), "MoE dispatch implementation (a name registered in fmoe.ep)", "auto", "NAME")
+    # mesh
+    nproc: int = _f("mesh", ("int", 1, None), "local ranks to spawn (ignored under torchrun)", 1, "N")
+    tp: int = _f("mesh", ("int", 1, None), "tensor-parallel size", 1, "N")
+    ep: Optional[int] = _f("mesh", ("int", 1, None), "expert-parallel size (default: same as --tp)", metavar="N")
+    dp_replicate: int = _f("mesh", ("int", 1, None), "data-parallel replicas (HSDP); fsdp = nproc / (tp * "
+                           "dp_replicate)", 1, "N")
+    # data
+    batch: Optional[int] = _f("data", ("int", 1, None), "sequences per data-parallel batch (default: 4)", metavar="N")
+    seq: Optional[int] = _f("data", ("int", 1, None), "tokens per sequence (default: 64)", metavar="N")
+    seed: Optional[int] = _f("data", ("int", 0, SEED_MAX), "seed of the initial weights and of the batches "
+                             "(default: 0)", metavar="N")
+    data: Optional[str] = _f("data", ("str",), "a .txt/.jsonl file, a directory of them, or a shard directory from "
+                             "`fmoe data prepare` (default: the Python standard library's source, byte tokens)",
+                             metavar="PATH")
+    tokenizer: Optional[str] = _f("data", ("str",), "'bytes' or a Hugging Face tokenizer.json (file or directory) "
+                                  "(default: bytes, or the tokenizer.json in --init-hf DIR)", metavar="T")
+    eval_every: int = _f("data", ("int", 0, None), "evaluate on the held-out split every N steps (0: never)", 0, "N")
+    eval_batches: int = _f("data", ("int", 1, None), "held-out batches per data-parallel rank", 4, "N")
+    eval_fraction: Optional[float] = _f("data", ("fraction",), "tail of the data held out for evaluation "
+                                        "(default: 0.05)", metavar="X")
+    eval_seed: int = _f("data", ("int", 0, SEED_MAX), "seed of the held-out batches, apart from --seed so runs of "
+                        "different seeds evaluate on the same tokens", 0, "N")
+    # optimization
+    steps: int = _f("optimization", ("int", 1, None), "train until this step (with --resume: the step to reach, "
+                    "beyond the saved one)", 20, "N")
+    lr: Optional[float] = _f("optimization", ("float", 0.0, True), "peak learning rate (linear warmup, then cosine "
+                             "to 0.1 * lr at --steps) (default: 0.003)", metavar="X")
+    warmup: Optional[int] = _f("optimization", ("int", 0, None), "warmup steps (default: 5)", metavar="N")
+    weight_decay: Optional[float] = _f("optimization", ("float", 0.0, False), "AdamW decoupled weight decay "
+                                       "(default: 0.1)", metavar="X")
+    clip: Optional[float] = _f("optimization", ("float", 0.0, True), "global gradient-norm clip (default: 1.0)",
+                               metavar="X")
+    skip_nonfinite: int = _f("optimization", ("int", 0, None), "skip up to N steps whose loss or gradient norm is "
+                             "NaN/Inf (no update); one more stops the job. 0: the first one stops the job", 0, "N")
+    grad_accum: Optional[int] = _f("optimization", ("int", 1, None), "micro-batches per step (each --batch rows) "
+                                   "(default: 1)", metavar="N")
+    dp_batches: int = _f("optimization", ("int", 1, None), "one process reads exactly the batches of an N-rank "
+                         "data-parallel run with the same other flags, each rank's batch as its own micro-batches, and "
+                         "trains as that run does (--nproc 1 only; docs/routing-research.md)", 1, "N")
+    loss_chunks: int = _f("optimization", ("int", 1, None), "compute the loss by N chunks of tokens, each "
+                          "recomputed in backward (no whole fp32 [tokens, vocab] log-softmax; fmoe.nn.chunked_loss)",
+                          1, "N")
+    router: Optional[str] = _f("optimization", ("str",), "NAME[:k=v,...] of fmoe.routing, or "
+                               "module:function[:k=v,...] (default: the model's own router)", metavar="SPEC")
+    # precision, devices, memory
+    dtype: Optional[str] = _f("precision", ("choice", PRECISIONS), "compute dtype (autocast); the weights and "
+                              "moments keep --master-dtype / --optim-dtype (default: fp32)")
+    master_dtype: Optional[str] = _f("precision", ("choice", PRECISIONS), "dtype of the weights the optimizer "
+                                     "updates (and their gradients and checkpoints); bf16 updates with stochastic "
+                                     "rounding (fmoe.precision) (default: fp32)")
+    optim_dtype: Optional[str] = _f("precision", ("choice", PRECISIONS), "dtype of AdamW's two moments "
+                                    "(default: fp32)")
+    device: str = _f("precision", ("choice", ("auto", "cpu", "cuda")), "cuda: one GPU per local rank over NCCL; "
+                     "auto: cuda when available", "auto")
+    remat: str = _f("precision", ("choice", ("none", "layer", "moe")), "recompute each layer / MoE block in "
+                    "backward instead of keeping activations", "none")
+    memory_gb: Optional[float] = _f("precision", ("float", 0.0, True), "warn when the memory plan exceeds this "
+                                    "per rank (default: no limit)", metavar="X")
+    # checkpoints and output
+    out: Optional[str] = _f("checkpoints and output", ("str",), "run directory: log.jsonl, step-N/ checkpoints, "
+                            f".lock (default: {DEFAULT_OUT}; with --resume: the checkpoint's run directory)",
+                            metavar="DIR")
+    save_every: int = _f("checkpoints and output", ("int", 0, None), "checkpoint every N steps (0: only at the end)",
+                         0, "N")
+    resume: Optional[str] = _f("checkpoints and output", ("str",), "continue from a step-N checkpoint, or from the "
+                               "latest one in a run directory (default: start a new run)", metavar="PATH")
+    export_hf: Optional[str] = _f("checkpoints and output", ("str",), "write a Hugging Face checkpoint here at the "
+                                  "end", metavar="DIR")
+    overwrite: bool = _f("checkpoints and output", ("bool",), "replace the previous run in --out (its log.jsonl and "
+                         "step-N/ only; resuming an older checkpoint of --out: its newer checkpoints and log rows) and "
+                         "let --export-hf replace checkpoint files in a directory holding other files (default: "
+                         "refuse)", False)
+    # runtime
+    timeout: float = _f("runtime", ("float", 0.0, True), "collective timeout, seconds", 1800.0, "X")
+    threads: Optional[int] = _f("runtime", ("int", 1, None), "intra-op threads per rank (default: the usable cores "
+                                "/ the local ranks, at least 1; fmoe.training.threads)", metavar="N")
+    quiet: bool = _f("runtime", ("bool",), "no progress bar (default: a progress bar on rank 0)", False)
+    debug: bool = _f("runtime", ("bool",), "print the full traceback of an error (default: one line)", False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                value = check_value(f.name, value)
+                object.__setattr__(self, f.name, value)
+
+    def get(self, name: str) -> Any:
+        """The value the job uses: the field's, or :data:`DEFAULTS`' when it is None."""
+        value = getattr(self, name)
+        return DEFAULTS.get(name) if value is None else value
+
+
+#: name -> dataclass field of every setting (its metadata: group, check, help, metavar)
+FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
+
+
+def check_value(name: str, value: Any) -> Any:
+    """``value`` of field ``name`` as the job uses it (an int for a float field becomes a float).
+
+    Raises:
+        ValueError: not a value the field's flag accepts, naming the flag, the value and what is valid.
+    """
+    kind, *arg = FIELDS[name].metadata["check"]
+    said = flag(name)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "int":
+        low, high = arg
+        valid = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+            raise ValueError(f"{said} must be {valid}, got {value!r}")
+        return value
+    if kind == "float":
+        low, strict = arg
+        valid = f"a finite number {'>' if strict else '>='} {low:g}"
+        if not number or not math.isfinite(value) or value < low or (strict and value == low):
+            raise ValueError(f"{said} must be {valid}, got {value!r}")
+        return float(value)
+    if kind == "fraction":
+        if not number or not 0.0 < value < 1.0:
+            raise ValueError(f"{said} must be in (0, 1), got {value!r}")
+        return float(value)
+    if kind == "choice":
+        if value not in arg[0]:
+            raise ValueError(f"{said} must be one of {', '.join(arg[0])}, got {value!r}")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{said} is a switch (True / False), got {value!r}")
+        return value
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{said} must be a non-empty string, got {value!r}")
+    return value
