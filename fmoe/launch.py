@@ -1,7 +1,7 @@
 """The one launcher core: local gloo ranks on loopback, their failures, their end.
 
-Every place that starts ranks on this machine goes through here: ``python -m fmoe.train`` and
-``python -m fmoe.generate`` (``run``), ``fmoe.testing.spawn`` (``run``) and the warm
+Every place that starts ranks on this machine goes through here: ``fmoe train`` and
+``fmoe generate`` (``run``), ``fmoe.testing.spawn`` (``run``) and the warm
 ``fmoe.testing.Pool`` (``Ranks`` and the rank-side helpers). The rules are the same for all:
 
 - nothing listens on the network: ranks meet through a ``FileStore`` in a private temporary

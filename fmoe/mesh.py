@@ -12,7 +12,7 @@ Two meshes are laid over the same ``world = dp_replicate * fsdp * tp`` ranks:
 
 ``ep`` adds no processes. It must be a multiple of ``tp`` (a TP group never straddles two expert
 groups) and divide ``fsdp * tp``. :func:`check_layout` holds these rules, once: :class:`Mesh`
-checks with it, and so do programs before they start any rank (``python -m fmoe.train``, the
+checks with it, and so do programs before they start any rank (``fmoe train``, the
 memory plan). Eight ranks with ``tp=2``::
 
     rank     0     1     2     3     4     5     6     7

@@ -4,8 +4,8 @@ and the one registry of them that every program uses.
 Each model module holds a frozen ``Config`` dataclass, ``init(cfg, seed)``,
 ``forward(params, tokens, cfg, mesh=None)``, a default sharding ``plan(cfg)``, the Hugging Face
 checkpoint name map and its declared ``MODEL = fmoe.model.Model(...)``. No parallelism logic
-lives in a model file. The programs (``python -m fmoe.train``, ``fmoe.plan``,
-``fmoe.generate``) find a model by name here, :func:`get`, and read what it offers from its
+lives in a model file. The programs (``fmoe train``, ``fmoe memory``,
+``fmoe generate``) find a model by name here, :func:`get`, and read what it offers from its
 declared :class:`fmoe.model.Model`; a Hugging Face checkpoint's ``model_type`` is the name.
 
 Example:

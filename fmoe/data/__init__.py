@@ -5,7 +5,7 @@
 - nothing: the Python standard library's source as byte tokens (offline everywhere);
 - a ``.txt`` / ``.jsonl`` file or a directory of them: tokenized on the fly
   (:mod:`fmoe.data.sources`; ``.jsonl`` rows give their ``text`` field);
-- a shard directory written by ``python -m fmoe.data prepare`` (:mod:`fmoe.data.shards`):
+- a shard directory written by ``fmoe data prepare`` (:mod:`fmoe.data.shards`):
   flat ``uint16``/``uint32`` token files read with ``numpy.memmap`` plus ``header.json``.
 
 ``--tokenizer`` is ``bytes`` or a Hugging Face ``tokenizer.json`` (:mod:`fmoe.data.tokenizer`).

@@ -1,6 +1,6 @@
 """Pre-tokenized shards: flat token files read with ``numpy.memmap``, plus a JSON header.
 
-Layout of a shard directory (what ``python -m fmoe.data prepare`` writes)::
+Layout of a shard directory (what ``fmoe data prepare`` writes)::
 
     DIR/header.json        {"format": "fmoe-tokens", "version": 1, "dtype": "uint16",
                             "vocab_size": V, "eos_id": ..., "tokenizer": ...,

@@ -2,7 +2,7 @@
 
 :func:`documents` yields the documents of ``--data PATH`` in a fixed order (files sorted by
 path; a ``.txt`` file is one document; a ``.jsonl`` file gives one document per line, its
-``text`` field), so on-the-fly tokenization and ``python -m fmoe.data prepare`` produce the same
+``text`` field), so on-the-fly tokenization and ``fmoe data prepare`` produce the same
 token stream. :func:`tokenize` joins the documents' ids with the tokenizer's separator.
 
 Example:

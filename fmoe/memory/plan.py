@@ -1,6 +1,6 @@
 """How much memory and traffic each rank of a training job needs, before running it.
 
-:func:`memory_plan` lays the model out exactly as ``python -m fmoe.train`` would (the model's
+:func:`memory_plan` lays the model out exactly as ``fmoe train`` would (the model's
 plan plus the data-parallel splits of :func:`fmoe.fsdp.data_parallel_plan`, on a virtual
 mesh: no process group, no tensor allocated — parameters are built on the ``meta`` device) and
 counts, per rank:
