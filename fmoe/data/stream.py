@@ -144,3 +144,18 @@ class TokenStream:
         starts = torch.randint(lo, hi - seq - 1, (batch,), generator=g)
         rows = torch.from_numpy(np.stack([self.tokens(s, s + seq + 1) for s in starts.tolist()]))
         return rows[:, :-1], rows[:, 1:]
+
+    def union(self, step: int, batch: int, seq: int, seed: int, num_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``num_batches`` data-parallel batches of a step, stacked in batch-index order
+        (``[num_batches * batch, seq]``): what an ``num_batches``-rank run reads, in one process
+        (``--dp-batches``). Each rank's rows stay contiguous, so ``chunk(num_batches)`` gives
+        them back.
+
+        Example:
+            >>> s = TokenStream(np.arange(1000, dtype=np.uint16), "digits")
+            >>> x, _ = s.union(1, 2, 4, 0, num_batches=2)
+            >>> torch.equal(x[2:], s.batch(1, 1, 2, 4, 0, num_batches=2)[0])
+            True
+        """
+        parts = [self.batch(step, b, batch, seq, seed, num_batches=num_batches) for b in range(num_batches)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

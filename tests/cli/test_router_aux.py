@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-import fmoe.train
+import fmoe.training
 from fmoe.global_stats import GlobalStat
 from fmoe.routing import Loss, Routing, topk
-from fmoe.training import StepConfig
+from fmoe.training import JobConfig, StepConfig
 from fmoe.routing.aux_losses import with_losses
 from train_cases import read_log
 
@@ -31,7 +31,7 @@ def penalized(weight, extra=None):
 
 
 def run(out, router):
-    fmoe.train.run(out=str(out), step_config=StepConfig(router=router), **FLAGS)
+    fmoe.training.run(JobConfig(out=str(out), **FLAGS), step_config=StepConfig(router=router))
     return read_log(out)
 
 
