@@ -2,6 +2,7 @@
 call, the same job as ``fmoe train`` with the same flags (in this process: no Python start)."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -41,10 +42,10 @@ def test_each_field_is_checked_when_the_config_is_built():
                           (dict(batch=2.0), "--batch must be an integer >= 1, got 2.0"),
                           (dict(seed=2**64), f"--seed must be an integer in [0, {2**63 - 1}]"),
                           (dict(model="gpt5"), "--model must be one of qwen3_moe, mixtral"),
-                          (dict(eval_fraction=1.0), r"--eval-fraction must be in \(0, 1\), got 1.0"),
+                          (dict(eval_fraction=1.0), "--eval-fraction must be in (0, 1), got 1.0"),
                           (dict(quiet="yes"), "--quiet is a switch"),
                           (dict(out=""), "--out must be a non-empty string")):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=re.escape(match)):
             JobConfig(**kwargs)
     with pytest.raises(TypeError, match="stpes"):
         JobConfig(stpes=3)
