@@ -114,7 +114,11 @@ def global_norm(tree: Any) -> torch.Tensor:
         >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}).item()
         5.0
     """
-    leaves = _tree.leaves(tree)
+    return _norm(_tree.leaves(tree))
+
+
+def _norm(leaves: list) -> torch.Tensor:
+    """:func:`global_norm` of a list of leaves (in the order given)."""
     total = torch.zeros((), dtype=torch.float64)
     for leaf in leaves:
         total = total + _square_sum(local_shard(leaf)) / _replicas(leaf)
@@ -204,20 +208,49 @@ def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], c
     """
     flat_p, flat_g = _tree.flatten(params), _tree.flatten(grads)
     flat_m, flat_v = _tree.flatten(state["m"]), _tree.flatten(state["v"])
+    keep = None if mask is None else _tree.flatten(mask)
+    new_p, new_m, new_v, count, stats = step_flat(flat_g, flat_m, flat_v, flat_p, state["step"], lr, cfg,
+                                                  mask=keep, rounding=rounding, donate=donate)
+    new_state = {"step": count, "m": _tree.unflatten(new_m, like=params), "v": _tree.unflatten(new_v, like=params)}
+    return _tree.unflatten(new_p, like=params), new_state, stats
+
+
+def step_flat(flat_g: dict, flat_m: dict, flat_v: dict, flat_p: dict, count: torch.Tensor,
+              lr: Union[float, torch.Tensor], cfg: AdamWConfig = AdamWConfig(), mask: Optional[dict] = None,
+              rounding: Optional[torch.Generator] = None, donate: bool = False) -> tuple[dict, dict, dict, torch.Tensor, dict]:
+    """:func:`step` on flat ``{path: leaf}`` dicts, as the train step holds them (no tree walk).
+
+    Args:
+        flat_g: gradients by path; every leaf of ``flat_p`` that requires grad has one.
+        flat_m, flat_v: the moments by path (``state["m"]`` / ``state["v"]`` flattened).
+        flat_p: the parameters by path.
+        count: ``state["step"]``.
+        lr, cfg, rounding, donate: as in :func:`step`.
+        mask: optional ``{path: bool}``, False where a leaf is not trained (as :func:`step`'s).
+    Returns:
+        ``(new_p, new_m, new_v, new_count, stats)``: dicts in ``flat_p``'s order; with
+        ``donate`` an unchanged entry is the given leaf itself.
+
+    Example:
+        >>> p, g = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
+        >>> new_p, _, _, count, _ = step_flat(g, {"w": torch.zeros(2)}, {"w": torch.zeros(2)}, p,
+        ...                                   torch.zeros((), dtype=torch.int64), lr=0.5)
+        >>> new_p["w"].tolist(), int(count)
+        ([-0.5, -0.5], 1)
+    """
     if mask is not None:
-        keep = _tree.flatten(mask)
-        flat_g = {k: g for k, g in flat_g.items() if keep.get(k, True)}
+        flat_g = {k: g for k, g in flat_g.items() if mask.get(k, True)}
     missing = sorted(k for k in set(flat_p) - set(flat_g) if flat_p[k].requires_grad and
-                     (mask is None or _tree.flatten(mask).get(k, True)))
+                     (mask is None or mask.get(k, True)))
     if missing:
         raise ValueError(f"adamw: no gradient for {missing[:5]} (freeze leaves with requires_grad=False, "
                          "fmoe.optim.partition or mask=)")
-    norm = global_norm(flat_g)
+    norm = _norm([flat_g[k] for k in sorted(flat_g)])      # the order of global_norm(flat_g)
     finite = torch.isfinite(norm)
     scale = torch.ones((), dtype=norm.dtype)
     if cfg.max_grad_norm is not None:
         scale = torch.clamp(cfg.max_grad_norm / (norm + 1e-6), max=1.0)
-    count = state["step"] + finite.to(state["step"].dtype)                  # advances only when applied
+    count = count + finite.to(count.dtype)                  # advances only when applied
     b1, b2 = cfg.betas
     t = count.to(torch.float64).clamp(min=1)
     bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
@@ -255,9 +288,8 @@ def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], c
                 new_p[path] = p if donate else placed_like(pl, p).requires_grad_(p.requires_grad)
                 new_m[path] = flat_m[path] if donate else placed_like(m, flat_m[path])
                 new_v[path] = flat_v[path] if donate else placed_like(v, flat_v[path])
-    new_state = {"step": count, "m": _tree.unflatten(new_m, like=params), "v": _tree.unflatten(new_v, like=params)}
     stats = {"grad_norm": norm, "clip_scale": torch.where(finite, scale, 0), "skipped": ~finite}
-    return _tree.unflatten(new_p, like=params), new_state, stats
+    return new_p, new_m, new_v, count, stats
 
 
 def update(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], cfg: AdamWConfig = AdamWConfig(),

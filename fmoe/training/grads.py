@@ -29,9 +29,10 @@ from torch.distributed.tensor import DTensor, Partial
 from .. import tree as _tree
 from ..collectives import all_reduce_coalesced
 from ..mesh import DATA_AXES, Mesh
+from ..sharding import local_shard
 from ..sharding import placed_like as _like
 
-__all__ = ["reduce_grads", "DATA_AXES"]
+__all__ = ["reduce_grads", "reduce_flat", "DATA_AXES"]
 
 def _axes_to_reduce(g: Any) -> tuple:
     """Mesh axes over which this gradient still has to be summed (in mesh-dim order)."""
@@ -46,30 +47,55 @@ def _axes_to_reduce(g: Any) -> tuple:
 
 def reduce_grads(grads: Any, params: Any, mesh: Mesh, inplace: bool = False) -> Any:
     """Sum gradients over the data-parallel copies that do not hold them yet, divide by the
-    number of batches; returns a tree placed like ``params``.
-
-    Leaves that need the same reductions share one flat all-reduce per axis
-    (:func:`fmoe.collectives.all_reduce_coalesced`): one collective per group, not per leaf.
+    number of batches; returns a tree placed like ``params`` (:func:`reduce_flat` on the
+    flattened trees).
 
     Args:
         grads: per-rank gradients (``p.grad`` of every leaf), same structure as ``params``.
         params: the parameters (their placements are the result's placements).
         mesh: the job's :class:`fmoe.Mesh`.
-        inplace: divide the given gradients in place instead of copying them (for gradients
-            nothing else reads, e.g. fresh from ``torch.autograd.grad``): saves one full-size
-            copy of every leaf that needs no reduction, such as the experts.
+        inplace: as in :func:`reduce_flat`.
     Returns:
         reduced gradients.
 
     Example:
-        >>> # grads = reduce_grads(grads, params, mesh, inplace=True)   # then the optimizer step
+        >>> from fmoe import Mesh
+        >>> reduce_grads({"w": torch.ones(2)}, {"w": torch.zeros(2)}, Mesh())
+        {'w': tensor([1., 1.])}
+    """
+    out = reduce_flat(_tree.flatten(grads), _tree.flatten(params), mesh, inplace=inplace)
+    return _tree.unflatten(out, like=grads)
+
+
+def reduce_flat(flat_g: dict, flat_p: dict, mesh: Mesh, inplace: bool = False) -> dict:
+    """:func:`reduce_grads` on flat ``{path: leaf}`` dicts, as the train step holds them (no
+    tree walk): sum over the data-parallel copies that do not hold a gradient yet, divide by the
+    number of batches.
+
+    Leaves that need the same reductions share one flat all-reduce per axis
+    (:func:`fmoe.collectives.all_reduce_coalesced`): one collective per group, not per leaf.
+
+    Args:
+        flat_g: per-rank gradients by path.
+        flat_p: the parameters by path (at least ``flat_g``'s paths; their placements are the
+            result's placements).
+        mesh: the job's :class:`fmoe.Mesh`.
+        inplace: divide the given gradients in place instead of copying them (for gradients
+            nothing else reads, e.g. fresh from ``torch.autograd.grad``): saves one full-size
+            copy of every leaf that needs no reduction, such as the experts.
+    Returns:
+        the reduced gradients by path, in ``flat_g``'s order.
+
+    Example:
+        >>> from fmoe import Mesh
+        >>> reduce_flat({"a.w": torch.ones(2)}, {"a.w": torch.zeros(2)}, Mesh())
+        {'a.w': tensor([1., 1.])}
     """
     if not isinstance(inplace, bool):
         raise TypeError(f"reduce_grads: inplace must be a bool, got {type(inplace).__name__}")
     n = mesh.num_batches
-    flat_g, flat_p = _tree.flatten(grads), _tree.flatten(params)
     with torch.no_grad():
-        local = {k: (g._local_tensor if isinstance(g, DTensor) else g) for k, g in flat_g.items()}
+        local = {k: local_shard(g) for k, g in flat_g.items()}
         plans: dict[tuple, list[str]] = {}                 # reductions still due -> leaves
         owned: set[str] = set()                            # leaves now held in a reduction buffer
         for k, g in flat_g.items():
@@ -82,6 +108,5 @@ def reduce_grads(grads: Any, params: Any, mesh: Mesh, inplace: bool = False) -> 
                     local[k] = t
                     owned.add(k)
         # fresh reduction buffers are divided in place; the caller's own ones only if inplace
-        out = {k: _like(local[k] if n == 1 else local[k].div_(n) if inplace or k in owned else local[k] / n,
-                        flat_p[k]) for k in flat_g}
-    return _tree.unflatten(out, like=grads)
+        return {k: _like(local[k] if n == 1 else local[k].div_(n) if inplace or k in owned else local[k] / n,
+                         flat_p[k]) for k in flat_g}
