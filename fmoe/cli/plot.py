@@ -1,10 +1,13 @@
 """``fmoe plot OUT [OUT ...] --out runs.png``: training curves of one or several runs.
 
 Reads each run directory's ``log.jsonl`` (one JSON object per step, written by the main job) and
-the ``meta.json`` of its latest checkpoint, and draws four panels against the step: training
-loss, held-out loss (``eval_loss``, where logged), load imbalance (max / mean expert load,
-averaged over MoE layers) and tokens per second. Each run has one colour in every panel and
-one legend entry: its directory, then model, router and mesh from its ``meta.json``. Drawn with
+the ``meta.json`` of its latest checkpoint, and draws panels against the step: training loss,
+held-out loss (``eval_loss``, where logged), load imbalance (max / mean expert load, averaged
+over MoE layers) and tokens per second, then the routing panels of :data:`OPTIONAL` for the keys
+some run logged: drop rate (capacity routers), MaxVio after dropping and before it
+(``maxvio_routed``). Each run has one colour in every panel and one legend entry: its directory,
+then model, router, mesh and balancing from its ``meta.json``. A run without a panel's key has
+no line there, and a note on stderr says so. Drawn with
 matplotlib's non-interactive Agg backend (no display needed). The image is written to a
 temporary file beside it and renamed into place (never through a link); the default
 ``runs.png`` is never overwritten silently (pass ``--out``).
@@ -20,15 +23,18 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .plot_metric import latest_meta, log_rows, plot_metric, pyplot, save_png
+from .plot_metric import latest_meta, log_rows, plot_metric, pyplot, save_png, settings_label
 
-__all__ = ["load_run", "label", "plot_runs", "main", "PANELS", "DEFAULT_OUT"]
+__all__ = ["load_run", "label", "plot_runs", "main", "PANELS", "OPTIONAL", "DEFAULT_OUT"]
 
 DEFAULT_OUT = "runs.png"
 
 #: (metric key in log.jsonl, panel title)
 PANELS = (("loss", "training loss"), ("eval_loss", "held-out loss"), ("load_imbalance", "load imbalance (max/mean)"),
           ("tokens_per_s", "tokens / s"))
+#: panels drawn only when some run logged the key (routing studies; per-layer keys: the layers' mean)
+OPTIONAL = (("drop_rate", "drop rate (tokens no expert takes)"), ("maxvio", "MaxVio after dropping"),
+            ("maxvio_routed", "MaxVio before dropping (routed)"))
 
 
 def load_run(out: str) -> dict:
@@ -37,9 +43,9 @@ def load_run(out: str) -> dict:
     Raises:
         ValueError: ``out`` has no ``log.jsonl`` or a line is not JSON.
     """
-    series: dict[str, tuple[list, list]] = {k: ([], []) for k, _ in PANELS}
+    series: dict[str, tuple[list, list]] = {k: ([], []) for k, _ in PANELS + OPTIONAL}
     for row in log_rows(out):
-        for key, _ in PANELS:
+        for key, _ in PANELS + OPTIONAL:
             v = row.get(key)
             if isinstance(v, list):                        # per MoE layer: the layers' mean
                 v = sum(v) / len(v) if v else None
@@ -50,14 +56,10 @@ def load_run(out: str) -> dict:
 
 
 def label(run: dict) -> str:
-    """``OUT: model, router, mesh`` from a run's directory and meta.json (the directory alone
-    when there is none)."""
-    meta, name = run["meta"], os.path.normpath(run["out"])
-    if not meta:
-        return name
-    mesh = meta.get("mesh") if isinstance(meta.get("mesh"), dict) else {}
-    axes = " ".join(f"{k}={mesh[k]}" for k in ("tp", "ep", "fsdp", "dp_replicate") if k in mesh)
-    return f"{name}: {meta.get('model', '?')}, router {meta.get('router') or 'default'}, {axes}"
+    """``OUT: model, router, mesh, balance`` from a run's directory and meta.json (the directory
+    alone when there is none; :func:`fmoe.cli.plot_metric.settings_label`)."""
+    name = os.path.normpath(run["out"])
+    return f"{name}: {settings_label(run)}" if run["meta"] else name
 
 
 def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
@@ -75,8 +77,16 @@ def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
     _check_out(path)
     runs = [load_run(o) for o in outs]
     colors = [f"C{i % 10}" for i in range(len(runs))]           # one colour per run, in every panel
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for ax, (key, name) in zip(axes.flat, PANELS):
+    panels = PANELS + tuple(p for p in OPTIONAL if any(r["steps"][p[0]][0] for r in runs))
+    for key, _ in panels[len(PANELS):]:
+        for run in runs:
+            if not run["steps"][key][0]:
+                print(f"fmoe plot: note: {run['out']} logged no {key!r}; no line in that panel", file=sys.stderr)
+    rows = -(-len(panels) // 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 3.5 * rows), sharex=True, squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (key, name) in zip(axes.flat, panels):
         for run, color in zip(runs, colors):
             xs, ys = run["steps"][key]
             if xs:
@@ -84,7 +94,7 @@ def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
                         color=color)
         ax.set_title(name)
         ax.grid(alpha=0.3)
-    for ax in axes[1]:
+    for ax in axes[-1]:
         ax.set_xlabel("step")
     handles = [Line2D([], [], color=c) for c in colors]           # every run, whatever it logged
     fig.legend(handles, [label(r) for r in runs], loc="lower center", ncol=1, fontsize=8)

@@ -7,7 +7,8 @@ layers, or one line per layer with ``--per-layer``; ``--smooth N`` is a trailing
 last ``N`` logged points (the first points average what exists), ``--log`` a logarithmic y axis
 (non-positive values are not drawn there). Each run is labelled by its recorded settings: model, router and
 mesh (as :func:`fmoe.cli.plot.label`) plus the balancing of its ``meta.json``
-(``balance bias u=0.01 sign``, ``balance aux w=0.01``).
+(``balance bias u=0.01 sign``, ``balance aux w=0.01``). A run that never logged the metric
+(``drop_rate`` of a top-k run) is skipped with a note on stderr; none logging it is an error.
 
 Example:
     >>> smooth([1.0, 3.0, 5.0], 2)
@@ -55,7 +56,8 @@ def series(out: str, metric: str) -> tuple[list, list]:
     """``(steps, values)`` of ``metric`` in ``OUT/log.jsonl``; a value is a float or a per-layer list.
 
     Raises:
-        ValueError: no ``log.jsonl``, a line that is not JSON, or no row with the metric.
+        ValueError: no ``log.jsonl`` or a line that is not JSON.
+        LookupError: no row with the metric.
     """
     steps, values = [], []
     for row in log_rows(out):
@@ -65,7 +67,7 @@ def series(out: str, metric: str) -> tuple[list, list]:
             steps.append(row["step"])
             values.append(v)
     if not steps:
-        raise ValueError(f"fmoe plot: {os.path.join(out, 'log.jsonl')} has no row with {metric!r}")
+        raise LookupError(f"fmoe plot: {os.path.join(out, 'log.jsonl')} has no row with {metric!r}")
     return steps, values
 
 
@@ -160,8 +162,19 @@ def plot_metric(outs: Sequence[str], path: str, metric: str, *, log: bool = Fals
     """
     plt = pyplot()
 
+    import sys
+
     smooth([0.0], smoothing)                                # checks the window before any work
-    runs = [({"out": o, "meta": latest_meta(o)}, series(o, metric)) for o in outs]
+    runs, missing = [], []
+    for o in outs:
+        try:
+            runs.append(({"out": o, "meta": latest_meta(o)}, series(o, metric)))
+        except LookupError:                                 # the run never logged it: skipped, said so
+            missing.append(o)
+    if not runs:
+        raise ValueError(f"fmoe plot: no run logged {metric!r} ({', '.join(outs)})")
+    for o in missing:
+        print(f"fmoe plot: note: {o} logged no {metric!r}; skipped", file=sys.stderr)
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for i, (run, (steps, values)) in enumerate(runs):
         name, color = settings_label(run), f"C{i % 10}"

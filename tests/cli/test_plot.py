@@ -97,7 +97,7 @@ def test_metric_plot_log_smooth_per_layer_and_settings_labels(tmp_path):
     assert [list(ln.get_ydata())[:2] for ln in fig.axes[0].lines] == [[2.0, 3.0], [4.0, 5.0]]
     r = subprocess.run([sys.executable, "-m", "fmoe", "plot", a, "--metric", "maxvio", "--out", str(tmp_path / "x.png")],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "no row with 'maxvio'" in r.stderr
+    assert r.returncode == 2 and "no run logged 'maxvio'" in r.stderr
     r = subprocess.run([sys.executable, "-m", "fmoe", "plot", a, "--metric", "load_imbalance", "--log", "--smooth", "3",
                         "--out", str(tmp_path / "y.png")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (tmp_path / "y.png").stat().st_size > 10_000, r.stderr
@@ -110,3 +110,33 @@ def test_plot_without_matplotlib_says_which_extra_to_install(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "matplotlib", None)        # as if it were not installed
     assert main([a, "--out", str(tmp_path / "x.png")]) == 1
     assert "pip install 'fmoe[plot]'" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+
+
+def test_routing_panels_when_logged_legend_with_balance_and_missing_keys_skipped(tmp_path, capsys):
+    """Drop rate and MaxVio (after and before dropping) get panels when a run logged them; a run
+    without them has no line there and a note; --metric drop_rate skips it with a note."""
+    from fmoe.cli.plot_metric import plot_metric
+
+    top = _fake_run(tmp_path / "top", "qwen3_moe", "topk:k=2", 6.0)
+    cap = _fake_run(tmp_path / "cap", "qwen3_moe", "switch:capacity_factor=1.0", 6.0)
+    rows = [json.loads(line) for line in (tmp_path / "cap" / "log.jsonl").read_text().splitlines()]
+    with open(tmp_path / "cap" / "log.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "drop_rate": [0.1 * r["step"], 0.3], "maxvio": [0.2, 0.4],
+                                "maxvio_routed": [1.0, 2.0]}) + "\n")
+    meta = tmp_path / "cap" / "step-6" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "balance": "aux", "aux_weight": 0.01}))
+    fig = plot_runs([top, cap], str(tmp_path / "r.png"))
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert set(panels) == {n for _, n in PANELS} | {"drop rate (tokens no expert takes)", "MaxVio after dropping",
+                                                    "MaxVio before dropping (routed)"}
+    drop = panels["drop rate (tokens no expert takes)"].lines
+    assert len(drop) == 1 and drop[0].get_ydata()[0] == pytest.approx(0.2)        # the layers' mean
+    assert panels["MaxVio before dropping (routed)"].lines[0].get_ydata()[0] == pytest.approx(1.5)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[1].endswith("router switch:capacity_factor=1.0, tp=1 ep=4 fsdp=4 dp_replicate=1, balance aux w=0.01")
+    assert f"{top} logged no 'drop_rate'" in capsys.readouterr().err
+    fig = plot_metric([top, cap], str(tmp_path / "d.png"), "drop_rate")
+    assert len(fig.axes[0].lines) == 1 and f"{top} logged no 'drop_rate'; skipped" in capsys.readouterr().err
+    fig = plot_runs([top], str(tmp_path / "t.png"))                                # no routing keys: 4 panels
+    assert len([ax for ax in fig.axes if ax.get_visible()]) == 4
