@@ -1,10 +1,12 @@
 """The model interface: what a generic loader and trainer need from a model, declared once.
 
-Each model module (``fmoe.models.qwen3_moe`` and friends) declares one :class:`Model`::
+Each model module (``fmoe.models.qwen3_moe`` and friends) declares one :class:`Model` and
+offers its shared methods as module attributes through a PEP 562 module ``__getattr__``::
 
-    MODEL = Model("qwen3_moe", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
-                  tp_fields=_common.TP_FIELDS)
-    check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf
+    MODEL = Model("qwen3_moe", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS)
+
+    def __getattr__(name):               # qwen3_moe.load_hf, .save_hf, .shard, .check_plan
+        return MODEL.attribute(__name__, name)
 
 so the wrappers every model needs are written once, here, and code that handles any model
 (the trainer, the CLI, the checkpoint loader, the memory plan) reads the declared object
@@ -40,12 +42,15 @@ from .mesh import Mesh
 from .sharding import Plan, check_fused_gate_up
 from .sharding import shard as _shard
 
-__all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS"]
+__all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS", "EXPORTS"]
 
 Rules = Union[Plan, Mapping, None]
 
-#: The preset sizes every model's ``Config`` offers as classmethods (``Config.tiny()``).
+#: The preset sizes every model's ``Config`` offers (``Config.tiny()``, from its ``PRESETS`` table).
 PRESETS = ("tiny", "small")
+
+#: The :class:`Model` methods a model module offers as its own attributes (:meth:`Model.attribute`).
+EXPORTS = ("check_plan", "shard", "load_hf", "save_hf", "init_cache")
 
 #: Shape letter -> the config field that holds it, transformers' names; a model declares in
 #: ``Model.width_fields`` only the letters its config names otherwise (None: it has none).
@@ -82,7 +87,7 @@ class Model:
         forward: ``forward(params, tokens, cfg, mesh=None, ...) -> logits``.
         plan: ``plan(cfg) -> Plan``, the default placements.
         hf_specs: ``hf_specs(cfg, keys=None) -> {path: Spec}``: the checkpoint name map.
-        hf_ignore: dotted globs of checkpoint keys the loader skips.
+        hf_ignore: dotted globs of checkpoint keys the loader skips (default: rotary ``inv_freq`` buffers).
         tp_fields: ``{(name inside a layer, dim): config field}``: a dim split over tp must
             keep the field divisible (``("attn.wq", 0): "num_attention_heads"``).
         fused_gate_up: layer parameter names holding a fused ``[gate | up]`` (split per half).
@@ -92,16 +97,14 @@ class Model:
         aux_loss_fields: ``(switch, coefficient)``: the config fields that turn the router's
             load-balance loss on and weigh it (transformers' ``output_router_logits``,
             ``router_aux_loss_coef``), or None when the model has none (:meth:`with_aux_loss`).
-        remat_blocks: the blocks ``forward`` marks for :mod:`fmoe.remat` (``--remat`` choices
-            besides ``"none"``).
+        remat_blocks: the blocks ``forward`` marks for :mod:`fmoe.remat` (``--remat`` choices).
         width_fields: shape letter -> config field, over :data:`WIDTH_FIELDS` (:meth:`widths`).
         hf_router: how the model's Hugging Face config states its router, for exports:
             ``(fmoe.routing scheme, {scheme argument: config field}, {fixed argument: value})``,
             or None when the config has no router fields.
         router: ``router(cfg, biased=False)``: the router ``forward`` uses by default (``biased``:
             its twin that also reads ``expert_bias``, for ``--balance bias``); None for a dense model.
-        router_scores: the default router's score function, ``"softmax"`` or ``"sigmoid"`` (the
-            balance losses use the same probabilities).
+        router_scores: the default router's scores (``"softmax"`` or ``"sigmoid"``; the balance losses' too).
         hf_expert_bias: the Hugging Face format holds the expert bias (exportable after bias updates).
         balance: the model's own load-balancing method when ``--balance`` is not given (``"aux"``
             or ``"bias"``: aux-loss-free expert-bias updates).
@@ -113,7 +116,7 @@ class Model:
     forward: Callable
     plan: Callable[[Any], Plan]
     hf_specs: Callable
-    hf_ignore: tuple = ()
+    hf_ignore: tuple = ("**.rotary_emb.inv_freq",)
     tp_fields: Mapping[tuple, str] = field(default_factory=dict)
     fused_gate_up: tuple = ("mlp.w_gate_up", "mlp.b_gate_up")
     routed: bool = True
@@ -141,13 +144,22 @@ class Model:
     def HF_IGNORE(self) -> tuple:    # upper case: the checkpoint loader's protocol name
         return self.hf_ignore
 
-    def with_aux_loss(self, cfg: Any, weight: float) -> Any:
-        """``cfg`` with the router's load-balance loss on at ``weight`` (off at 0), through the
-        declared :attr:`aux_loss_fields`; ``cfg`` unchanged for a model without them.
+    def attribute(self, module: str, name: str) -> Any:
+        """A model module's attribute ``name`` from :data:`EXPORTS` (its PEP 562 ``__getattr__``):
+        ``AttributeError`` for any other name, as for a missing module attribute.
 
         Example:
-            >>> # qwen3_moe.MODEL.with_aux_loss(cfg, 0.01).router_aux_loss_coef  -> 0.01
+            >>> from fmoe.models import llama
+            >>> llama.load_hf == llama.MODEL.load_hf
+            True
         """
+        if name in EXPORTS and getattr(self, name) is not None:
+            return getattr(self, name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    def with_aux_loss(self, cfg: Any, weight: float) -> Any:
+        """``cfg`` with the router's load-balance loss on at ``weight`` (off at 0), through the
+        declared :attr:`aux_loss_fields`; ``cfg`` unchanged for a model without them."""
         if self.aux_loss_fields is None:
             return cfg
         switch, coef = self.aux_loss_fields
@@ -194,9 +206,7 @@ class Model:
             >>> llama.MODEL.preset("tiny").vocab_size >= 256
             True
         """
-        if name not in PRESETS:
-            raise ValueError(f"preset: name must be one of {PRESETS} (Config classmethods), got {name!r}")
-        cfg = getattr(self.Config, name)()
+        cfg = self.Config.preset(name)        # ValueError listing the presets for another name
         vocab = self._field("V")
         if getattr(cfg, vocab) < 256:
             cfg = replace(cfg, **{vocab: 256})
@@ -217,9 +227,6 @@ class Model:
             data_parallel: add the ``fsdp`` / ``efsdp`` splits (training).
         Returns:
             the checked :class:`fmoe.Plan`.
-
-        Example:
-            >>> # plan = qwen3_moe.MODEL.build_plan(cfg, {"lm_head": "replicate"}, mesh, data_parallel=True)
         """
         tp = mesh.tp if mesh is not None else 1 if tp is None else tp
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -237,12 +244,7 @@ class Model:
     def check_plan(self, cfg: Any, rules: Rules = None, tp: int = 1) -> Plan:
         """The plan (``rules``: a Plan, user rules merged over the default plan by key, or None)
         after checking that it splits whole heads and a dense fused gate/up per half over
-        ``tp`` ranks; ``ValueError`` naming the config field otherwise.
-
-        Example:
-            >>> # qwen3_moe.check_plan(qwen3_moe.Config.tiny(), tp=8)
-            >>> # ValueError: check_plan: tp=8 does not divide num_key_value_heads=4 (layers.0.attn.wk ...)
-        """
+        ``tp`` ranks; ``ValueError`` naming the config field otherwise."""
         return self.build_plan(cfg, rules, tp=tp)
 
     def _shapes(self, cfg: Any) -> Any:
@@ -270,11 +272,7 @@ class Model:
 
     # ---------------------------------------------------------------- the wrappers every model shares
     def shard(self, params: dict, cfg: Any, mesh: Mesh, plan: Rules = None) -> dict:
-        """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :meth:`check_plan`), checked first.
-
-        Example:
-            >>> # sharded = qwen3_moe.shard(init(cfg), cfg, fmoe.Mesh(tp=2, ep=4), {"layers.0.attn.wq": "colwise_gather"})
-        """
+        """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :meth:`check_plan`), checked first."""
         return _shard(params, self.check_plan(cfg, plan, mesh.tp), mesh)
 
     def load_hf(self, path: Union[str, os.PathLike], mesh: Optional[Mesh] = None, plan: Rules = None, *,
@@ -291,9 +289,6 @@ class Model:
                 floating-point dtype).
         Returns:
             ``(params, cfg)``; with a mesh the params equal ``shard(full_params, cfg, mesh, plan)``.
-
-        Example:
-            >>> # params, cfg = qwen3_moe.load_hf("Qwen3-30B-A3B", mesh=fmoe.Mesh(tp=2, ep=4))
         """
         built = None if mesh is None else (lambda cfg: self.build_plan(cfg, plan, tp=mesh.tp))
         return _hf.load_hf(self, path, mesh=mesh, plan=built, dtype=dtype)
@@ -301,11 +296,7 @@ class Model:
     def save_hf(self, params: dict, cfg: Any, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:
         """Write ``params`` (or a gradient tree) with the keys ``save_pretrained`` writes,
         atomically; transformers' ``from_pretrained`` loads the result. Call on every rank.
-        ``overwrite``: ``path`` may hold other files (see :func:`fmoe.checkpoint.save_hf`).
-
-        Example:
-            >>> # qwen3_moe.save_hf(params, cfg, "out"); transformers.AutoModelForCausalLM.from_pretrained("out")
-        """
+        ``overwrite``: ``path`` may hold other files (see :func:`fmoe.checkpoint.save_hf`)."""
         _hf.save_hf(self, params, cfg, path, overwrite=overwrite)
 
 

@@ -1,30 +1,33 @@
-"""The model skeleton: what every model file shares, so that a model file is its ``Config``, its
-math (attention, routing), its plan and its checkpoint name map (read by :mod:`._hf`).
+"""The model skeleton: what every model file shares, so that a model file reads top to bottom as
+its ``Config``, its math (attention, one decoder ``block``, the layer loop in ``forward``), its
+plan and its checkpoint name map (read by :mod:`._hf`).
 
-Every model here is the same pre-norm decoder; :func:`decoder` runs it::
+Every model here is the same pre-norm decoder; each model's ``forward`` spells it::
 
-    h = embed(tokens)                                   # [B, S, D]
-    for each layer (FSDP: gathered one at a time; remat kind "layer"):
-        h = h + attention(attn_norm(h))                 # the model's own function
-        h = h + (moe or mlp)(mlp_norm(h))               # fmoe.moe (remat kind "moe") or a SwiGLU MLP
-    logits = lm_head(norm(h))                           # [B, S, V], full on every rank
+    x, ctx = start(params, tokens, cfg, mesh, ...)     # checks; x = embed(tokens) [B, S, D]; rope, cache step
+    for i, layer in enumerate(params["layers"]):       # block: FSDP-gathered inside (remat kind "layer")
+        x = ctx.keep(*remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
+            # block: h = x + attention(attn_norm(x)); x = h + (moe or mlp)(mlp_norm(h))
+    logits = lm_head(norm(x))                          # [B, S, V], full on every rank
+    return ctx.outputs(logits, return_aux)             # (logits, cache, aux) as asked
 
 A model's ``attention(a, x, i, ctx, entry) -> (y, entry)`` reads what the call shares from a
 :class:`Context` (config, rotary tables, cache step; mesh, implementation, router and expert
-activation for the MoE blocks), so ``mesh`` travels in one object, not through every function.
+activation for :func:`moe`), so ``mesh`` travels in one object, not through every function.
 
-Around it: the config checks read from the field annotations (:func:`check_config`), parameters
-from one shape table (:func:`decoder_shapes`, :func:`init_params`), the KV cache and the
-router-loss switch (:func:`with_aux_loss`). The wrappers every model needs (``check_plan``,
-``shard``, ``load_hf``, ``save_hf``) are :class:`fmoe.model.Model` methods, declared once per
-model file as ``MODEL``.
+Around it: the config checks read from the field annotations (:func:`check_config`; the
+``Config`` base class, presets and ``config.json`` are :class:`fmoe.models._hf.ModelConfig`), parameters from
+one shape table (:func:`decoder_shapes`, :func:`init_params`), the KV cache and the router-loss
+switch (:func:`with_aux_loss`). ``load_hf``, ``save_hf``, ``shard``, ``check_plan`` (and a
+default ``init_cache``) are :class:`fmoe.model.Model` methods, which a model module offers through
+its PEP 562 ``__getattr__`` (:meth:`fmoe.model.Model.attribute`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -35,8 +38,8 @@ import fmoe.nn as nn
 from fmoe.activations import Activation, swiglu
 from fmoe.routing.aux_losses import with_losses
 
-__all__ = ["TP_FIELDS", "AUX_LOSS_FIELDS", "check_config", "rope", "decoder_shapes", "attention_shapes",
-           "init_params", "init_kv_cache", "Context", "decoder", "with_aux_loss"]
+__all__ = ["TP_FIELDS", "AUX_LOSS_FIELDS", "check_config", "rope", "decoder_shapes",
+           "attention_shapes", "init_params", "init_kv_cache", "Context", "start", "moe", "mlp", "with_aux_loss"]
 
 #: (parameter name inside a layer, tensor dim) -> the config field tp must divide when that dim
 #: is split over tp: attention by whole heads, a dense MLP by its hidden size.
@@ -165,23 +168,85 @@ def init_kv_cache(cfg: Any, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] 
 # ---------------------------------------------------------------------------- forward
 @dataclass(frozen=True)
 class Context:
-    """What every layer of one forward call shares.
+    """What every layer of one forward call shares, and what the layers return (:meth:`keep`).
 
     Attributes:
         cfg: the config.
         cos, sin: rotary tables of the new tokens' positions.
         step: the cache step (:class:`fmoe.nn.cache.Step`: start slot, key mask).
-        mesh, impl, router, act: passed to every ``fmoe.moe`` block.
+        cache: the cache being decoded with, or None.
+        mesh, impl, router, act: passed to every ``fmoe.moe`` block (:func:`moe`).
+        auxes, entries: per layer, its MoE block's aux (None for a dense layer) and cache entry.
     """
 
     cfg: Any
     cos: torch.Tensor
     sin: torch.Tensor
     step: nn.cache.Step
+    cache: Optional[dict] = None
     mesh: Optional[fmoe.Mesh] = None
     impl: str = "auto"
     router: Any = None
     act: Activation = swiglu
+    auxes: list = field(default_factory=list)
+    entries: list = field(default_factory=list)
+
+    def entry(self, i: int) -> Optional[dict]:
+        """Layer ``i``'s cache entry (None without a cache)."""
+        return None if self.cache is None else self.cache["layers"][i]
+
+    def keep(self, x: torch.Tensor, aux: Optional[dict], entry: Optional[dict]) -> torch.Tensor:
+        """Record a layer's ``aux`` and cache ``entry`` (outside its remat block); returns ``x``."""
+        self.auxes.append(aux)
+        self.entries.append(entry)
+        return x
+
+    def outputs(self, logits: torch.Tensor, return_aux: bool = False) -> Any:
+        """``logits``, then the new cache when decoding, then ``{"moe": [aux of each MoE block]}``
+        with ``return_aux`` (:func:`fmoe.nn.cache.outputs`)."""
+        aux = {"moe": [a for a in self.auxes if a is not None]} if return_aux else None
+        return nn.cache.outputs(logits, self.cache, self.step, self.entries, aux)
+
+
+def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh] = None,
+          cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None, *, rope_dim: Optional[int] = None,
+          impl: str = "auto", router: Any = None, act: Activation = swiglu) -> tuple[torch.Tensor, Context]:
+    """A forward call's start: the checks, ``x = embed(tokens)`` and the :class:`Context`.
+
+    Args:
+        params: tree from the model's ``init`` / ``load_hf`` (plain, or sharded by a plan).
+        tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
+        cfg: the model's config.
+        mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep;
+            dense layers read their placements from the parameters).
+        cache: a cache from the model's ``init_cache`` to decode with (:mod:`fmoe.nn.cache`).
+        positions: ``[S]`` or ``[B, S]`` rotary positions of the tokens, ``-1`` for left padding;
+            default: right after the cached tokens.
+        rope_dim: rotary features (default ``cfg.head_dim``).
+        impl: expert-parallel implementation of every ``fmoe.moe`` (``"auto"``, ``"all_to_all"``, ...).
+        router: the router of every MoE block (any ``fmoe.routing`` router or ``router(logits) -> Routing``).
+        act: the experts' activation.
+    Returns:
+        ``(x [B, S, D], ctx)``.
+
+    Example:
+        >>> from fmoe.models import llama
+        >>> x, ctx = start(llama.init(llama.Config.tiny()), torch.zeros(1, 3, dtype=torch.long), llama.Config.tiny())
+        >>> x.shape, ctx.cos.shape
+        (torch.Size([1, 3, 64]), torch.Size([3, 16]))
+    """
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
+        raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
+                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+    if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
+                            for layer in params["layers"] if "moe" in layer):
+        raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
+    fmoe.transforms.refuse_compiled_transform(mesh)
+    inv_freq, scaling = rope(cfg, rope_dim)
+    step = nn.cache.begin(tokens, cache, positions)
+    x = nn.embedding(tokens, params["embed"])  # [B, S, D]
+    cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, x.dtype)
+    return x, Context(cfg, cos, sin, step, cache, mesh, impl, router, act)
 
 
 def with_aux_loss(router: Any, cfg: Any) -> Any:
@@ -199,84 +264,14 @@ def with_aux_loss(router: Any, cfg: Any) -> Any:
     return with_losses(router, load_balance=getattr(cfg, coef)) if getattr(cfg, switch) else router
 
 
-def _moe(m: dict, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict]:
+def moe(m: dict, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict]:
+    """The routed experts, ``fmoe.moe`` over the ``(b s)`` tokens: ``x [B, S, D] -> (y [B, S, D], aux)``
+    (the call a model's block wraps in ``fmoe.remat.call("moe", ...)``)."""
     y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=ctx.router, mesh=ctx.mesh, impl=ctx.impl,
                       act=ctx.act)  # [T, D]
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
 
 
-def _layer(layer: dict, h: torch.Tensor, i: int, ctx: Context, entry: Optional[dict],
-           attention: Callable) -> tuple[torch.Tensor, Optional[dict], Any]:
-    """One decoder layer: ``h [B, S, D]`` -> ``(h, aux of its MoE block or None, cache entry)``.
-
-    The layer's FSDP-split weights are gathered inside it (one collective per process group), so
-    under ``remat.policy("layer")`` the recomputation gathers them again instead of the checkpoint
-    keeping the gathered weights alive from forward to backward as its inputs."""
-    layer = fmoe.unshard_layer(layer)
-    eps = ctx.cfg.rms_norm_eps
-    y, entry = attention(layer["attn"], nn.rms_norm(h, layer["attn_norm"], eps), i, ctx, entry)
-    h = h + y
-    x = nn.rms_norm(h, layer["mlp_norm"], eps)
-    if "moe" not in layer:
-        m = layer["mlp"]
-        return h + nn.swiglu_mlp(x, m["w_gate_up"], m["w_down"], m.get("b_gate_up"), m.get("b_down")), None, entry
-    y, aux = fmoe.remat.call("moe", _moe, layer["moe"], x, ctx)
-    return h + y, aux, entry
-
-
-def decoder(attention: Callable, params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh] = None,
-            *, rope_dim: Optional[int] = None, impl: str = "auto", router: Any = None, act: Activation = swiglu,
-            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None,
-            return_aux: bool = False) -> Any:
-    """The decoder of the module docstring around the model's ``attention``: every model's ``forward``.
-
-    Args:
-        attention: ``attention(a, x [B, S, D], i, ctx, entry) -> (y [B, S, D], entry)``: layer
-            ``i``'s attention on its normed input, writing its cache ``entry`` when not None.
-        params: tree from the model's ``init`` / ``load_hf`` (plain, or sharded by a plan).
-        tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
-        cfg: the model's config.
-        mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep;
-            dense layers read their placements from the parameters).
-        rope_dim: rotary features (default ``cfg.head_dim``).
-        impl: expert-parallel implementation of every ``fmoe.moe`` (``"auto"``, ``"all_to_all"``, ...).
-        router: the router of every MoE block (a model's ``forward`` takes one to replace its own:
-            any ``fmoe.routing`` router or ``router(logits) -> Routing``, for routing research).
-        act: the experts' activation.
-        cache: a cache from the model's ``init_cache`` to decode with (:mod:`fmoe.nn.cache`).
-        positions: ``[S]`` or ``[B, S]`` rotary positions of the tokens, ``-1`` for left padding;
-            default: right after the cached tokens.
-        return_aux: also return ``{"moe": [aux of each MoE block, in order]}``.
-    Returns:
-        logits ``[B, S, V]``, full on every rank; ``(logits, cache)`` with a cache; aux last with
-        ``return_aux`` (:func:`fmoe.nn.cache.outputs`).
-
-    Example:
-        >>> from fmoe.models import llama
-        >>> cfg = llama.Config.tiny()
-        >>> decoder(llama._attention, llama.init(cfg), torch.zeros(1, 3, dtype=torch.long), cfg).shape
-        torch.Size([1, 3, 128])
-    """
-    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
-        raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
-                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
-    if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
-                            for layer in params["layers"] if "moe" in layer):
-        raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
-    fmoe.transforms.refuse_compiled_transform(mesh)
-    inv_freq, scaling = rope(cfg, rope_dim)
-    step = nn.cache.begin(tokens, cache, positions)
-    h = nn.embedding(tokens, params["embed"])  # [B, S, D]
-    cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, h.dtype)
-    ctx = Context(cfg, cos, sin, step, mesh, impl, router, act)
-    auxes, entries = [], []
-    for i, layer in enumerate(params["layers"]):                  # FSDP: gathered inside each layer
-        h, aux, entry = fmoe.remat.call("layer", _layer, layer, h, i, ctx,
-                                        None if cache is None else cache["layers"][i], attention)
-        entries.append(entry)
-        auxes += [aux] if aux is not None else []
-    h = nn.rms_norm(h, params["norm"], cfg.rms_norm_eps)
-    logits = nn.linear(h, params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
-    return nn.cache.outputs(logits, cache, step, entries, {"moe": auxes} if return_aux else None)
-
-
+def mlp(m: dict, x: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU MLP (``w_gate_up [2I, D]``, ``w_down [D, I]``, optional biases): ``x [B, S, D] -> [B, S, D]``."""
+    return nn.swiglu_mlp(x, m["w_gate_up"], m["w_down"], m.get("b_gate_up"), m.get("b_down"))

@@ -1,5 +1,6 @@
-"""Hugging Face interop every model file shares: its ``config.json`` (:func:`from_hf_fields`,
-:func:`to_hf_fields`, :func:`rope_from_hf`) and its checkpoint name map turned into specs.
+"""Hugging Face interop every model file shares: the ``Config`` base (:class:`ModelConfig`:
+presets as data, ``config.json`` both ways through :func:`from_hf_fields`, :func:`to_hf_fields`,
+:func:`rope_from_hf`) and the checkpoint name map turned into specs.
 
 A model's name map is a table: parameter name inside layer N -> what it is made of, under the
 key prefix ``model.layers.N.``::
@@ -15,12 +16,13 @@ one table ``init`` uses too), so a spec's shape is never written twice.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 from fmoe.checkpoint import Cat, Key, Spec, Stack
 
-__all__ = ["rope_from_hf", "from_hf_fields", "to_hf_fields", "HF_TOP", "Experts", "hf_specs", "hf_names"]
+__all__ = ["ModelConfig", "rope_from_hf", "from_hf_fields", "to_hf_fields", "HF_TOP", "Experts", "hf_specs", "hf_names"]
 
 
 # ---------------------------------------------------------------------------- config.json
@@ -40,11 +42,11 @@ def rope_from_hf(hf: Mapping[str, Any], default_theta: float,
     return float(theta), () if kind == "default" else tuple(sorted(rope.items()))
 
 
-def from_hf_fields(cls: type, hf: Mapping[str, Any], want: Mapping[str, Any], skip: Sequence[str] = (),
-                   rope_default: Optional[Mapping[str, Any]] = None) -> dict:
+def from_hf_fields(cls: type, hf: Mapping[str, Any], want: Mapping[str, Any]) -> dict:
     """``Config`` keyword arguments read from a ``config.json`` dict: ``ValueError`` unless every
-    ``want`` key is absent or as wanted; the rope fields by :func:`rope_from_hf`; every other
-    field of ``cls`` that ``hf`` holds (not in ``skip``). A ``head_dim`` or ``num_key_value_heads``
+    ``want`` key is absent or as wanted; the rope fields by :func:`rope_from_hf` (no rope given:
+    the class's default ``rope_scaling``); every other field of ``cls`` that ``hf`` holds, a
+    ``tuple`` field from a JSON list (null: empty). A ``head_dim`` or ``num_key_value_heads``
     that is null or absent is derived as transformers derives it (``hidden_size //
     num_attention_heads``; ``num_attention_heads``); any other null is passed on, for the config
     to take (an ``Optional`` field) or refuse, naming the field.
@@ -60,9 +62,10 @@ def from_hf_fields(cls: type, hf: Mapping[str, Any], want: Mapping[str, Any], sk
     for key, value in want.items():
         if hf.get(key, value) != value:
             raise ValueError(f"Config.from_hf: {key} must be {value!r}, got {hf.get(key)!r}")
-    theta, scaling = rope_from_hf(hf, cls.rope_theta, default=rope_default)
-    skip = ("rope_theta", "rope_scaling", *skip)
-    kw = {f.name: hf[f.name] for f in fields(cls) if f.name in hf and f.name not in skip}
+    theta, scaling = rope_from_hf(hf, cls.rope_theta, default=dict(cls.rope_scaling))
+    tuples = {name for name, hint in typing.get_type_hints(cls).items() if hint is tuple}
+    kw = {f.name: tuple(hf[f.name] or ()) if f.name in tuples else hf[f.name] for f in fields(cls)
+          if f.name in hf and f.name not in ("rope_theta", "rope_scaling")}
     H = kw.get("num_attention_heads", getattr(cls, "num_attention_heads", None))
     derived = {"num_key_value_heads": H,
                "head_dim": kw.get("hidden_size", cls.hidden_size) // H if isinstance(H, int) and H > 0 else None}
@@ -70,18 +73,69 @@ def from_hf_fields(cls: type, hf: Mapping[str, Any], want: Mapping[str, Any], sk
     return {"rope_theta": theta, "rope_scaling": scaling, **kw}
 
 
-def to_hf_fields(cfg: Any, head: Mapping[str, Any], skip: Sequence[str] = (), **tail: Any) -> dict:
-    """The ``config.json`` of ``cfg``: ``head`` (model type, ...), every field not in ``skip``
-    (``tail`` replaces or adds values), then ``rope_parameters``.
+def to_hf_fields(cfg: Any, head: Mapping[str, Any]) -> dict:
+    """The ``config.json`` of ``cfg``: ``head`` (model type, ...), every field (a tuple as a
+    list), then ``rope_parameters``.
 
     Example:
         >>> from fmoe.models import llama
         >>> to_hf_fields(llama.Config.tiny(), {"model_type": "llama"})["rope_parameters"]
         {'rope_type': 'default', 'rope_theta': 10000.0}
     """
-    out = {k: v for k, v in asdict(cfg).items() if k not in ("rope_theta", "rope_scaling", *skip)}
+    out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()
+           if k not in ("rope_theta", "rope_scaling")}
     rope = {"rope_type": "default", **dict(cfg.rope_scaling), "rope_theta": cfg.rope_theta}
-    return {**head, **out, **tail, "rope_parameters": rope}
+    return {**head, **out, "rope_parameters": rope}
+
+class ModelConfig:
+    """The base of every model's frozen ``Config`` dataclass (it adds no field).
+
+    A subclass states two tables: ``HF``, the fixed ``config.json`` fields of transformers' class
+    (``model_type``, ``architectures``, ...: written by :meth:`to_hf`, and :meth:`from_hf` refuses
+    another value), and ``PRESETS``, preset name -> field values (``Config.tiny(**changes)``).
+    """
+
+    HF: ClassVar[Mapping[str, Any]] = {}
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+
+    @classmethod
+    def preset(cls, name: str, **changes: Any) -> Any:
+        """The preset ``name`` of ``PRESETS`` with ``changes``; ``ValueError`` listing the presets otherwise."""
+        if name not in cls.PRESETS:
+            raise ValueError(f"{cls.__module__}.Config: unknown preset {name!r}; valid: {list(cls.PRESETS)}")
+        return cls(**{**cls.PRESETS[name], **changes})
+
+    @classmethod
+    def tiny(cls, **changes: Any) -> Any:
+        """The test-sized preset (2-3 layers, D=64: tp <= 4 and ep <= 8 divide it), with ``changes``.
+
+        Example:
+            >>> from fmoe.models import mixtral
+            >>> mixtral.Config.tiny(num_hidden_layers=3).num_hidden_layers
+            3
+        """
+        return cls.preset("tiny", **changes)
+
+    @classmethod
+    def small(cls, **changes: Any) -> Any:
+        """The example and benchmark preset (4 layers, D=256), with ``changes``."""
+        return cls.preset("small", **changes)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> Any:
+        """Read a Hugging Face ``config.json`` dict (:func:`from_hf_fields`).
+
+        Example:
+            >>> from fmoe.models import gpt_oss
+            >>> gpt_oss.Config.from_hf(gpt_oss.Config.tiny().to_hf()) == gpt_oss.Config.tiny()
+            True
+        """
+        return cls(**from_hf_fields(cls, hf, {k: v for k, v in cls.HF.items() if k != "architectures"}))
+
+    def to_hf(self) -> dict:
+        """The ``config.json`` fields transformers' class reads (:func:`to_hf_fields`)."""
+        return to_hf_fields(self, self.HF)
+
 
 # ---------------------------------------------------------------------------- checkpoint name maps
 #: the paths outside the layers -> their checkpoint keys (the same in every model here).

@@ -1,38 +1,26 @@
 """DeepSeek-V3 (also Kimi K2, DeepSeek-R1): latent attention and aux-loss-free MoE, as pure functions.
 
-Numerics follow transformers' ``DeepseekV3ForCausalLM`` op for op:
+Numerics follow transformers' ``DeepseekV3ForCausalLM`` op for op. **MLA**: queries from a plain
+or a low-rank projection (``wq_b @ norm(wq_a @ x)``); keys and values from one compressed latent
+``c = norm(x @ wkv_a[:C])``, expanded per head by ``wkv_b``, plus one rotary key ``k_rot`` shared
+by every head (a head's key is ``[k_nope_h | k_rot]``; a decoding cache holds only ``c`` and
+``k_rot``). **RoPE** on the ``qk_rope_head_dim`` features, YaRN with ``mscale`` as transformers
+computes it; ``rope_interleave`` reads the pairs interleaved, as DeepSeek's checkpoints store
+them. **Routing** as ``noaux_tc`` (:func:`fmoe.routing.sigmoid_topk`): sigmoid scores plus
+``expert_bias`` (no gradient; the trainer's ``update_bias`` moves it) pick ``topk_group`` of
+``n_group`` groups, then the top-k; weights are the unbiased scores, renormalised with
+``norm_topk_prob``, times ``routed_scaling_factor``. **Shared experts** (one SwiGLU MLP) join
+every MoE layer; the first ``first_k_dense_replace`` layers are dense.
 
-- **MLA** (multi-head latent attention): queries from a plain projection or a low-rank one
-  (``q_lora_rank``: ``wq_b @ norm(wq_a @ x)``); keys and values from one compressed latent
-  ``c = norm(x @ wkv_a[:C])`` of ``kv_lora_rank`` C features, expanded per head by ``wkv_b``,
-  plus one decoupled rotary key ``k_rot`` shared by every head. Each head's key is
-  ``[k_nope_h | k_rot]``; a decoding cache holds only ``c`` and ``k_rot``.
-- **RoPE** on the ``qk_rope_head_dim`` features only, YaRN with ``mscale`` as transformers
-  computes it (cos/sin scaled by the YaRN attention factor, the softmax scale by
-  ``mscale(factor, mscale_all_dim) ** 2``); ``rope_interleave`` reads the rotary pairs
-  interleaved, as DeepSeek's checkpoints store them.
-- **Routing** as transformers' ``noaux_tc``: sigmoid scores; ``score + e_score_correction_bias``
-  selects the best ``topk_group`` of ``n_group`` groups (a group scores its top-2 sum) and then
-  the top-k experts; the weights are the unbiased scores, renormalised with ``norm_topk_prob``,
-  times ``routed_scaling_factor`` (:func:`fmoe.routing.sigmoid_topk`). The bias is the
-  ``expert_bias`` leaf: no gradient; the trainer's ``update_bias`` moves it.
-- **Shared experts** (``n_shared_experts`` of them, one SwiGLU MLP) added to every MoE layer;
-  the first ``first_k_dense_replace`` layers are dense SwiGLU MLPs.
-
-The parameter tree is :func:`shapes` (D hidden, H heads, C kv_lora_rank, Q q_lora_rank,
-n/r/v the nope/rope/value head dims, E experts, I expert hidden, Is = I * n_shared_experts, I'
-dense hidden); the decoder around :func:`_attention` is the shared one
-(:func:`fmoe.models._common.decoder`).
-
-Parallelism lives in :func:`plan`: MLA split by heads (``wq``/``wq_b``/``wkv_b`` colwise, ``wo``
-rowwise; the low-rank and latent projections replicated), experts on ``ep``, shared experts
-and dense MLPs packed colwise / rowwise.
+Shapes: B batch, S tokens, D hidden, H heads, C kv_lora_rank, Q q_lora_rank, n/r/v the
+nope/rope/value head dims, E experts, I expert hidden, Is = I * n_shared_experts, Id dense
+hidden. Parallelism lives in :func:`plan` alone (MLA split by heads, experts on ``ep``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from einops import rearrange
@@ -50,7 +38,7 @@ LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm keep the defau
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(_hf.ModelConfig):
     """DeepSeek-V3 hyper-parameters, named and defaulted as in transformers' ``DeepseekV3Config``."""
 
     vocab_size: int = 129280
@@ -80,6 +68,18 @@ class Config:
     rope_scaling: tuple = ()             # sorted (key, value) pairs of a non-default rope_parameters
     rope_interleave: bool = True
 
+    HF = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_act": "silu",
+          "attention_bias": False}
+    PRESETS = {  # tiny: 3 layers (the first dense), 8 experts in 4 groups (2 used) top-2: tp, ep <= 8. small: 32 top-4
+        "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                     num_attention_heads=8, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                     first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                     v_head_dim=12, max_position_embeddings=256),
+        "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=8, n_routed_experts=32, n_group=4, topk_group=2,
+                      num_experts_per_tok=4, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=96,
+                      qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=1024)}
+
     @property
     def num_experts(self) -> int:
         return self.n_routed_experts
@@ -91,69 +91,30 @@ class Config:
     def __post_init__(self):
         _common.check_config(self, kv_heads=None, at_least_zero=("first_k_dense_replace",),
                              rope_dim=self.qk_rope_head_dim)
-        E, G = self.n_routed_experts, self.n_group
-        if E % G or E // G < 2:
-            raise ValueError(f"Config: n_group={G} must divide n_routed_experts={E} into groups of >= 2 experts "
-                             "(a group scores its top-2 sum)")
-        if self.topk_group > G or self.num_experts_per_tok > self.topk_group * (E // G):
-            raise ValueError(f"Config: topk_group={self.topk_group} must be <= n_group={G} and num_experts_per_tok="
-                             f"{self.num_experts_per_tok} <= topk_group * n_routed_experts / n_group = "
-                             f"{self.topk_group * (E // G)}")
+        E, G, k = self.n_routed_experts, self.n_group, self.topk_group
+        if E % G or E // G < 2 or k > G or self.num_experts_per_tok > k * (E // G):
+            raise ValueError(f"Config: n_group={G} must split n_routed_experts={E} into groups of >= 2 experts (a "
+                             f"group scores its top-2 sum), topk_group={k} be <= n_group and num_experts_per_tok="
+                             f"{self.num_experts_per_tok} <= topk_group * n_routed_experts / n_group = {k * (E // G)}")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer`` is a mixture of experts (the first ``first_k_dense_replace`` are dense)."""
         return layer >= self.first_k_dense_replace
 
     @classmethod
-    def tiny(cls, **changes: Any) -> "Config":
-        """3 layers (the first dense), D=64, 8 heads, q LoRA 32, latent 32, 8 experts in 4 groups
-        (2 used) top-2, one shared expert: tp <= 8 and ep <= 8 divide it."""
-        return cls(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                             num_hidden_layers=3, num_attention_heads=8, n_routed_experts=8, n_group=4, topk_group=2,
-                             num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32,
-                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, max_position_embeddings=256),
-                      **changes})
-
-    @classmethod
-    def small(cls) -> "Config":
-        """4 layers (the first dense), D=256, 32 experts in 4 groups top-4: for examples."""
-        return cls(vocab_size=2048, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
-                   num_hidden_layers=4, num_attention_heads=8, n_routed_experts=32, n_group=4, topk_group=2,
-                   num_experts_per_tok=4, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=96,
-                   qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=1024)
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "Config":
-        """Read a Hugging Face ``config.json`` dict.
-
-        Example:
-            >>> Config.from_hf(Config.tiny().to_hf()) == Config.tiny()
-            True
-        """
-        kw = _hf.from_hf_fields(cls, hf, {"model_type": "deepseek_v3", "hidden_act": "silu",
-                                          "attention_bias": False})
+    def from_hf(cls, hf: Mapping[str, Any]) -> "Config":  # MLA: a KV head per query head; null groups: one
         heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
         if kv is not None and kv != heads:
             raise ValueError(f"Config.from_hf: num_key_value_heads={kv} must equal num_attention_heads={heads} "
                              "(MLA expands every head from the latent)")
-        for f in ("n_group", "topk_group"):
-            kw[f] = kw.get(f) or 1
-        return cls(**kw)
+        return super().from_hf({**hf, **{f: 1 for f in ("n_group", "topk_group") if f in hf and hf[f] is None}})
 
     def to_hf(self) -> dict:
-        """The ``config.json`` fields transformers' ``DeepseekV3Config`` reads."""
-        return _hf.to_hf_fields(self, {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
-                                       "hidden_act": "silu", "attention_bias": False,
-                                       "num_key_value_heads": self.num_attention_heads})
+        return {**super().to_hf(), "num_key_value_heads": self.num_attention_heads}
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:
-    """Every parameter path -> its shape, in init order.
-
-    Example:
-        >>> shapes(Config.tiny())["layers.1.attn.wkv_b"]
-        (160, 32)
-    """
+    """Every parameter path -> its shape, in init order (the one table of ``init`` and ``hf_specs``)."""
     D, E, I, Id = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.intermediate_size
     H, C, Q, r, n, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim,
                         cfg.qk_nope_head_dim, cfg.v_head_dim)
@@ -170,37 +131,21 @@ def shapes(cfg: Config) -> dict[str, tuple]:
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Random parameters of :func:`shapes` (normal(0, initializer_range) weights, unit norms, zero
-    expert bias); the same seed gives the same tree on every process.
-
-    Example:
-        >>> init(Config.tiny())["layers"][1]["moe"]["shared"]["w_down"].shape
-        torch.Size([64, 32])
-    """
+    """Random parameters of :func:`shapes`: normal(0, initializer_range) weights, unit norms, zero
+    expert bias; the same seed gives the same tree on every process."""
     return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("expert_bias",))
 
 
 def init_cache(cfg: Config, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] = None,
                dtype: torch.dtype = torch.float32) -> dict:
     """An empty decoding cache (:mod:`fmoe.nn.cache`): per layer the compressed ``latent
-    [B, L, C]`` and the rotary key ``k_rot [B, L, r]``, shared by all heads (so replicated).
-
-    Example:
-        >>> init_cache(Config.tiny(), 2, 16)["layers"][0]["latent"].shape
-        torch.Size([2, 16, 32])
-    """
+    [B, L, C]`` and the rotary key ``k_rot [B, L, r]``, shared by all heads (so replicated)."""
     entry = {"latent": (cfg.kv_lora_rank,), "k_rot": (cfg.qk_rope_head_dim,)}
     return nn.cache.init_cache(batch, max_len, [entry] * cfg.num_hidden_layers, dtype=dtype, mesh=mesh)
 
 
 def softmax_scale(cfg: Config) -> float:
-    """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` with YaRN (as transformers).
-
-    Example:
-        >>> round(softmax_scale(Config.tiny(rope_scaling=(("factor", 40.0), ("mscale_all_dim", 1.0),
-        ...     ("original_max_position_embeddings", 64), ("rope_type", "yarn")))), 4)
-        0.4685
-    """
+    """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` with YaRN (as transformers)."""
     s, scale = dict(cfg.rope_scaling), cfg.qk_head_dim ** -0.5
     if s.get("rope_type", s.get("type", "default")) != "default" and s.get("mscale_all_dim"):
         m = nn.yarn_mscale(s["factor"], s["mscale_all_dim"])
@@ -208,27 +153,21 @@ def softmax_scale(cfg: Config) -> float:
     return scale
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) -> torch.Tensor:
-    if cfg.rope_interleave:  # pairs (x0, x1), (x2, x3)...: gather evens then odds, rotate as usual
-        x = rearrange(x, "... (r two) -> ... (two r)", two=2)
-    return nn.apply_rope(x, cos, sin)
-
-
-def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
-               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+def attention(a: dict, x: torch.Tensor, ctx: _common.Context, entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     """Multi-head latent attention: ``x [B, S, D] -> [B, S, D]``, caching the latent and the rope key."""
     cfg, cos, sin, step = ctx.cfg, ctx.cos, ctx.sin, ctx.step
     n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     heads = lambda t, d: rearrange(t, "b s (h d) -> b s h d", d=d)  # noqa: E731
-    if "wq" in a:
-        q = nn.linear(x, a["wq"])
-    else:
-        q = nn.linear(nn.rms_norm(nn.linear(x, a["wq_a"]), a["q_a_norm"], LATENT_EPS), a["wq_b"])
+
+    def rope(t: torch.Tensor) -> torch.Tensor:  # rope_interleave: pairs (x0, x1), ...: evens then odds, as usual
+        return nn.apply_rope(rearrange(t, "... (r two) -> ... (two r)", two=2) if cfg.rope_interleave else t, cos, sin)
+
+    q = nn.linear(x, a["wq"]) if "wq" in a else \
+        nn.linear(nn.rms_norm(nn.linear(x, a["wq_a"]), a["q_a_norm"], LATENT_EPS), a["wq_b"])
     q_nope, q_rot = heads(q, n + r).split([n, r], dim=-1)                         # [B, S, H_local, n | r]
     latent, k_rot = nn.linear(x, a["wkv_a"]).split([cfg.kv_lora_rank, r], dim=-1)  # [B, S, C], [B, S, r]
     latent = nn.rms_norm(latent, a["kv_a_norm"], LATENT_EPS)
-    q_rot = _rope(q_rot, cos, sin, cfg)
-    k_rot = _rope(k_rot[:, :, None], cos, sin, cfg)[:, :, 0]                      # [B, S, r]
+    q_rot, k_rot = rope(q_rot), rope(k_rot[:, :, None])[:, :, 0]                  # k_rot: [B, S, r]
     if entry is not None:  # the cache holds the latent and the rope key, not per-head K/V
         entry, (latent, k_rot) = nn.cache.write(entry, step, latent=latent, k_rot=k_rot)
     k_nope, val = heads(nn.linear(latent, a["wkv_b"]), n + v).split([n, v], dim=-1)  # [B, Sk, H_local, n | v]
@@ -237,6 +176,19 @@ def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     o = nn.attention(torch.cat([q_nope, q_rot], dim=-1), k, val, causal=True, scale=softmax_scale(cfg),
                      key_mask=step.key_mask)                                     # [B, S, H_local, v]
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry
+
+
+def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Optional[dict]) -> tuple:
+    """Decoder layer ``i``: ``x [B, S, D] -> (x, aux of its MoE block or None, cache entry)``; its
+    FSDP-split weights are gathered here, so remat kind "layer" gathers them again in backward."""
+    layer, eps = fmoe.unshard_layer(layer), ctx.cfg.rms_norm_eps
+    a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), ctx, entry)
+    h = x + a
+    x = nn.rms_norm(h, layer["mlp_norm"], eps)
+    if "moe" not in layer:                                   # the first first_k_dense_replace layers
+        return h + _common.mlp(layer["mlp"], x), None, entry
+    y, aux = fmoe.remat.call("moe", _common.moe, layer["moe"], x, ctx)  # routed + shared experts
+    return h + y, aux, entry
 
 
 def default_router(cfg: Config, biased: bool = True):
@@ -249,32 +201,24 @@ def default_router(cfg: Config, biased: bool = True):
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
-            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Any:
+            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
-    with a ``cache``; ``{"moe": [aux of each MoE layer]}`` last with ``return_aux``. Arguments as
-    :func:`fmoe.models._common.decoder` takes them; ``router`` replaces the model's
-    ``noaux_tc`` router (:func:`default_router`; it receives ``expert_bias``) in every MoE layer.
-
-    Example:
-        >>> cfg = Config.tiny()
-        >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
-        torch.Size([2, 5, 128])
-    """
-    return _common.decoder(_attention, params, tokens, cfg, mesh, rope_dim=cfg.qk_rope_head_dim, impl=impl,
-                           router=router or default_router(cfg), cache=cache, positions=positions,
-                           return_aux=return_aux)
+    with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
+    ``return_aux``. ``router`` replaces the ``noaux_tc`` router of every MoE layer (it receives
+    ``expert_bias``); the other arguments as :func:`fmoe.models._common.start` takes them."""
+    x, ctx = _common.start(params, tokens, cfg, mesh, cache, positions, rope_dim=cfg.qk_rope_head_dim, impl=impl,
+                           router=router or default_router(cfg))  # x: [B, S, D]
+    for i, layer in enumerate(params["layers"]):
+        x = ctx.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps),
+                       params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
+    return ctx.outputs(logits, return_aux)
 
 
 def plan(cfg: Config) -> Plan:
-    """Default plan (non-strict; unnamed leaves replicated): MLA split by heads (``wq``, ``wq_b``,
-    ``wkv_b`` colwise, ``wo`` rowwise; ``wq_a``, ``wkv_a`` and the latent norms replicated),
-    router and expert bias replicated, experts on ``ep``, shared experts and dense MLPs packed
-    colwise / rowwise, embedding vocab-parallel, lm_head colwise with gathered output.
-
-    Example:
-        >>> plan(Config.tiny()).match("layers.1.attn.wkv_b")
-        ('layers.*.attn.wkv_b', 'colwise')
-    """
+    """Default plan (non-strict; unnamed leaves replicated): MLA split by heads (``wq`` or ``wq_b``,
+    ``wkv_b`` colwise, ``wo`` rowwise; the low-rank and latent projections replicated), experts on
+    ``ep``, shared experts and dense MLPs packed colwise / rowwise, embedding vocab-parallel."""
     q = "layers.*.attn.wq" if cfg.q_lora_rank is None else "layers.*.attn.wq_b"
     sparse = [cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)]
     return Plan({
@@ -289,7 +233,6 @@ def plan(cfg: Config) -> Plan:
 
 
 # ---------------------------------------------------------------------------- checkpoint name map
-HF_IGNORE = ("**.rotary_emb.inv_freq",)
 HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (a list: concatenated on dim 0)
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     "attn.wq": "self_attn.q_proj.weight", "attn.wq_a": "self_attn.q_a_proj.weight",
@@ -307,24 +250,18 @@ HF_FUSED = {"moe.w_gate_up": "mlp.experts.gate_up_proj", "moe.w_down": "mlp.expe
 
 
 def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
-    """Every parameter path -> how it is made of checkpoint tensors (:data:`HF_LAYER` over
-    :func:`shapes`); experts from per-expert keys (what ``save_pretrained`` writes) or the fused
-    in-memory keys of :data:`HF_FUSED` when ``keys`` holds them.
-
-    Example:
-        >>> hf_specs(Config.tiny())["layers.1.attn.wkv_b"].shape
-        (160, 32)
-    """
+    """Every parameter path -> how it is made of checkpoint tensors: :data:`HF_LAYER` over
+    :func:`shapes`, or :data:`HF_FUSED` in the layers where ``keys`` hold the fused names."""
     return _hf.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
 
 
-# ---------------------------------------------------------------------------- the declared interface
-MODEL = Model("deepseek_v3", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
-              tp_fields=_common.TP_FIELDS, init_cache=init_cache,
-              width_fields={"E": "n_routed_experts", "G": None, "hd": None},
+MODEL = Model("deepseek_v3", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS,
+              init_cache=init_cache, width_fields={"E": "n_routed_experts", "G": None, "hd": None},
               hf_router=("sigmoid_topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob",
                                           "scale": "routed_scaling_factor", "num_groups": "n_group",
                                           "topk_groups": "topk_group"}, {"group_top": 2}),
-              router=default_router, router_scores="sigmoid", hf_expert_bias=True,
-              balance="bias")
-check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf
+              router=default_router, router_scores="sigmoid", hf_expert_bias=True, balance="bias")
+
+
+def __getattr__(name: str) -> Any:  # load_hf, save_hf, shard, check_plan: MODEL's methods
+    return MODEL.attribute(__name__, name)

@@ -1,24 +1,18 @@
 """gpt-oss: attention sinks, biases everywhere and clamped-SwiGLU experts, as pure functions.
 
 Numerics follow transformers' ``GptOssForCausalLM`` op for op: q/k/v/o projections with biases,
-YaRN RoPE (when configured), one learned sink logit per query head in the softmax denominator,
-sliding-window and full attention alternating by ``layer_types``, a router with a bias doing
-top-k on the logits then softmax over the k kept, experts with biases and the clamped SwiGLU
-``(clamp(up) + 1) * gate * sigmoid(alpha * gate)`` (gate clamped above at ``limit``).
-The parameter tree is :func:`shapes` (D hidden, H query heads, G KV heads,
-hd head dim, E experts, I expert hidden, V vocab); the decoder around :func:`_attention` is the
-shared one (:func:`fmoe.models._common.decoder`).
-
-The checkpoint stores experts for ``x @ W``: ``gate_up_proj [E, D, 2I]`` with gate and up
-*interleaved* on the last dim (gate = ``[..., ::2]``) and ``down_proj [E, I, D]``; the specs
-de-interleave and transpose them (per-rank reads stay strided slices of the file). MXFP4
-quantized checkpoints (``*_blocks`` / ``*_scales`` keys) must be dequantized first.
+YaRN RoPE, one learned sink logit per query head in the softmax denominator, sliding-window and
+full attention alternating by ``layer_types``, a router with a bias doing top-k on the logits
+then softmax over the k kept, experts with biases and the clamped SwiGLU ``(clamp(up) + 1) *
+gate * sigmoid(alpha * gate)`` (gate clamped above at ``limit``). Shapes: B batch, S tokens,
+D hidden, H query heads, G KV heads, hd head dim, E experts, I expert hidden, V vocab. MXFP4
+checkpoints (``*_blocks`` / ``*_scales`` keys) must be dequantized first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from einops import rearrange
@@ -37,7 +31,7 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(_hf.ModelConfig):
     """gpt-oss hyper-parameters, named and defaulted as in transformers' ``GptOssConfig``
     (gpt-oss-20b has 24 layers and 32 experts, gpt-oss-120b 36 and 128)."""
 
@@ -64,6 +58,15 @@ class Config:
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False  # True: each MoE layer adds coef * load-balance loss to aux
 
+    HF = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_act": "silu"}
+    PRESETS = {  # tiny: sliding window 4, then full, YaRN; tiny(num_key_value_heads=8) for tp=8. small: ~27M params
+        "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
+                     num_key_value_heads=4, head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+                     max_position_embeddings=256),
+        "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_local_experts=32,
+                      sliding_window=64, max_position_embeddings=1024)}
+
     @property
     def num_experts(self) -> int:
         """E (``num_local_experts`` in the HF config)."""
@@ -76,39 +79,6 @@ class Config:
         if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(_LAYER_TYPES):
             raise ValueError(f"Config: layer_types must list one of {_LAYER_TYPES} per layer "
                              f"(num_hidden_layers={self.num_hidden_layers}), got {self.layer_types!r}")
-
-    @classmethod
-    def tiny(cls, **changes: Any) -> "Config":
-        """2 layers (sliding window 4, then full), D=64, 8 query / 4 KV heads, 8 experts top-2,
-        YaRN RoPE: tp <= 4 and ep <= 8 divide it; ``Config.tiny(num_key_value_heads=8)`` for tp=8."""
-        return cls(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_local_experts=8,
-                           num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256), **changes})
-
-    @classmethod
-    def small(cls) -> "Config":
-        """4 layers, D=256, 32 experts top-4: for examples and benchmarks (about 27M parameters)."""
-        return cls(vocab_size=2048, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_local_experts=32,
-                   sliding_window=64, max_position_embeddings=1024)
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "Config":
-        """Read a Hugging Face ``config.json`` dict.
-
-        Example:
-            >>> Config.from_hf(Config.tiny().to_hf()) == Config.tiny()
-            True
-        """
-        kw = _hf.from_hf_fields(cls, hf, {"model_type": "gpt_oss"}, skip=("layer_types",),
-                                rope_default=dict(_YARN))  # no rope given: gpt-oss's YaRN
-        return cls(layer_types=tuple(hf.get("layer_types") or ()), **kw)
-
-    def to_hf(self) -> dict:
-        """The ``config.json`` fields transformers' ``GptOssConfig`` reads."""
-        return _hf.to_hf_fields(self, {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
-                                       "hidden_act": "silu"}, skip=("layer_types",),
-                                layer_types=list(self.layer_types))
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:
@@ -130,25 +100,16 @@ def shapes(cfg: Config) -> dict[str, tuple]:
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Random parameters of :func:`shapes` (normal(0, initializer_range) weights, sinks and router
-    bias; unit norms; zero projection and expert biases); the same seed gives the same tree everywhere.
-
-    Example:
-        >>> init(Config.tiny())["layers"][0]["attn"]["sinks"].shape
-        torch.Size([8])
-    """
+    """Random parameters of :func:`shapes`: normal(0, initializer_range) weights, sinks and router
+    bias; unit norms; zero projection and expert biases; the same seed gives the same tree everywhere."""
     return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("b_*", "b[qkvo]"))
 
 
-init_cache = _common.init_kv_cache  # per layer k, v [B, L, G, hd], split over tp like the KV heads
-
-
-def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
-               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
-    """Grouped-query attention with biases and one sink logit per head, over layer ``i``'s window:
-    ``x [B, S, D] -> [B, S, D]``."""
+def attention(a: dict, x: torch.Tensor, ctx: _common.Context, entry: Optional[dict],
+              window: Optional[int]) -> tuple[torch.Tensor, Optional[dict]]:
+    """Grouped-query attention with biases and one sink logit per head, over the last ``window``
+    keys (None: all): ``x [B, S, D] -> [B, S, D]``."""
     cfg = ctx.cfg
-    window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
     heads = lambda t: rearrange(t, "b s (h d) -> b s h d", d=cfg.head_dim)  # noqa: E731
     q = nn.apply_rope(heads(nn.linear(x, a["wq"], a.get("bq"))), ctx.cos, ctx.sin)  # [B, S, H_local, hd]
     k = nn.apply_rope(heads(nn.linear(x, a["wk"], a.get("bk"))), ctx.cos, ctx.sin)  # [B, S, G_local, hd]
@@ -160,6 +121,17 @@ def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo")), entry  # [B, S, D]
 
 
+def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Optional[dict]) -> tuple:
+    """Decoder layer ``i``, sliding or full attention by ``layer_types``: ``x [B, S, D] -> (x, aux of
+    its MoE block, cache entry)``; FSDP-split weights gathered here (remat "layer" regathers them)."""
+    layer, cfg, eps = fmoe.unshard_layer(layer), ctx.cfg, ctx.cfg.rms_norm_eps
+    window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
+    a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), ctx, entry, window)
+    h = x + a
+    y, aux = fmoe.remat.call("moe", _common.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
+    return h + y, aux, entry                                  # the experts' activation: ctx.act
+
+
 def default_router(cfg: Config, biased: bool = False):
     """Top-k of the logits, softmax over the chosen (``biased``: selection also reads ``expert_bias``)."""
     make = fmoe.routing.balance.biased_topk_softmax if biased else fmoe.routing.topk_softmax
@@ -167,13 +139,12 @@ def default_router(cfg: Config, biased: bool = False):
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
-            impl: str = "auto", return_aux: bool = False,
-            router: Optional[Any] = None, cache: Optional[dict] = None,
-            positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
+            impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
+            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
-    with a ``cache``; ``{"moe": [aux of each MoE layer]}`` last with ``return_aux``. Arguments as
-    :func:`fmoe.models._common.decoder` takes them; ``router`` replaces the model's
-    top-k-then-softmax router in every MoE layer.
+    with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
+    ``return_aux``. ``router`` replaces the top-k-then-softmax router of every MoE layer; the
+    other arguments as :func:`fmoe.models._common.start` takes them.
 
     Example:
         >>> cfg = Config.tiny()
@@ -181,9 +152,13 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         torch.Size([2, 5, 128])
     """
     router = _common.with_aux_loss(router or default_router(cfg), cfg)
-    return _common.decoder(_attention, params, tokens, cfg, mesh, impl=impl, router=router, cache=cache,
-                           positions=positions, return_aux=return_aux,
-                           act=fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit))
+    act = fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
+    x, ctx = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, act=act)
+    for i, layer in enumerate(params["layers"]):                         # x: [B, S, D]
+        x = ctx.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps),
+                       params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
+    return ctx.outputs(logits, return_aux)
 
 
 def plan(cfg: Config) -> Plan:
@@ -203,21 +178,14 @@ def plan(cfg: Config) -> Plan:
 
 
 # ---------------------------------------------------------------------------- checkpoint name map
-HF_IGNORE = ("**.rotary_emb.inv_freq",)
-
-
-def _t(shape: tuple) -> tuple:
-    """The checkpoint's shape of an expert weight: stored for ``x @ W``, its last two dims swapped."""
-    return (shape[0], shape[2], shape[1])
-
-
-HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N.", or a spec of (prefix, shape)
+HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N.", or a spec of (prefix, shape); the
+    # experts are stored for x @ W (last two dims swapped), gate_up_proj [E, D, 2I] with gate and up interleaved
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     **{f"attn.{w}{x}": f"self_attn.{x}_proj.{kind}" for w, kind in (("w", "weight"), ("b", "bias")) for x in "qkvo"},
     "attn.sinks": "self_attn.sinks", "moe.router": "mlp.router.weight", "moe.router_bias": "mlp.router.bias",
-    "moe.w_gate_up": lambda k, s: Transpose(Deinterleave(Key(k + "mlp.experts.gate_up_proj", _t(s)), dim=2), 1, 2),
+    "moe.w_gate_up": lambda k, s: Transpose(Deinterleave(Key(k + "mlp.experts.gate_up_proj", (s[0], s[2], s[1])), dim=2), 1, 2),
     "moe.b_gate_up": lambda k, s: Deinterleave(Key(k + "mlp.experts.gate_up_proj_bias", s), dim=1),
-    "moe.w_down": lambda k, s: Transpose(Key(k + "mlp.experts.down_proj", _t(s)), 1, 2),
+    "moe.w_down": lambda k, s: Transpose(Key(k + "mlp.experts.down_proj", (s[0], s[2], s[1])), 1, 2),
     "moe.b_down": "mlp.experts.down_proj_bias",
 }
 
@@ -232,11 +200,11 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
     return _hf.hf_specs(shapes(cfg), HF_LAYER, keys)
 
 
-# ---------------------------------------------------------------------------- the declared interface
-MODEL = Model("gpt_oss", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
-              tp_fields=_common.TP_FIELDS, init_cache=init_cache,
-              aux_loss_fields=_common.AUX_LOSS_FIELDS,
+MODEL = Model("gpt_oss", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS,
+              init_cache=_common.init_kv_cache, aux_loss_fields=_common.AUX_LOSS_FIELDS,
               width_fields={"E": "num_local_experts", "I": "intermediate_size"},
-              hf_router=("topk_softmax", {"k": "num_experts_per_tok"}, {}),
-              router=default_router)
-check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf
+              hf_router=("topk_softmax", {"k": "num_experts_per_tok"}, {}), router=default_router)
+
+
+def __getattr__(name: str) -> Any:  # load_hf, save_hf, shard, check_plan, init_cache: MODEL's methods
+    return MODEL.attribute(__name__, name)

@@ -1,11 +1,8 @@
 """Llama: the dense decoder-only transformer, as pure functions over a parameter tree.
 
 The tensor-parallel reference model of fmoe (no experts). Numerics follow transformers'
-``LlamaForCausalLM`` op for op. The parameter tree is :func:`shapes` (D hidden, H query heads,
-G KV heads, hd head dim, I MLP hidden, V vocab; biases only with ``attention_bias`` /
-``mlp_bias``); the decoder around :func:`_attention` is the shared one
-(:func:`fmoe.models._common.decoder`).
-
+``LlamaForCausalLM`` op for op. Shapes: B batch, S tokens, D hidden, H query heads, G KV heads,
+hd head dim, I MLP hidden, V vocab; biases only with ``attention_bias`` / ``mlp_bias``.
 Parallelism lives in :func:`plan`, never in :func:`forward`: the layer functions of
 :mod:`fmoe.nn` read each parameter's placement and communicate as needed, so the same forward
 runs on one process or many and returns the full logits ``[B, S, V]`` on every rank.
@@ -20,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from einops import rearrange
@@ -35,7 +32,7 @@ from fmoe.checkpoint import Spec
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(_hf.ModelConfig):
     """Llama hyper-parameters, named as in the Hugging Face ``config.json``."""
 
     vocab_size: int = 32000
@@ -54,36 +51,15 @@ class Config:
     mlp_bias: bool = False
     initializer_range: float = 0.02
 
+    HF = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu"}
+    PRESETS = {  # tiny: for tests (GQA: 4 query heads, 2 KV heads); small: about 4M parameters
+        "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+        "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024)}
+
     def __post_init__(self):
         _common.check_config(self)
-
-    @classmethod
-    def tiny(cls) -> "Config":
-        """A 2-layer model for tests (GQA: 4 query heads, 2 KV heads)."""
-        return cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-
-    @classmethod
-    def small(cls) -> "Config":
-        """A 4-layer model for examples and benchmarks (about 4M parameters)."""
-        return cls(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024)
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "Config":
-        """Read a Hugging Face ``config.json`` dict (transformers 4.x or 5.x rope fields).
-
-        Example:
-            >>> Config.from_hf(Config.tiny().to_hf()) == Config.tiny()
-            True
-        """
-        kw = _hf.from_hf_fields(cls, hf, {"model_type": "llama", "hidden_act": "silu"})
-        return cls(**kw)
-
-    def to_hf(self) -> dict:
-        """The ``config.json`` fields transformers' ``LlamaConfig`` reads."""
-        return _hf.to_hf_fields(self, {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                                       "hidden_act": "silu"})
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:
@@ -101,13 +77,8 @@ def shapes(cfg: Config) -> dict[str, tuple]:
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Random parameters of :func:`shapes` (normal(0, initializer_range) weights, unit norms, zero biases).
-
-    Args:
-        cfg: the config; seed: the same seed gives the same tree on every process;
-        dtype: parameter dtype.
-    Returns:
-        the nested parameter dict.
+    """Random parameters of :func:`shapes`: normal(0, initializer_range) weights, unit norms, zero
+    biases; the same seed gives the same tree on every process.
 
     Example:
         >>> init(Config.tiny())["layers"][0]["attn"]["wq"].shape
@@ -116,11 +87,8 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict
     return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("b_*", "b[qkvo]"))
 
 
-init_cache = _common.init_kv_cache  # per layer k, v [B, L, G, hd], split over tp like the KV heads
-
-
-def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
-               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+def attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
+              entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     """Grouped-query attention with RoPE: ``x [B, S, D] -> [B, S, D]``."""
     cfg = ctx.cfg
     heads = lambda t: rearrange(t, "b s (h d) -> b s h d", d=cfg.head_dim)  # noqa: E731
@@ -135,18 +103,32 @@ def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo")), entry  # [B, S, D]
 
 
+def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Optional[dict]) -> tuple:
+    """Decoder layer ``i``: ``x [B, S, D] -> (x, None, cache entry)`` (no MoE block: no aux); its
+    FSDP-split weights are gathered here, so remat kind "layer" gathers them again in backward."""
+    layer, eps = fmoe.unshard_layer(layer), ctx.cfg.rms_norm_eps
+    a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), i, ctx, entry)
+    h = x + a
+    return h + _common.mlp(layer["mlp"], nn.rms_norm(h, layer["mlp_norm"], eps)), None, entry
+
+
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Any:
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
-    with a ``cache``. Arguments as :func:`fmoe.models._common.decoder` takes them (``mesh`` for
-    the common signature: placements travel with the parameters).
+    with a ``cache`` (:func:`init_cache`). Arguments as :func:`fmoe.models._common.start` takes
+    them (``mesh`` for the common signature: placements travel with the parameters).
 
     Example:
         >>> cfg = Config.tiny()
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    return _common.decoder(_attention, params, tokens, cfg, mesh, cache=cache, positions=positions)
+    x, ctx = _common.start(params, tokens, cfg, mesh, cache, positions)  # [B, S, D]
+    for i, layer in enumerate(params["layers"]):
+        x = ctx.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps),
+                       params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
+    return ctx.outputs(logits)
 
 
 def plan(cfg: Config) -> Plan:
@@ -174,7 +156,6 @@ def plan(cfg: Config) -> Plan:
 
 
 # ---------------------------------------------------------------------------- checkpoint name map
-HF_IGNORE = ("**.rotary_emb.inv_freq",)
 HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (a list: concatenated on dim 0)
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     **{f"attn.{w}{x}": f"self_attn.{x}_proj.{kind}" for w, kind in (("w", "weight"), ("b", "bias")) for x in "qkvo"},
@@ -209,8 +190,10 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
     return _hf.hf_specs(shapes(cfg), HF_LAYER, keys)
 
 
-# ---------------------------------------------------------------------------- the declared interface
-MODEL = Model("llama", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
-              tp_fields=_common.TP_FIELDS, init_cache=init_cache, routed=False,
-              remat_blocks=("layer",), width_fields={"E": None, "K": None, "I": None})
-check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf
+MODEL = Model("llama", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS,
+              init_cache=_common.init_kv_cache, routed=False, remat_blocks=("layer",),
+              width_fields={"E": None, "K": None, "I": None})
+
+
+def __getattr__(name: str) -> Any:  # load_hf, save_hf, shard, check_plan, init_cache: MODEL's methods
+    return MODEL.attribute(__name__, name)

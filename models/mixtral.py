@@ -2,19 +2,16 @@
 
 Numerics follow transformers' ``MixtralForCausalLM`` op for op: GQA attention with RoPE and an
 optional sliding window (every layer), softmax-top-k routing always renormalised, no biases.
-The parameter tree is :func:`shapes` (D hidden, H query heads, G KV heads, hd head dim,
-E experts, I expert hidden, V vocab); the decoder around :func:`_attention` is the shared one
-(:func:`fmoe.models._common.decoder`).
-
-Parallelism lives in :func:`plan`; :func:`forward` runs unchanged on one process or many and
-returns the full logits on every rank. ``router_jitter_noise`` (training-time noise on the
-router input) is not applied: forward is deterministic.
+``router_jitter_noise`` (training-time noise on the router input) is not applied: forward is
+deterministic. Shapes: B batch, S tokens, D hidden, H query heads, G KV heads, hd head dim,
+E experts, I expert hidden, V vocab. Parallelism lives in :func:`plan` alone: the same
+:func:`forward` runs on one process or many and returns the full logits on every rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from einops import rearrange
@@ -30,7 +27,7 @@ from fmoe.checkpoint import Spec
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(_hf.ModelConfig):
     """Mixtral hyper-parameters, named and defaulted as in transformers' ``MixtralConfig``."""
 
     vocab_size: int = 32000
@@ -52,6 +49,13 @@ class Config:
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False  # True: each MoE layer adds coef * load-balance loss to aux
 
+    HF = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_act": "silu"}
+    PRESETS = {  # tiny: 8 query / 4 KV heads (tiny(num_key_value_heads=8) for tp=8); small: about 14M parameters
+        "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=8,
+                     num_key_value_heads=4, head_dim=8, num_local_experts=8, max_position_embeddings=256),
+        "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024)}
+
     @property
     def num_experts(self) -> int:
         """E (``num_local_experts`` in the HF config)."""
@@ -60,39 +64,9 @@ class Config:
     def __post_init__(self):
         _common.check_config(self, experts="num_local_experts")
 
-    @classmethod
-    def tiny(cls, **changes: Any) -> "Config":
-        """2 layers, D=64, 8 query / 4 KV heads, 8 experts top-2: tp <= 4 and ep <= 8 divide it.
-        ``Config.tiny(num_key_value_heads=8)`` is the variant for tp=8."""
-        return cls(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_local_experts=8,
-                           max_position_embeddings=256), **changes})
-
-    @classmethod
-    def small(cls) -> "Config":
-        """4 layers, D=256, 8 experts top-2: for examples and benchmarks (about 14M parameters)."""
-        return cls(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024)
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "Config":
-        """Read a Hugging Face ``config.json`` dict.
-
-        Example:
-            >>> Config.from_hf(Config.tiny(sliding_window=4).to_hf()) == Config.tiny(sliding_window=4)
-            True
-        """
-        kw = _hf.from_hf_fields(cls, hf, {"model_type": "mixtral", "hidden_act": "silu"})
-        return cls(**kw)
-
-    def to_hf(self) -> dict:
-        """The ``config.json`` fields transformers' ``MixtralConfig`` reads."""
-        return _hf.to_hf_fields(self, {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
-                                       "hidden_act": "silu"})
-
 
 def shapes(cfg: Config) -> dict[str, tuple]:
-    """Every parameter path -> its shape, in init order.
+    """Every parameter path -> its shape, in init order (the one table of ``init`` and ``hf_specs``).
 
     Example:
         >>> shapes(Config.tiny())["layers.1.moe.w_down"]
@@ -105,21 +79,13 @@ def shapes(cfg: Config) -> dict[str, tuple]:
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Random parameters of :func:`shapes` (normal(0, initializer_range) weights, unit norms); the
-    same seed gives the same tree on every process.
-
-    Example:
-        >>> init(Config.tiny())["layers"][1]["moe"]["w_down"].shape
-        torch.Size([8, 64, 32])
-    """
+    """Random parameters of :func:`shapes`: normal(0, initializer_range) weights, unit norms; the
+    same seed gives the same tree on every process."""
     return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype)
 
 
-init_cache = _common.init_kv_cache  # per layer k, v [B, L, G, hd], split over tp like the KV heads
-
-
-def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
-               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+def attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
+              entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     """Grouped-query attention with RoPE and the optional sliding window: ``x [B, S, D] -> [B, S, D]``."""
     cfg = ctx.cfg
     heads = lambda t: rearrange(t, "b s (h d) -> b s h d", d=cfg.head_dim)  # noqa: E731
@@ -133,6 +99,16 @@ def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry  # [B, S, D]
 
 
+def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Optional[dict]) -> tuple:
+    """Decoder layer ``i``: ``x [B, S, D] -> (x, aux of its MoE block, cache entry)``; its FSDP-split
+    weights are gathered here, so remat kind "layer" gathers them again in backward."""
+    layer, eps = fmoe.unshard_layer(layer), ctx.cfg.rms_norm_eps
+    a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), i, ctx, entry)
+    h = x + a
+    y, aux = fmoe.remat.call("moe", _common.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
+    return h + y, aux, entry
+
+
 def default_router(cfg: Config, biased: bool = False):
     """Softmax -> top-k, always renormalized (``biased``: selection also reads ``expert_bias``)."""
     make = fmoe.routing.balance.biased_topk if biased else fmoe.routing.topk
@@ -140,13 +116,12 @@ def default_router(cfg: Config, biased: bool = False):
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
-            impl: str = "auto", return_aux: bool = False,
-            router: Optional[Any] = None, cache: Optional[dict] = None,
-            positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
+            impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
+            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
-    with a ``cache``; ``{"moe": [aux of each MoE layer]}`` last with ``return_aux``. Arguments as
-    :func:`fmoe.models._common.decoder` takes them; ``router`` replaces the model's
-    softmax top-k router (always renormalised) in every MoE layer.
+    with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
+    ``return_aux``. ``router`` replaces the softmax top-k router of every MoE layer; the other
+    arguments as :func:`fmoe.models._common.start` takes them.
 
     Example:
         >>> cfg = Config.tiny()
@@ -154,8 +129,12 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         torch.Size([2, 5, 128])
     """
     router = _common.with_aux_loss(router or default_router(cfg), cfg)
-    return _common.decoder(_attention, params, tokens, cfg, mesh, impl=impl, router=router, cache=cache,
-                           positions=positions, return_aux=return_aux)
+    x, ctx = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router)  # [B, S, D]
+    for i, layer in enumerate(params["layers"]):
+        x = ctx.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps),
+                       params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
+    return ctx.outputs(logits, return_aux)
 
 
 def plan(cfg: Config) -> Plan:
@@ -174,7 +153,6 @@ def plan(cfg: Config) -> Plan:
 
 
 # ---------------------------------------------------------------------------- checkpoint name map
-HF_IGNORE = ("**.rotary_emb.inv_freq",)
 HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (the hub layout)
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     **{f"attn.w{x}": f"self_attn.{x}_proj.weight" for x in "qkvo"},
@@ -183,16 +161,12 @@ HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (the 
     "moe.w_down": Experts("block_sparse_moe.experts.", "w2"),
 }
 HF_FUSED = {"moe.router": "mlp.gate.weight", "moe.w_gate_up": "mlp.experts.gate_up_proj",
-            "moe.w_down": "mlp.experts.down_proj"}
+            "moe.w_down": "mlp.experts.down_proj"}  # transformers' in-memory names, read where a checkpoint holds them
 
 
 def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
-    """Every parameter path -> how it is made of checkpoint tensors (:data:`HF_LAYER` over :func:`shapes`).
-
-    The hub layout (what ``save_pretrained`` writes) keeps one key per expert under
-    ``block_sparse_moe`` (``experts.3.w1.weight``: gate, ``w3``: up, ``w2``: down); when ``keys``
-    holds transformers' fused in-memory names (``mlp.experts.gate_up_proj``) those of
-    :data:`HF_FUSED` are read.
+    """Every parameter path -> how it is made of checkpoint tensors: :data:`HF_LAYER` over
+    :func:`shapes`, or :data:`HF_FUSED` in the layers where ``keys`` hold the fused names.
 
     Example:
         >>> hf_specs(Config.tiny())["layers.0.moe.router"]
@@ -201,11 +175,11 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
     return _hf.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
 
 
-# ---------------------------------------------------------------------------- the declared interface
-MODEL = Model("mixtral", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
-              tp_fields=_common.TP_FIELDS, init_cache=init_cache,
-              aux_loss_fields=_common.AUX_LOSS_FIELDS,
+MODEL = Model("mixtral", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS,
+              init_cache=_common.init_kv_cache, aux_loss_fields=_common.AUX_LOSS_FIELDS,
               width_fields={"E": "num_local_experts", "I": "intermediate_size"},
-              hf_router=("topk", {"k": "num_experts_per_tok"}, {"normalize": True}),
-              router=default_router)
-check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf
+              hf_router=("topk", {"k": "num_experts_per_tok"}, {"normalize": True}), router=default_router)
+
+
+def __getattr__(name: str) -> Any:  # load_hf, save_hf, shard, check_plan, init_cache: MODEL's methods
+    return MODEL.attribute(__name__, name)

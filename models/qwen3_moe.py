@@ -2,14 +2,10 @@
 
 Numerics follow transformers' ``Qwen3MoeForCausalLM`` op for op: per-head RMSNorm on q and k
 before RoPE, no attention bias, softmax-top-k routing (renormalised when ``norm_topk_prob``),
-SwiGLU experts. Layers listed in ``mlp_only_layers`` or skipped by ``decoder_sparse_step`` use a
-dense SwiGLU MLP instead. The parameter tree is :func:`shapes` (D hidden, H query heads, G KV
-heads, hd head dim, E experts, I expert hidden, I' dense hidden, V vocab); the decoder around
-:func:`_attention` is the shared one (:func:`fmoe.models._common.decoder`).
-
-Parallelism lives in :func:`plan` (dense tensor parallelism as in ``llama``, experts on
-``P("ep", None, None)``); :func:`forward` only calls layer functions and ``fmoe.moe``, so it
-runs unchanged on one process or many and returns the full logits on every rank.
+SwiGLU experts; layers in ``mlp_only_layers`` or skipped by ``decoder_sparse_step`` are dense
+SwiGLU MLPs. Shapes: B batch, S tokens, D hidden, H query heads, G KV heads, hd head dim,
+E experts, I expert hidden, Id dense hidden, V vocab. Parallelism lives in :func:`plan` alone:
+the same :func:`forward` runs on one process or many and returns the full logits on every rank.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from fmoe.checkpoint import Spec
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(_hf.ModelConfig):
     """Qwen3-MoE hyper-parameters, named and defaulted as in transformers' ``Qwen3MoeConfig``."""
 
     vocab_size: int = 151936
@@ -57,6 +53,16 @@ class Config:
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False  # True: each MoE layer adds coef * load-balance loss to aux
 
+    HF = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_act": "silu",
+          "attention_bias": False}
+    PRESETS = {  # tiny: 8 query / 4 KV heads (tiny(num_key_value_heads=8) for tp=8); small: about 27M parameters
+        "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                     norm_topk_prob=True, max_position_embeddings=256),
+        "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=768, moe_intermediate_size=256,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=32,
+                      num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=1024)}
+
     def __post_init__(self):
         _common.check_config(self, experts="num_experts")
 
@@ -65,46 +71,16 @@ class Config:
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     @classmethod
-    def tiny(cls, **changes: Any) -> "Config":
-        """2 layers, D=64, 8 query / 4 KV heads, 8 experts top-2: tp <= 4 and ep <= 8 divide it.
-        ``Config.tiny(num_key_value_heads=8)`` is the variant for tp=8."""
-        return cls(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
-                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256),
-                      **changes})
-
-    @classmethod
-    def small(cls) -> "Config":
-        """4 layers, D=256, 32 experts top-4: for examples and benchmarks (about 27M parameters)."""
-        return cls(vocab_size=2048, hidden_size=256, intermediate_size=768, moe_intermediate_size=256,
-                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=32,
-                   num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=1024)
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "Config":
-        """Read a Hugging Face ``config.json`` dict.
-
-        Example:
-            >>> Config.from_hf(Config.tiny().to_hf()) == Config.tiny()
-            True
-        """
-        kw = _hf.from_hf_fields(cls, hf, {"model_type": "qwen3_moe", "hidden_act": "silu", "attention_bias": False},
-                                skip=("sliding_window", "mlp_only_layers", "num_experts"))
-        kw["num_experts"] = hf.get("num_experts", hf.get("num_local_experts", cls.num_experts))
-        return cls(sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window") else None,
-                   mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()), **kw)
+    def from_hf(cls, hf: Mapping[str, Any]) -> "Config":  # transformers 5 writes num_experts as num_local_experts;
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None   # a window only when used
+        return super().from_hf({"num_experts": hf.get("num_local_experts", cls.num_experts), **hf, "sliding_window": window})
 
     def to_hf(self) -> dict:
-        """The ``config.json`` fields transformers' ``Qwen3MoeConfig`` reads."""
-        return _hf.to_hf_fields(self, {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-                                       "hidden_act": "silu", "attention_bias": False}, skip=("sliding_window",),
-                                mlp_only_layers=list(self.mlp_only_layers),
-                                use_sliding_window=self.sliding_window is not None,
-                                sliding_window=self.sliding_window)
+        return {**super().to_hf(), "use_sliding_window": self.sliding_window is not None}
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:
-    """Every parameter path -> its shape, in init order.
+    """Every parameter path -> its shape, in init order (the one table of ``init`` and ``hf_specs``).
 
     Example:
         >>> shapes(Config.tiny())["layers.0.moe.w_gate_up"]
@@ -119,21 +95,13 @@ def shapes(cfg: Config) -> dict[str, tuple]:
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
-    """Random parameters of :func:`shapes` (normal(0, initializer_range) weights, unit norms); the
-    same seed gives the same tree on every process.
-
-    Example:
-        >>> init(Config.tiny())["layers"][0]["moe"]["w_gate_up"].shape
-        torch.Size([8, 64, 64])
-    """
+    """Random parameters of :func:`shapes`: normal(0, initializer_range) weights, unit norms; the
+    same seed gives the same tree on every process."""
     return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype)
 
 
-init_cache = _common.init_kv_cache  # per layer k, v [B, L, G, hd], split over tp like the KV heads
-
-
-def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
-               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+def attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
+              entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     """Grouped-query attention with RMSNorm per head on q and k: ``x [B, S, D] -> [B, S, D]``."""
     cfg = ctx.cfg
     heads = lambda t: rearrange(t, "b s (h d) -> b s h d", d=cfg.head_dim)  # noqa: E731
@@ -149,6 +117,19 @@ def _attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry  # [B, S, D]
 
 
+def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Optional[dict]) -> tuple:
+    """Decoder layer ``i``: ``x [B, S, D] -> (x, aux of its MoE block or None, cache entry)``; its
+    FSDP-split weights are gathered here, so remat kind "layer" gathers them again in backward."""
+    layer, eps = fmoe.unshard_layer(layer), ctx.cfg.rms_norm_eps
+    a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), i, ctx, entry)
+    h = x + a
+    x = nn.rms_norm(h, layer["mlp_norm"], eps)
+    if "moe" not in layer:                                   # mlp_only_layers, decoder_sparse_step
+        return h + _common.mlp(layer["mlp"], x), None, entry
+    y, aux = fmoe.remat.call("moe", _common.moe, layer["moe"], x, ctx)
+    return h + y, aux, entry
+
+
 def default_router(cfg: Config, biased: bool = False):
     """Softmax -> top-k, renormalized as the config says (``biased``: selection also reads ``expert_bias``)."""
     make = fmoe.routing.balance.biased_topk if biased else fmoe.routing.topk
@@ -156,23 +137,25 @@ def default_router(cfg: Config, biased: bool = False):
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
-            impl: str = "auto", return_aux: bool = False,
-            router: Optional[Any] = None, cache: Optional[dict] = None,
-            positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
+            impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
+            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
-    with a ``cache``; ``{"moe": [aux of each MoE layer]}`` last with ``return_aux``. Arguments as
-    :func:`fmoe.models._common.decoder` takes them; ``router`` replaces the model's
-    softmax top-k router in every MoE layer.
+    with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
+    ``return_aux``. ``router`` replaces the softmax top-k router of every MoE layer; the other
+    arguments as :func:`fmoe.models._common.start` takes them.
 
     Example:
         >>> cfg = Config.tiny()
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    router = _common.with_aux_loss(router or default_router(cfg),
-                                   cfg)
-    return _common.decoder(_attention, params, tokens, cfg, mesh, impl=impl, router=router, cache=cache,
-                           positions=positions, return_aux=return_aux)
+    router = _common.with_aux_loss(router or default_router(cfg), cfg)
+    x, ctx = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router)  # [B, S, D]
+    for i, layer in enumerate(params["layers"]):
+        x = ctx.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps),
+                       params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
+    return ctx.outputs(logits, return_aux)
 
 
 def plan(cfg: Config) -> Plan:
@@ -194,7 +177,6 @@ def plan(cfg: Config) -> Plan:
 
 
 # ---------------------------------------------------------------------------- checkpoint name map
-HF_IGNORE = ("**.rotary_emb.inv_freq",)
 HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (a list: concatenated on dim 0)
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     **{f"attn.w{x}": f"self_attn.{x}_proj.weight" for x in "qkvo"},
@@ -208,10 +190,9 @@ HF_FUSED = {"moe.w_gate_up": "mlp.experts.gate_up_proj", "moe.w_down": "mlp.expe
 
 
 def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
-    """Every parameter path -> how it is made of checkpoint tensors (:data:`HF_LAYER` over
-    :func:`shapes`). Experts are read from per-expert keys (``mlp.experts.3.gate_proj.weight``,
-    what ``save_pretrained`` writes) or, when ``keys`` holds them, from the fused in-memory keys
-    of :data:`HF_FUSED` (``mlp.experts.gate_up_proj [E, 2I, D]``, ``mlp.experts.down_proj [E, D, I]``).
+    """Every parameter path -> how it is made of checkpoint tensors: :data:`HF_LAYER` over
+    :func:`shapes` (experts one key per expert, what ``save_pretrained`` writes), or
+    :data:`HF_FUSED` in the layers where ``keys`` hold transformers' fused in-memory names.
 
     Example:
         >>> hf_specs(Config.tiny())["layers.0.moe.w_down"].shape
@@ -220,10 +201,11 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
     return _hf.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
 
 
-# ---------------------------------------------------------------------------- the declared interface
-MODEL = Model("qwen3_moe", Config, init, forward, plan, hf_specs, hf_ignore=HF_IGNORE,
-              tp_fields=_common.TP_FIELDS, init_cache=init_cache,
-              aux_loss_fields=_common.AUX_LOSS_FIELDS,
+MODEL = Model("qwen3_moe", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS,
+              init_cache=_common.init_kv_cache, aux_loss_fields=_common.AUX_LOSS_FIELDS,
               hf_router=("topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob"}, {}),
               router=default_router)
-check_plan, shard, load_hf, save_hf = MODEL.check_plan, MODEL.shard, MODEL.load_hf, MODEL.save_hf
+
+
+def __getattr__(name: str) -> Any:  # load_hf, save_hf, shard, check_plan, init_cache: MODEL's methods
+    return MODEL.attribute(__name__, name)

@@ -8,9 +8,10 @@
   ``setup_context``);
 - ``fmoe/routing`` (pure functions of the logits) and ``models/`` (math only) never import
   ``torch.distributed``;
-- imports point down the layers of ``ARCHITECTURE.md``, the programs (layer 7) above the models
-  and the training library: the library imports no program, ``fmoe/train/`` holds only the CLI,
-  ``python -m fmoe.plan`` is a handover to ``fmoe.memplan``;
+- imports point down the layers of ``ARCHITECTURE.md``, the programs (layer 8, ``fmoe/cli/``) above
+  the training job (7) and the models (6): program code lives only in ``fmoe/cli/`` (nothing else
+  imports ``argparse`` or ``fmoe.cli``), no library package has a ``__main__`` (``fmoe/__main__.py``
+  hands over to ``fmoe.cli``), ``fmoe/train/`` is gone and the README is a front page;
 - no compatibility aliases (alias modules, second names, parameter aliases);
 - one model registry (``fmoe.models``): no ``import_module`` of a model and no table of model
   names elsewhere, no guessed config fields;
@@ -244,8 +245,8 @@ def test_a_submodule_import_counts_its_package():
 
 # ------------------------------------------------------------------------------- the model interface
 MODEL_FILES = sorted(n for n in MODULES if n.startswith("fmoe.models.") and not n.rpartition(".")[2].startswith("_"))
-GENERIC = [n for n in MODULES if n.startswith(("fmoe.models", "fmoe.train", "fmoe.checkpoint", "fmoe.generate"))
-           or n in ("fmoe.model", "fmoe.memory.plan", "fmoe.plan.__main__") or n.startswith(("fmoe.training", "fmoe.memplan"))]
+GENERIC = [n for n in MODULES if n.startswith(("fmoe.models", "fmoe.cli", "fmoe.checkpoint", "fmoe.generate"))
+           or n in ("fmoe.model", "fmoe.memory.plan") or n.startswith("fmoe.training")]
 
 
 def probes(tree: ast.AST) -> list[str]:
@@ -326,19 +327,8 @@ def test_no_module_level_mutable_state():
 
 
 # ------------------------------------------------------------------------------- layers (ARCHITECTURE.md)
-#: The command-line programs: they parse, lock, launch and report, above the library and the
-#: models (a program's ``__main__`` inside a library package counts as a program).
-PROGRAMS = ("fmoe.train", "fmoe.memplan", "fmoe.dryrun", "fmoe.plan", "fmoe.generate.__main__", "fmoe.data.__main__",
-            "fmoe.plot", "fmoe.plot_metric")
-#: Library modules still inside the CLI package, each moving out in parallel work of issue 23
-#: (``fmoe/train/optim.py`` to ``fmoe/optim/``, ``fmoe/train/ckpt.py`` to ``fmoe/checkpoint/``):
-#: layer 5; importing one also runs ``fmoe/train/__init__.py``, which may import only them.
-#: Delete an entry when its module has moved (``test_pending_moves_are_still_pending`` says so).
-PENDING_MOVES: tuple = ()   # library modules still inside fmoe/train/ (none left)
-#: The modules of the CLI package ``fmoe/train/``: nothing else lives there.
-TRAIN_CLI = ("fmoe.train", "fmoe.train.__main__", "fmoe.train.cli", "fmoe.train.flags", "fmoe.train.parse",
-             "fmoe.train.loop", "fmoe.train.options", "fmoe.train.outdir", "fmoe.train.resume", "fmoe.train.export",
-             "fmoe.train.threads", "fmoe.train.api")
+#: The programs, ``fmoe <command>``: they parse, lock, launch and report, above everything else.
+PROGRAMS = ("fmoe.cli", "fmoe.__main__")
 
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
     (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.activations", "fmoe.precision",
@@ -347,11 +337,11 @@ LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own 
     (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat")),
     (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
-    (5, ("fmoe.model", "fmoe.testing", "fmoe.training", "fmoe.optim", "fmoe.checkpoint", "fmoe.generate",
-         "fmoe.data", "fmoe.memory.plan", "fmoe.memory.peak", "fmoe.memory.dry_run", "fmoe.memory.tracker",
-         *PENDING_MOVES)),
+    (5, ("fmoe.model", "fmoe.testing", "fmoe.optim", "fmoe.checkpoint", "fmoe.generate",
+         "fmoe.data", "fmoe.memory.plan", "fmoe.memory.peak", "fmoe.memory.tracker")),
     (6, ("fmoe.models",)),
-    (7, PROGRAMS),
+    (7, ("fmoe.training", "fmoe.memory.dry_run")),      # the job: a model by name, its step, its run
+    (8, PROGRAMS),
 ]
 
 
@@ -371,59 +361,85 @@ IMPORTS = {name: _imports(name) for name in MODULES}
 
 
 def upward_imports(modules) -> list[str]:
-    """Imports of a higher layer than the importer's (the namespace ``fmoe`` aside; the edge
-    ``n -> fmoe.train`` that importing a :data:`PENDING_MOVES` module implies, too)."""
+    """Imports of a higher layer than the importer's (the namespace ``fmoe`` aside)."""
     return sorted(f"{n} (layer {layer_of(n)}) imports {m} (layer {layer_of(m)})"
-                  for n in modules for m in IMPORTS[n]
-                  if n != "fmoe" and layer_of(m) > layer_of(n)
-                  and not (m == "fmoe.train" and IMPORTS[n] & set(PENDING_MOVES)))
+                  for n in modules for m in IMPORTS[n] if n != "fmoe" and layer_of(m) > layer_of(n))
 
 
 def test_imports_point_down_the_layers():
     assert upward_imports(MODULES) == []
     assert layer_of("fmoe.models.qwen3_moe") == 6 and layer_of("fmoe.experts.blocked") == 2
-    assert layer_of("fmoe.plan.__main__") == 7 and layer_of("fmoe.sharding.plan") == 1 and layer_of("fmoe.training.step") == 5
+    assert layer_of("fmoe.cli.train") == 8 and layer_of("fmoe.sharding.plan") == 1 and layer_of("fmoe.training.step") == 7
 
 
 def test_the_library_and_the_models_import_no_program():
-    """Programs sit above the library (layer 5) and the models (6): nothing below imports one,
-    so the library is usable without any command line."""
-    below = [n for n in MODULES if n != "fmoe" and layer_of(n) < 7]
-    assert [u for u in upward_imports(below) if "(layer 7)" in u] == []
-    assert {n for n in MODULES if layer_of(n) == 7} >= {"fmoe.train.cli", "fmoe.memplan.cli", "fmoe.plan.__main__"}
+    """Programs sit above the library, the models and the job: nothing below imports one, so the
+    library is usable without any command line."""
+    below = [n for n in MODULES if n != "fmoe" and layer_of(n) < 8]
+    assert [u for u in upward_imports(below) if "(layer 8)" in u] == []
+    assert {n for n in MODULES if layer_of(n) == 8} >= {"fmoe.cli.train", "fmoe.cli.memory", "fmoe.__main__"}
 
 
-def test_the_train_package_holds_the_cli_only():
-    """Every library module has left ``fmoe/train/`` (no pending moves remain), so importing
-    ``fmoe.train`` loads the CLI's entry point and nothing that a library caller needs."""
-    assert PENDING_MOVES == ()
-    assert IMPORTS["fmoe.train"] <= set(TRAIN_CLI) | {m for m in MODULES if layer_of(m) < 5}
+# ------------------------------------------------------------------------------- programs in one room
+def is_program(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in PROGRAMS)
 
 
-def cli_package_strays(modules) -> list[str]:
-    """Modules of ``fmoe/train/`` that are neither the CLI nor a pending move (library code
-    belongs in :mod:`fmoe.training`)."""
-    return sorted(n for n in modules if (n == "fmoe.train" or n.startswith("fmoe.train."))
-                  and n not in TRAIN_CLI and n not in PENDING_MOVES)
+def stdlib_imports(tree: ast.AST) -> set[str]:
+    """Top-level names of every module a tree imports (``import argparse``, ``from argparse import ...``)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.partition(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.partition(".")[0])
+    return found
 
 
-def handover_only(tree: ast.AST, imports: set) -> list[str]:
-    """What keeps a program module inside a lower-layer package from being a handover: more
-    than 8 statements, or imports (``imports``: its package modules) of anything but the
-    program package it hands over to."""
-    problems = [f"{len(tree.body)} statements"] if len(tree.body) > 8 else []
-    return problems + [f"imports {m}" for m in sorted(imports) if not m.startswith("fmoe.memplan")]
+def reads_a_command_line(names, trees) -> list[str]:
+    """Modules outside the programs that import ``argparse`` (program code in the library)."""
+    return sorted(n for n in names if not is_program(n) and "argparse" in stdlib_imports(trees[n]))
 
 
-def test_programs_apart_from_the_library():
-    """The CLI package holds only the CLI; the memory-plan program is its own package and
-    ``python -m fmoe.plan`` a few lines inside the sharding package that hand over to it."""
-    assert cli_package_strays(MODULES) == []
-    assert handover_only(TREES["fmoe.plan.__main__"], IMPORTS["fmoe.plan.__main__"]) == []
-    assert "fmoe.plan" not in MODULES                     # the sharding Plan lives in fmoe.sharding
-    assert cli_package_strays(["fmoe.train.step", "fmoe.train.cli", "fmoe.train.optim"]) == ["fmoe.train.optim", "fmoe.train.step"]
-    old = ast.parse("import sys\n" * 9)
-    assert handover_only(old, {"fmoe.memory_plan", "fmoe.memplan.cli"}) == ["9 statements", "imports fmoe.memory_plan"]
+def main_modules(names) -> list[str]:
+    """Every ``__main__`` module but the one entry point ``fmoe/__main__.py``."""
+    return sorted(n for n in names if n.rpartition(".")[2] == "__main__" and n != "fmoe.__main__")
+
+
+def program_importers(names, imports) -> list[str]:
+    """Modules outside the programs that import one (``fmoe.cli`` or a module of it)."""
+    return sorted(n for n in names if not is_program(n) and any(is_program(m) for m in imports[n]))
+
+
+def test_program_code_lives_only_in_fmoe_cli():
+    """argv is parsed in ``fmoe/cli/`` alone: the library never imports ``argparse``."""
+    assert reads_a_command_line(MODULES, TREES) == []
+    old = {"fmoe.train.flags": ast.parse("import argparse\n"), "fmoe.memory.dry_run": ast.parse("from argparse import Namespace\n"),
+           "fmoe.cli.train": ast.parse("import argparse\n")}
+    assert reads_a_command_line(old, old) == ["fmoe.memory.dry_run", "fmoe.train.flags"]
+
+
+def test_no_library_package_has_a_main():
+    """``python -m fmoe <command>`` is the one module entry point, a handover to ``fmoe.cli``."""
+    assert main_modules(MODULES) == []
+    assert IMPORTS["fmoe.__main__"] <= {"fmoe", "fmoe.cli"} and len(TREES["fmoe.__main__"].body) <= 4
+    old = ["fmoe.train.__main__", "fmoe.generate.__main__", "fmoe.data.__main__", "fmoe.plan.__main__", "fmoe.__main__"]
+    assert main_modules(old) == ["fmoe.data.__main__", "fmoe.generate.__main__", "fmoe.plan.__main__", "fmoe.train.__main__"]
+
+
+def test_nothing_outside_fmoe_cli_imports_a_program():
+    assert program_importers(MODULES, IMPORTS) == []
+    old = {"fmoe.generate.decode": {"fmoe.cli.train"}, "fmoe.cli.generate": {"fmoe.cli.train"}, "fmoe.model": {"fmoe.tree"}}
+    assert program_importers(old, old) == ["fmoe.generate.decode"]
+
+
+def test_the_train_cli_package_is_gone_and_the_readme_is_a_front_page():
+    """``fmoe/train/`` next to ``fmoe/training/`` was one letter of confusion; the README (787 lines
+    on 2026-12-04) is a front page whose topics live in ``docs/``."""
+    assert not (ROOT / "fmoe" / "train").exists()
+    assert not any(n == "fmoe.train" or n.startswith("fmoe.train.") for n in MODULES)
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 250, f"README.md: {lines} lines"
 
 
 # ------------------------------------------------------------------------------- explicit data, not identity
@@ -589,3 +605,74 @@ def test_moe_chooses_the_implementation_by_declared_properties():
     old = ast.parse('def _choose(impl, single):\n    """Pick "local"."""\n'
                     '    if single and impl in ("all_to_all", "all_reduce"):\n        return "local"\n    return impl\n')
     assert sorted(named_impls(old, names)) == ["'all_reduce' (line 3)", "'all_to_all' (line 3)", "'local' (line 4)"]
+
+
+# ------------------------------------------------------------------------------- model files read like gpt-fast's
+#: model file -> its length on 2026-12-01; a model file is at most 0.65 of it (issue 37)
+MODEL_LINES_2026_12_01 = {"qwen3_moe": 326, "mixtral": 299, "gpt_oss": 324, "llama": 316, "deepseek_v3": 413}
+
+
+def model_aliases(tree: ast.AST) -> list[str]:
+    """Module-level assignments of a bare name or attribute, or a tuple of them: a second name for
+    a function that lives elsewhere (``init_cache = _common.init_kv_cache``)."""
+    bare = (ast.Name, ast.Attribute)
+    return [f"{ast.unparse(node.targets[0])} (line {node.lineno})" for node in tree.body
+            if isinstance(node, ast.Assign) and (isinstance(node.value, bare) or (
+                isinstance(node.value, ast.Tuple) and all(isinstance(e, bare) for e in node.value.elts)))]
+
+
+def layer_loop_problems(tree: ast.AST) -> list[str]:
+    """What keeps ``forward`` from spelling its layer loop: no ``for`` over ``params["layers"]``
+    in ``forward``, or a loop that calls no layer function of the module itself (``block``),
+    or a ``block`` that calls neither the module's ``attention`` nor an FFN (``moe`` / ``mlp``)."""
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    if "forward" not in funcs:
+        return ["no forward"]
+    loops = [n for n in ast.walk(funcs["forward"]) if isinstance(n, ast.For) and "params['layers']" in ast.unparse(n.iter)]
+    called = {_dotted(c.func).rpartition(".")[2] for loop in loops for c in ast.walk(loop) if isinstance(c, ast.Call)}
+    called |= {a.id for loop in loops for c in ast.walk(loop) if isinstance(c, ast.Call) for a in c.args
+               if isinstance(a, ast.Name)}                         # remat.call("layer", block, ...)
+    if not loops or "block" not in called or "block" not in funcs:
+        return ["forward has no for loop over params['layers'] calling the module's block"]
+    in_block = {_dotted(c.func).rpartition(".")[2] for c in ast.walk(funcs["block"]) if isinstance(c, ast.Call)}
+    in_block |= {_dotted(a).rpartition(".")[2] for c in ast.walk(funcs["block"]) if isinstance(c, ast.Call) for a in c.args}
+    return [] if "attention" in in_block and in_block & {"moe", "mlp"} else ["block calls no attention or FFN"]
+
+
+def preset_methods(tree: ast.AST) -> list[str]:
+    """A model ``Config`` whose presets are methods (``def tiny``) or that has no ``PRESETS`` table."""
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "Config":
+            found = [f"Config.{f.name} (line {f.lineno})" for f in node.body
+                     if isinstance(f, ast.FunctionDef) and f.name in ("tiny", "small")]
+            table = any(isinstance(a, ast.Assign) and _dotted(a.targets[0]) == "PRESETS" for a in node.body)
+            return found + ([] if table else ["no Config.PRESETS"])
+    return ["no Config"]
+
+
+@pytest.mark.parametrize("name", MODEL_FILES)
+def test_model_files_read_top_to_bottom(name):
+    """A model file is its Config (presets as data), init, the layer loop in ``forward`` around
+    its own ``block`` (attention, then the MoE or MLP), the plan and the name map: at most 0.65
+    of its 2026-12-01 length, and no alias lines (the shared methods come from ``MODEL`` through
+    the module's ``__getattr__``)."""
+    short = name.rpartition(".")[2]
+    lines = MODULES[name].read_text().count("\n")
+    assert lines <= int(0.65 * MODEL_LINES_2026_12_01[short]), f"{short}: {lines} lines"
+    assert model_aliases(TREES[name]) == []
+    assert layer_loop_problems(TREES[name]) == []
+    assert preset_methods(TREES[name]) == []
+
+
+def test_the_model_file_checks_catch_the_old_form():
+    old = ast.parse("import fmoe\nclass Config:\n    @classmethod\n    def tiny(cls):\n        return cls()\n"
+                    "def forward(params, tokens, cfg):\n    return _common.decoder(_attention, params, tokens, cfg)\n"
+                    "init_cache = _common.init_kv_cache\n"
+                    "check_plan, shard = MODEL.check_plan, MODEL.shard\nN, T = 3, (1, 2)\n")
+    assert model_aliases(old) == ["init_cache (line 8)", "(check_plan, shard) (line 9)"]
+    assert layer_loop_problems(old) == ["forward has no for loop over params['layers'] calling the module's block"]
+    assert preset_methods(old) == ["Config.tiny (line 4)", "no Config.PRESETS"]
+    assert layer_loop_problems(ast.parse(
+        "def block(layer, x):\n    return x + layer\n"
+        "def forward(params, x):\n    for layer in params[\"layers\"]:\n        x = block(layer, x)\n")) == [
+        "block calls no attention or FFN"]
