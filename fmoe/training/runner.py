@@ -89,7 +89,7 @@ def run(cfg: JobConfig, step_config: Optional[StepConfig] = None) -> Optional[di
         from .options import resolve_device
         from .settings import check_same
 
-        if "TORCHELASTIC_RUN_IDX" in os.environ:        # a torchrun agent is the parent: die with it
+        if "TORCHELASTIC_RUN_ID" in os.environ:        # a torchrun agent is the parent: die with it
             from ..launch import die_with_parent
 
             die_with_parent(os.getppid())

@@ -40,8 +40,13 @@ class SettingsMismatch(ValueError):
     """Ranks of one job were started with different settings (raised on every rank)."""
 
 
+def _plain(value: Any) -> Any:
+    """A set as a sorted list (its ``repr`` order changes with the process's hash seed), else ``repr``."""
+    return sorted(value, key=repr) if isinstance(value, (set, frozenset)) else repr(value)
+
+
 def _canonical(settings: Mapping[str, Any]) -> str:
-    return json.dumps(dict(settings), sort_keys=True, default=repr, allow_nan=True)
+    return json.dumps(dict(settings), sort_keys=True, default=_plain, allow_nan=True)
 
 
 def digest(settings: Mapping[str, Any]) -> str:
@@ -83,7 +88,7 @@ def differences(per_rank: Sequence[Mapping[str, Any]]) -> list[str]:
     for name in names:
         groups: dict[str, list[int]] = {}
         for rank, settings in enumerate(per_rank):
-            text = json.dumps(settings[name], sort_keys=True, default=repr) if name in settings else "<unset>"
+            text = json.dumps(settings[name], sort_keys=True, default=_plain) if name in settings else "<unset>"
             groups.setdefault(text, []).append(rank)
         if len(groups) > 1:
             parts = sorted(groups.items(), key=lambda kv: kv[1][0])
