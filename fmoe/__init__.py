@@ -4,9 +4,12 @@ Models are pure functions over parameter pytrees; a :class:`Plan` annotates the 
 placements, :func:`shard` applies it on a :class:`Mesh`, and layer functions insert exactly the
 collectives those placements need. The public namespace is made of explicit re-exports; the map
 of the modules is ``ARCHITECTURE.md``.
+
+The test harness :mod:`fmoe.testing` (warm gloo ranks, ``spawn``, ``assert_parity``) is not
+imported with the package: ``fmoe.testing`` loads it on first use.
 """
 
-from . import activations, collectives, ep, experts, fsdp, global_stats, nn, optim, remat, routing, shared_experts, testing, tree
+from . import activations, collectives, ep, experts, fsdp, global_stats, nn, optim, remat, routing, shared_experts, tree
 from .fsdp import unshard, unshard_layer, unsharded_layers
 from .generate import generate
 from .mesh import Mesh
@@ -18,3 +21,12 @@ __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to
            "unsharded_layers", "moe", "generate", "nn", "routing",
            "global_stats", "shared_experts", "fsdp", "ep", "experts", "activations", "collectives", "testing", "tree", "remat", "optim", "save", "load"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``fmoe.testing``, the test harness, imported on first use (``import fmoe`` does not load it)."""
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.testing")       # sets fmoe.testing: asked once
+    raise AttributeError(f"module 'fmoe' has no attribute {name!r}")

@@ -79,3 +79,17 @@ def test_the_wheel_holds_exactly_the_source_tree(tmp_path):
                           f"in the wheel, not in the tree: {sorted(held - want)}")
     assert {"fmoe/__init__.py", "fmoe/models/__init__.py", "fmoe/optim/__init__.py",
             "fmoe/training/__init__.py"} <= held
+
+
+def test_import_fmoe_does_not_import_the_test_harness():
+    """``import fmoe`` loads no test harness (pool, spawn, launcher): ``fmoe.testing`` is imported
+    on first use, and the pytest plugin (entry point ``fmoe.testing.plugin``) still loads it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fmoe; before = sorted(m for m in sys.modules if m.startswith(('fmoe.testing', 'fmoe.launch')));"
+            " fmoe.testing.spawn; print(before, 'fmoe.testing' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr
+    plugins = _pyproject()["project"]["entry-points"]["pytest11"]
+    assert "fmoe.testing.plugin" in plugins.values()
