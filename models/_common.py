@@ -39,7 +39,8 @@ from fmoe.activations import Activation, swiglu
 from fmoe.routing.aux_losses import with_losses
 
 __all__ = ["TP_FIELDS", "AUX_LOSS_FIELDS", "check_config", "rope", "decoder_shapes",
-           "attention_shapes", "init_params", "init_kv_cache", "Context", "start", "moe", "mlp", "with_aux_loss"]
+           "attention_shapes", "init_params", "init_kv_cache", "Context", "start", "moe", "lm_head", "mlp",
+           "with_aux_loss"]
 
 #: (parameter name inside a layer, tensor dim) -> the config field tp must divide when that dim
 #: is split over tp: attention by whole heads, a dense MLP by its hidden size.
@@ -270,6 +271,11 @@ def moe(m: dict, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict]:
     y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=ctx.router, mesh=ctx.mesh, impl=ctx.impl,
                       act=ctx.act)  # [T, D]
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
+
+
+def lm_head(params: dict, cfg: Any) -> torch.Tensor:
+    """The output projection ``[V, D]``: ``lm_head``, or the embedding with ``tie_word_embeddings``."""
+    return params["embed" if cfg.tie_word_embeddings else "lm_head"]
 
 
 def mlp(m: dict, x: torch.Tensor) -> torch.Tensor:

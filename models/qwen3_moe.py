@@ -153,9 +153,8 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     x, ctx = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router)  # [B, S, D]
     for i, layer in enumerate(params["layers"]):
         x = ctx.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
-    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps),
-                       params["embed" if cfg.tie_word_embeddings else "lm_head"], gather=True)  # [B, S, V]
-    return ctx.outputs(logits, return_aux)
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
+    return ctx.outputs(logits, return_aux)  # logits: [B, S, V], full on every rank
 
 
 def plan(cfg: Config) -> Plan:
