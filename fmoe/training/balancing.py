@@ -43,7 +43,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Any, Callable, Mapping, Optional
 
@@ -51,7 +50,7 @@ import torch
 
 from ..model import Model
 
-__all__ = ["METHODS", "add_arguments", "parse_methods", "resolve", "record", "router_for", "with_expert_bias",
+__all__ = ["METHODS", "parse_methods", "resolve", "record", "router_for", "with_expert_bias",
            "model_router", "score_name", "step_options", "with_recording", "RECORDED"]
 
 METHODS = ("none", "aux", "seq_aux", "global_aux", "z", "bias")
@@ -104,24 +103,6 @@ def score_name(model: Model, router_spec: Optional[str], router: Optional[Callab
     return declared
 
 
-def add_arguments(group: Any) -> None:
-    """Add ``--balance --z-weight --bias-rate --bias-update`` to an argparse group."""
-    group.add_argument("--balance", metavar="M[,M]", default=None,
-                       help=f"load-balancing methods of MoE models, from {', '.join(METHODS)} (default: the "
-                            "model's own: aux for qwen3_moe/mixtral/gpt_oss, bias for deepseek_v3)")
-    group.add_argument("--z-weight", metavar="X", type=float, default=None,
-                       help=f"coefficient of the router z-loss (--balance z) (default: {DEFAULT_Z})")
-    group.add_argument("--bias-rate", metavar="U", type=float, default=None,
-                       help=f"step of the expert-bias update after each step (--balance bias; 0: the bias "
-                            f"stays frozen) (default: {DEFAULT_RATE})")
-    group.add_argument("--record-routing", metavar="DIR", default=None,
-                       help="record every router call's expert ids (one safetensors file per rank, written at the "
-                            "end) for --router replay:record=DIR (default: none)")
-    group.add_argument("--bias-update", choices=("sign", "proportional"), default=None,
-                       help="rule of the expert-bias update: sign(mean - load) or (mean - load) / mean "
-                            "(--balance bias) (default: sign)")
-
-
 def parse_methods(text: str) -> tuple:
     """The methods of a ``--balance`` value (``ValueError`` naming the bad one).
 
@@ -143,21 +124,21 @@ def parse_methods(text: str) -> tuple:
     return () if items == ("none",) else items
 
 
-def _reads_bias(args: argparse.Namespace) -> bool:
+def _reads_bias(args: Any) -> bool:
     from ..routing.balance import reads_bias
     from ..routing.spec import from_spec
 
     return args.router is None or reads_bias(from_spec(args.router, "--router"))
 
 
-def _no_loss(args: argparse.Namespace) -> Optional[str]:
+def _no_loss(args: Any) -> Optional[str]:
     """Why a balance loss does not fit the ``--router`` (its ``no_balance_loss``), or None."""
     from ..routing.spec import from_spec
 
     return None if args.router is None else getattr(from_spec(args.router, "--router"), "no_balance_loss", None)
 
 
-def resolve(args: argparse.Namespace, error: Callable[[str], Any], registry: Mapping[str, Model]) -> None:
+def resolve(args: Any, error: Callable[[str], Any], registry: Mapping[str, Model]) -> None:
     """Check the balancing flags against the model and router; fill in the resolved values
     (``args.balance`` canonical, unused weights None).
 
@@ -219,12 +200,12 @@ def resolve(args: argparse.Namespace, error: Callable[[str], Any], registry: Map
     args.bias_update = (args.bias_update or "sign") if "bias" in methods else None
 
 
-def record(args: argparse.Namespace) -> dict:
+def record(args: Any) -> dict:
     """The ``meta.json`` entries of the resolved balancing settings."""
     return {k: getattr(args, k) for k in RECORDED}
 
 
-def router_for(args: argparse.Namespace, cfg: Any, router: Optional[Callable], model: Model) -> Optional[Callable]:
+def router_for(args: Any, cfg: Any, router: Optional[Callable], model: Model) -> Optional[Callable]:
     """The router the run's steps use: ``router`` (``--router``) or the model's, wrapped with the
     chosen losses (in the router's score function) and the global-batch sums.
 
@@ -252,7 +233,7 @@ def router_for(args: argparse.Namespace, cfg: Any, router: Optional[Callable], m
     return with_balance_sums(wrapped, probs) if "global_aux" in methods else wrapped
 
 
-def step_options(args: argparse.Namespace, cfg: Any, options: dict, model: Model) -> dict:
+def step_options(args: Any, cfg: Any, options: dict, model: Model) -> dict:
     """:class:`fmoe.training.step.StepConfig` keywords: ``options`` (the job's other step
     keywords) with the balancing router, bias rate and rule and the global-batch loss weight
     (``model``: the declared :class:`fmoe.model.Model` of ``args.model``)."""
@@ -262,7 +243,7 @@ def step_options(args: argparse.Namespace, cfg: Any, options: dict, model: Model
             "global_balance": float(args.aux_weight) if "global_aux" in methods else 0.0}
 
 
-def with_recording(args: argparse.Namespace, step_cfg: Any, rank: int) -> tuple[Any, Optional[Callable]]:
+def with_recording(args: Any, step_cfg: Any, rank: int) -> tuple[Any, Optional[Callable]]:
     """``(step_cfg, write)``: with ``--record-routing DIR`` the step's router records its ids and
     ``write()`` saves this rank's file (:mod:`fmoe.routing.record`); else ``(step_cfg, None)``."""
     import dataclasses
@@ -276,11 +257,12 @@ def with_recording(args: argparse.Namespace, step_cfg: Any, rank: int) -> tuple[
             record_writer(calls, args.record_routing, rank))
 
 
-def with_expert_bias(full: Any, args: argparse.Namespace) -> Any:
+def with_expert_bias(full: Any, args: Any) -> Any:
     """``full`` with a zero fp32 ``expert_bias [E]`` in every MoE layer lacking one (``--balance bias``).
 
     Example:
-        >>> ns = argparse.Namespace(model="qwen3_moe", balance="bias")
+        >>> import types
+        >>> ns = types.SimpleNamespace(model="qwen3_moe", balance="bias")
         >>> p = with_expert_bias({"layers": [{"moe": {"router": torch.zeros(4, 2)}}]}, ns)
         >>> p["layers"][0]["moe"]["expert_bias"].tolist()
         [0.0, 0.0, 0.0, 0.0]
