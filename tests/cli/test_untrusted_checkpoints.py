@@ -1,4 +1,4 @@
-"""Trust the job (issue 22): nothing read from disk is trusted, nothing written follows a link,
+"""Checkpoints and run directories as untrusted input: nothing read from disk is trusted, nothing written follows a link,
 every interrupted run resumes, what was trained is what is exported and decoded.
 
 One small qwen3_moe run (in this process) is trained once per module; each case copies it and
@@ -379,3 +379,18 @@ def test_generate_refuses_bad_values_in_one_line(run, tmp_path, capsys):
     llama.save_hf(params, cfg, str(tmp_path / "nan"))
     assert generate_main(["--ckpt", str(tmp_path / "nan"), "--prompt", "1 2"]) == 1
     assert "holds NaN/Inf values; refusing to generate" in capsys.readouterr().err
+
+
+def test_generate_reads_the_weights_only(run, monkeypatch):
+    """Decoding a training checkpoint builds no optimizer state: the weights equal a full load's."""
+    import fmoe.optim.adamw as adamw
+    from fmoe.cli.generate import load as load_for_generate
+
+    with monkeypatch.context() as m:
+        m.setattr(adamw, "init", lambda *a, **k: pytest.fail("fmoe generate built AdamW moments"))
+        model, params, cfg, _, _ = load_for_generate(run, fmoe.Mesh())
+    full = model.init(cfg)
+    plan = model.build_plan(cfg, mesh=fmoe.Mesh(), params=full, data_parallel=True)
+    ckpt.load(ckpt.latest(run), full, adamw.init(full), ckpt.packed_layout(plan, full))
+    flat = fmoe.tree.flatten(full)
+    assert all(torch.equal(t, flat[p]) for p, t in fmoe.tree.flatten(params).items())
