@@ -126,12 +126,12 @@ def _tokenizer(recorded: Optional[str], digest: Optional[str], given: Optional[s
 
 def _check_finite(params: Any, ckpt: str) -> None:
     import torch
-    from torch.distributed.tensor import DTensor
 
+    from fmoe.sharding import local_shard
     from fmoe.tree import flatten
 
     for path, t in flatten(params).items():
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local_shard(t)
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
             raise ValueError(f"--ckpt {ckpt!r}: parameter {path!r} holds NaN/Inf values; refusing to generate "
                              "from broken weights")

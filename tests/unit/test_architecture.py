@@ -676,3 +676,110 @@ def test_the_model_file_checks_catch_the_old_form():
         "def block(layer, x):\n    return x + layer\n"
         "def forward(params, x):\n    for layer in params[\"layers\"]:\n        x = block(layer, x)\n")) == [
         "block calls no attention or FFN"]
+
+
+# ------------------------------------------------------------------------------- one home per concept
+#: module name -> the package that is the one home of its concept (issue 37): a module of that
+#: name anywhere else is a second home (``fmoe/memory_plan.py`` beside ``fmoe/dryrun/``, say).
+CONCEPT_HOMES = {
+    "memory_plan": "fmoe.memory", "memory_peak": "fmoe.memory", "fake_splits": "fmoe.memory",
+    "dryrun": "fmoe.memory", "dry_run": "fmoe.memory", "tracker": "fmoe.memory", "memplan": "fmoe.memory",
+    "placement": "fmoe.sharding", "dtensor_rules": "fmoe.sharding", "shard": "fmoe.sharding",
+    "dtypes": "fmoe.precision", "tree_io": "fmoe.checkpoint", "steps": "fmoe.checkpoint",
+}
+
+
+def second_homes(modules) -> list[str]:
+    """Modules named after a concept (:data:`CONCEPT_HOMES`) outside its home package."""
+    return sorted(n for n in modules if n.startswith("fmoe.") and n.rpartition(".")[2] in CONCEPT_HOMES
+                  and not n.startswith(CONCEPT_HOMES[n.rpartition(".")[2]] + "."))
+
+
+def test_each_concept_has_one_home():
+    """Memory estimation lives in ``fmoe/memory/`` (plan, peak, dry run, fake splits), the
+    placements in ``fmoe/sharding/``, tree I/O and step directories in ``fmoe/checkpoint/``,
+    precision in ``fmoe/precision.py``."""
+    assert second_homes(MODULES) == []
+    assert {"fmoe.memory.plan", "fmoe.memory.dry_run", "fmoe.sharding.plan", "fmoe.checkpoint.tree_io"} <= set(MODULES)
+    old = ["fmoe.memory_plan", "fmoe.memory_peak", "fmoe.fake_splits", "fmoe.dryrun", "fmoe.dryrun.tracker",
+           "fmoe.memplan", "fmoe.placement", "fmoe.dtensor_rules", "fmoe.dtypes", "fmoe.tree_io", "fmoe.memory.plan"]
+    assert second_homes(old) == sorted(old[:-1])
+
+
+PRECISION_NAMES = {"at_least_f32", "upcast", "dtype_of", "compute_dtype", "DTYPES"}
+
+
+def precision_defs(tree: ast.AST) -> list[str]:
+    """Module-level definitions of the precision rule or the policy names (:data:`PRECISION_NAMES`),
+    and tables that map ``"fp32"`` / ``"bf16"`` to torch dtypes."""
+    found = []
+    for node in tree.body:
+        names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else \
+            [_dotted(t) for t in node.targets] if isinstance(node, ast.Assign) else []
+        found += [f"{n} (line {node.lineno})" for n in names if n in PRECISION_NAMES]
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and not set(names) & PRECISION_NAMES:
+            keys = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+            if {"fp32", "bf16"} <= keys:
+                found.append(f"dtype table {names[0]} (line {node.lineno})")
+    return found
+
+
+def test_precision_lives_in_one_module():
+    """The at-least-float32 rule and the policy names are defined once, in ``fmoe/precision.py``."""
+    assert {n: f for n, t in TREES.items() if n != "fmoe.precision" for f in [precision_defs(t)] if f} == {}
+    assert len(precision_defs(TREES["fmoe.precision"])) >= 4
+    old = ast.parse('import torch\nDTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}\n'
+                    'NAMES = {"fp32": 4, "bf16": 2}\ndef compute_dtype(name):\n    return DTYPES[name]\n')
+    assert precision_defs(old) == ["DTYPES (line 2)", "dtype table NAMES (line 3)", "compute_dtype (line 4)"]
+
+
+def local_shard_copies(tree: ast.AST) -> list[str]:
+    """``t._local_tensor if isinstance(t, DTensor) else t`` (or ``t.to_local()``): the local
+    shard of a maybe-DTensor written out instead of calling ``fmoe.sharding.local_shard``."""
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.IfExp) and isinstance(node.test, ast.Call) and _dotted(node.test.func) == "isinstance"
+                and len(node.test.args) == 2 and _dotted(node.test.args[1]).endswith("DTensor")):
+            body = node.body.func if isinstance(node.body, ast.Call) else node.body
+            if isinstance(body, ast.Attribute) and body.attr in ("_local_tensor", "to_local"):
+                found.append(f"line {node.lineno}")
+    return found
+
+
+def step_dir_patterns(tree: ast.AST) -> list[str]:
+    """String constants that spell the ``step-N`` directory pattern (a regex over ``step-``)."""
+    return [f"line {n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and ("step-\\d" in n.value or "step-(\\d" in n.value)]
+
+
+def test_one_helper_for_the_local_shard_and_one_for_step_directories():
+    """``fmoe.sharding.local_shard`` is the one spelling of "this rank's storage of a leaf",
+    ``fmoe/checkpoint/steps.py`` the one place the ``step-N`` pattern is written."""
+    assert {n: f for n, t in TREES.items() if n != "fmoe.sharding.shard" for f in [local_shard_copies(t)] if f} == {}
+    assert {n: f for n, t in TREES.items() if n != "fmoe.checkpoint.steps" for f in [step_dir_patterns(t)] if f} == {}
+    assert step_dir_patterns(TREES["fmoe.checkpoint.steps"]) and local_shard_copies(TREES["fmoe.sharding.shard"])
+    old = ast.parse('import re\nSTEP = re.compile(r"^step-(\\d+)$")\n'
+                    'def f(t, g):\n    a = t._local_tensor if isinstance(t, DTensor) else t\n'
+                    '    return g.to_local() if isinstance(g, DTensor) else g, re.match(r"step-\\d+", "x")\n')
+    assert step_dir_patterns(old) == ["line 2", "line 5"] and local_shard_copies(old) == ["line 4", "line 5"]
+
+
+def eager_imports(tree: ast.AST, name: str) -> list[str]:
+    """Module-level imports (outside any function) of the submodule ``name`` in a package ``__init__``."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and (
+                node.module == name or (node.module is None and any(a.name == name for a in node.names))):
+            found.append(f"line {node.lineno}")
+        elif isinstance(node, ast.Import) and any(a.name == f"fmoe.{name}" for a in node.names):
+            found.append(f"line {node.lineno}")
+    return found
+
+
+def test_import_fmoe_does_not_import_the_test_harness():
+    """``fmoe/__init__.py`` imports ``fmoe.testing`` only on first use (``tests/unit/test_packaging.py``
+    checks ``sys.modules`` in a fresh interpreter)."""
+    assert eager_imports(TREES["fmoe"], "testing") == []
+    old = ast.parse("from . import activations, testing, tree\nfrom .testing import spawn\n"
+                    "def __getattr__(name):\n    from . import testing\n")
+    assert eager_imports(old, "testing") == ["line 1", "line 2"]
