@@ -42,6 +42,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from .canonical import sort_metadata
 from .integrity import HEADER_KEY, inside, tensor_digest
 
 __all__ = ["Checkpoint", "write_checkpoint", "parse_size", "CONFIG", "SINGLE", "INDEX"]
@@ -264,6 +265,7 @@ def write_checkpoint(directory: str, tensors: Mapping[str, torch.Tensor], config
         sums = json.dumps({k: tensor_digest(t) for k, t in own.items()}, sort_keys=True)
         safetensors.torch.save_file(own, os.path.join(directory, name),
                                     metadata={"format": "pt", HEADER_KEY: sums})
+        sort_metadata(os.path.join(directory, name))          # byte-reproducible (fmoe.checkpoint.canonical)
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         params = sum(t.numel() for t in tensors.values())

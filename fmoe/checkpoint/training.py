@@ -46,7 +46,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import tree as _tree
 from . import atomic
+from .canonical import sort_metadata
 from .integrity import digests, verify
+from .retention import complete_steps
 from .steps import step_dir, step_of
 from ..collectives import all_gather_objects, barrier, broadcast_object
 from ..sharding import local_shard
@@ -184,9 +186,13 @@ def _io_error(e: BaseException, target: str) -> BaseException:
 
 
 def _split_digests(directory: str) -> dict[str, dict]:
-    """Checksums of every file in ``directory``, each rank hashing its share of the files."""
+    """Checksums of every file in ``directory``, each rank hashing its share of the files after
+    sorting their header metadata (:mod:`fmoe.checkpoint.canonical`: byte-reproducible files)."""
     names = sorted(os.listdir(directory))
     world, rank = (dist.get_world_size(), dist.get_rank()) if _dist() else (1, 0)
+    for name in names[rank::world]:
+        if name.endswith(".safetensors"):
+            sort_metadata(os.path.join(directory, name))
     mine = digests(directory, names[rank::world])
     if world == 1:
         return mine
@@ -250,10 +256,8 @@ def latest(path: str) -> Optional[str]:
         return path
     if not os.path.isdir(path):
         return None
-    steps = [(n, name) for name in os.listdir(path) if (n := step_of(name)) is not None
-             and not os.path.islink(os.path.join(path, name))
-             and os.path.isfile(os.path.join(path, name, "meta.json"))]
-    return os.path.join(path, max(steps)[1]) if steps else None
+    steps = complete_steps(path)
+    return os.path.join(path, steps[-1][1]) if steps else None
 
 
 def read_meta(ckpt: str) -> dict:

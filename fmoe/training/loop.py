@@ -21,6 +21,7 @@ from typing import Any
 
 from ..precision import dtype_of
 from . import balancing, options
+from . import settings
 from .threads import threads_of
 
 __all__ = ["run", "log_row", "NonFiniteStep"]
@@ -146,7 +147,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     if rank0:                                          # --quiet keeps only its warning
         options.print_memory_plan(job, model, cfg, model_plan, world)
     meta = {**_job_meta(job, model, hf_cfg, mesh), **options.run_meta(job, tokenizer, device),
-            **balancing.record(job), "upcycle": job.upcycle, "threads": torch.get_num_threads()}
+            **balancing.record(job), "upcycle": job.upcycle, **settings.record(job)}
     bar = _Progress(job.steps, start, rank0 and not job.quiet)
     last: dict = {}
     skipped = 0

@@ -87,7 +87,7 @@ def run(cfg: JobConfig, step_config: Optional[StepConfig] = None) -> Optional[di
 
         from ..checkpoint import training as ckpt
         from .options import resolve_device
-        from .settings import check_same
+        from .settings import check_same, of_job
 
         if "TORCHELASTIC_RUN_ID" in os.environ:        # a torchrun agent is the parent: die with it
             from ..launch import die_with_parent
@@ -101,7 +101,7 @@ def run(cfg: JobConfig, step_config: Optional[StepConfig] = None) -> Optional[di
         rank = int(os.environ["RANK"])
         lock = OutLock(job.out)
         try:                                           # every node started with the same settings
-            check_same({k: v for k, v in vars(job).items() if k not in ("config", "explicit", "resume_meta", "step_config")})
+            check_same(of_job(job))
             ckpt.on_rank0(lambda: (lock.acquire(), _prepare_out(job)), f"locking --out {job.out}")
             last = run_rank(rank, world, job)
             if owned:

@@ -30,10 +30,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..collectives import all_gather_objects
 
-__all__ = ["LOCAL", "SettingsMismatch", "digest", "differences", "check_same", "rank_ranges"]
+__all__ = ["LOCAL", "SettingsMismatch", "of_job", "record", "digest", "differences", "check_same", "rank_ranges"]
 
 #: settings that may differ between nodes: they do not change what is computed
 LOCAL = frozenset({"nproc", "threads", "quiet", "debug", "step_config"})
+#: what a resolved job carries beside its settings (the config as given, the checkpoint's record)
+_NOT_SETTINGS = frozenset({"config", "explicit", "resume_meta"})
 
 
 class SettingsMismatch(ValueError):
@@ -47,6 +49,37 @@ def _plain(value: Any) -> Any:
 
 def _canonical(settings: Mapping[str, Any]) -> str:
     return json.dumps(dict(settings), sort_keys=True, default=_plain, allow_nan=True)
+
+
+def of_job(job: Any) -> dict[str, Any]:
+    """The settings every rank of a resolved job (:class:`fmoe.training.resolve.Job`) must share,
+    as plain JSON values: each job setting's value in use (a ``--resume`` fills in the kept ones),
+    the world size, the schedule's end and the resumed checkpoint; not :data:`LOCAL`. ``meta.json``
+    records them as ``settings``.
+
+    Args:
+        job: the resolved job (attributes by setting name).
+    Returns:
+        setting name -> value, sorted by name.
+    """
+    every = {k: v for k, v in vars(job).items() if k not in LOCAL and k not in _NOT_SETTINGS}
+    return json.loads(_canonical(every))
+
+
+def record(job: Any) -> dict[str, Any]:
+    """What ``meta.json`` records about how the job ran: ``settings`` (:func:`of_job`), their
+    ``settings_digest``, the ``versions`` of torch, fmoe and Python, and this rank's intra-op
+    ``threads`` and ``interop_threads``."""
+    import platform
+
+    import torch
+
+    from .. import __version__
+
+    shared = of_job(job)
+    return {"settings": shared, "settings_digest": digest(shared), "threads": torch.get_num_threads(),
+            "interop_threads": torch.get_num_interop_threads(),
+            "versions": {"torch": torch.__version__, "fmoe": __version__, "python": platform.python_version()}}
 
 
 def digest(settings: Mapping[str, Any]) -> str:
