@@ -154,6 +154,9 @@ class JobConfig:
                             metavar="DIR")
     save_every: int = _f("checkpoints and output", ("int", 0, None), "checkpoint every N steps (0: only at the end)",
                          0, "N")
+    keep_last: int = _f("checkpoints and output", ("int", 0, None), "keep only the N newest complete checkpoints "
+                        "in --out, removing older ones after each save (never the one --resume continues from; 0: "
+                        "keep all)", 0, "N")
     resume: Optional[str] = _f("checkpoints and output", ("str",), "continue from a step-N checkpoint, or from the "
                                "latest one in a run directory (default: start a new run)", metavar="PATH")
     export_hf: Optional[str] = _f("checkpoints and output", ("str",), "write a Hugging Face checkpoint here at the "

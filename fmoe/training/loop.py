@@ -91,6 +91,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     import fmoe
     from fmoe.models import get
     from fmoe.checkpoint import training as ckpt
+    from fmoe.checkpoint.retention import prune
     from fmoe.training.evaluate import evaluate
     from fmoe.optim import AdamWConfig, lr_at
     from fmoe.optim.adamw import init as adamw_init
@@ -179,6 +180,9 @@ def run(rank: int, world: int, job: Any) -> dict:
             bar.update(step, m)
         if (job.save_every and step % job.save_every == 0) or step == job.steps:
             ckpt.save(job.out, step, params, opt_state, meta, packed)
+            if job.keep_last:                          # --keep-last N (fmoe.checkpoint.retention)
+                ckpt.on_rank0(lambda: prune(job.out, job.keep_last, keep=[job.resume_path] if job.resume_path else []),
+                              f"removing old checkpoints of --out {job.out}")
     bar.close()
     if write_record is not None:
         write_record()
