@@ -8,7 +8,7 @@ from fmoe.training import JobConfig
 from train_cases import read_log
 
 FLAGS = dict(model="qwen3_moe", preset="tiny", steps=5, batch=2, seq=16, warmup=1, quiet=True, balance="none",
-             router="topk:k=2")
+             router="topk:k=2", eval_every=1, eval_batches=2)
 
 
 def test_one_process_reads_the_batches_of_two_ranks(tmp_path):
@@ -19,6 +19,8 @@ def test_one_process_reads_the_batches_of_two_ranks(tmp_path):
     assert one[0]["loss"] == pytest.approx(ranks[0]["loss"], rel=1e-6, abs=0)   # step 1: same batches, same weights
     assert abs(plain[0]["loss"] - ranks[0]["loss"]) > 1e-3
     assert one[0]["expert_load"] == ranks[0]["expert_load"]                     # every routing decision agrees
+    assert one[0]["eval_loss"] == pytest.approx(ranks[0]["eval_loss"], rel=1e-6)  # the same held-out pieces
+    assert one[0]["eval_maxvio"] == ranks[0]["eval_maxvio"]
     for a, b in zip(one, ranks):                                                # 5 steps within fp32 tolerance
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)

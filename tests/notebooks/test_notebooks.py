@@ -20,9 +20,10 @@ NOTEBOOKS = sorted(p.name for p in NB_DIR.glob("*.ipynb"))
 KERNEL = "fmoe-notebooks-test"
 
 
-def test_the_five_notebooks_exist():
+def test_the_six_notebooks_exist():
     assert NOTEBOOKS == ["01_write_a_router.ipynb", "02_expert_parallel_layout.ipynb",
-                         "03_compare_routers.ipynb", "04_transforms.ipynb", "05_load_balancing.ipynb"]
+                         "03_compare_routers.ipynb", "04_transforms.ipynb", "05_load_balancing.ipynb",
+                         "06_routing_research.ipynb"]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
