@@ -10,6 +10,13 @@ Under a ``torch.func`` transform a recomputing policy raises ``NotImplementedErr
 hooks, which the checkpoint relies on, do not run under ``torch.func``): use
 ``torch.autograd.grad`` there.
 
+The same marks serve regional compilation: under ``with remat.compiled("layer")`` every
+:func:`call` of that kind runs its block through ``torch.compile`` (each decoder layer is the
+same function on same-shaped weights, so Dynamo compiles it once and every layer reuses the
+graph; the code between blocks, and a block's graph breaks such as the expert-parallel
+exchange's host sync, stay eager). :func:`fmoe.training.train_step` uses it for
+``StepConfig(compile=True)`` on a multi-rank mesh.
+
 The policy lives in a ``contextvars.ContextVar`` (per thread / task, restored on exit), so the
 model keeps its signature and a notebook may mark blocks of its own.
 
@@ -26,17 +33,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from .transforms import compiling, func_active
 
-__all__ = ["POLICIES", "policy", "call", "active"]
+__all__ = ["POLICIES", "policy", "compiled", "call", "active"]
 
 POLICIES = ("none", "layer", "moe")
 _POLICY: contextvars.ContextVar[str] = contextvars.ContextVar("fmoe_remat", default="none")
+_COMPILED: contextvars.ContextVar[Optional[tuple[str, dict]]] = contextvars.ContextVar("fmoe_compiled", default=None)
 
 
 @contextlib.contextmanager
@@ -51,11 +59,41 @@ def policy(name: str) -> Iterator[None]:
         _POLICY.reset(token)
 
 
+@contextlib.contextmanager
+def compiled(kind: str, **options: Any) -> Iterator[None]:
+    """Run every block of kind ``kind`` (``"layer"`` or ``"moe"``) as ``torch.compile(block, **options)``.
+
+    Args:
+        kind: the blocks to compile.
+        options: ``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``, ...).
+    """
+    if kind not in POLICIES[1:]:
+        raise ValueError(f"remat.compiled: kind must be one of {POLICIES[1:]}, got {kind!r}")
+    token = _COMPILED.set((kind, options))
+    try:
+        yield
+    finally:
+        _COMPILED.reset(token)
+
+
 @torch.compiler.assume_constant_result
 def active() -> str:
     """The current policy name (read once per trace under ``torch.compile``: Dynamo cannot trace
     ``ContextVar.get``, so a compiled function is specialised on the policy it was traced with)."""
     return _POLICY.get()
+
+
+@torch.compiler.assume_constant_result
+def _regional() -> str:
+    """The kind of block compiled regionally (``""``: none); a constant of the trace."""
+    regional = _COMPILED.get()
+    return "" if regional is None else regional[0]
+
+
+@torch.compiler.disable
+def _eager(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """:func:`call` run eagerly: Dynamo ends the graph before it and resumes after it."""
+    return call(kind, fn, *args, **kwargs)
 
 
 def call(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -69,6 +107,13 @@ def call(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """
     if kind not in POLICIES[1:]:
         raise ValueError(f"remat.call: kind must be one of {POLICIES[1:]}, got {kind!r}")
+    if compiling():
+        if kind == "moe" and _regional() == "layer":        # the expert-parallel exchange between the graphs
+            return _eager(kind, fn, *args, **kwargs)
+    elif _COMPILED.get() is not None and _COMPILED.get()[0] == kind:
+        from .fsdp import unshard_layer      # the FSDP gather (collectives, DTensor specs) stays eager
+        fn = torch.compile(fn, **_COMPILED.get()[1])   # Dynamo's cache is per code object: one graph, all layers
+        args = (unshard_layer(args[0]),) + args[1:]
     if active() != kind or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if func_active() and not compiling():

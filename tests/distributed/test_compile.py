@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fmoe
 from fmoe.transforms import func_active
+from helpers import close, on_ranks
 
 
 def counting_backend(counts: Counter):
@@ -74,3 +75,75 @@ def test_plain_compile_is_not_a_transform():
     torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2))
     torch.compile(torch.func.grad(lambda x: f(x).sum()), backend="eager", fullgraph=True)(torch.ones(2))
     assert seen == [False, True]
+
+
+# ------------------------------------------------------------------ StepConfig(compile=...)
+STEPS = 10
+
+
+def _train(mesh, compile, steps=STEPS):
+    """``steps`` AdamW steps of tiny Qwen3-MoE (new tokens every step: the routing changes);
+    returns the losses, the gradients of the first step's loss, and the Dynamo counters."""
+    import dataclasses
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from fmoe.data import TokenStream
+    from fmoe.fsdp import data_parallel_plan
+    from fmoe.models import qwen3_moe
+    from fmoe.optim.adamw import init as adamw_init
+    from fmoe.training.step import StepConfig, _compiled, train_step
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = dataclasses.replace(qwen3_moe.MODEL.preset("tiny", mesh.tp), output_router_logits=True, router_aux_loss_coef=0.01)
+    full = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(True), qwen3_moe.init(cfg, seed=0))
+    params = fmoe.shard(full, data_parallel_plan(qwen3_moe.check_plan(cfg, None, mesh.tp), full, mesh), mesh)
+    state, data = adamw_init(params), TokenStream.stdlib(300_000)
+    step_cfg = StepConfig(compile=compile)
+    batch = data.batch(1, mesh.batch_index, 2, 16, 0, num_batches=mesh.num_batches)
+    fwd_loss, region = _compiled(step_cfg, mesh)                  # the step's own (compiled) forward + loss
+    with region:
+        loss, _ = fwd_loss(qwen3_moe, params, *batch, cfg, mesh, step_cfg)
+        leaves = fmoe.tree.flatten(params)
+        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    grads = {k: v.detach() for k, v in fmoe.tree.flatten(fmoe.gather(fmoe.tree.unflatten(grads, like=params))).items()}
+    losses, graphs = [], []
+    for step in range(1, steps + 1):
+        batch = data.batch(step, mesh.batch_index, 2, 16, 0, num_batches=mesh.num_batches)
+        params, state, m = train_step(qwen3_moe, cfg, params, state, batch, mesh=mesh, step_cfg=step_cfg, lr=3e-3)
+        losses.append(m["loss"])
+        graphs.append(counters["stats"]["unique_graphs"])
+    return losses, grads, graphs, dict(counters["graph_break"])
+
+
+def _check_same(eager, compiled):
+    (le, ge, _, _), (lc, gc, graphs, breaks) = eager, compiled
+    print(f"graphs after each step {graphs}, graph breaks {breaks}, losses {lc[0]:.5f} .. {lc[-1]:.5f}")
+    for k in ge:
+        close(gc[k], ge[k], f"gradient {k}")
+    eps = torch.finfo(torch.float32).eps
+    for i, (a, b) in enumerate(zip(lc, le)):        # AdamW amplifies rounding over steps: ~84 eps per step
+        assert abs(a - b) <= 84 * eps * (i + 1) * abs(b), (i, a, b)
+    assert graphs[1] > 0 and graphs[-1] == graphs[1], f"graphs compiled per step: {graphs} (recompiles after warm-up)"
+
+
+def test_compiled_step_equals_eager_on_one_process():
+    """Inductor (the shipped path), one process: forward + loss as one graph, no graph break."""
+    eager, compiled = _train(fmoe.Mesh(), False), _train(fmoe.Mesh(), True)
+    _check_same(eager, compiled)
+    assert not compiled[3], f"graph breaks: {compiled[3]}"
+
+
+def _four_ranks(rank, world):
+    mesh = fmoe.Mesh(ep=4)
+    return _train(mesh, False), _train(mesh, "aot_eager")
+
+
+def test_compiled_step_equals_eager_on_four_ranks():
+    """ep4, regional compilation (AOTAutograd; Inductor runs in the one-process test): the layer
+    graphs are compiled in the first steps and reused by every layer and step after."""
+    for eager, compiled in on_ranks(_four_ranks, 4, timeout=600):
+        _check_same(eager, compiled)
+        # the only graph break: each compiled layer graph ends at its MoE block (run eagerly) and resumes after
+        assert list(compiled[3]) == ["Skip calling `torch.compiler.disable()`d function"], compiled[3]
