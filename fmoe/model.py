@@ -88,15 +88,12 @@ class Model:
         plan: ``plan(cfg) -> Plan``, the default placements.
         hf_specs: ``hf_specs(cfg, keys=None) -> {path: Spec}``: the checkpoint name map.
         hf_ignore: dotted globs of checkpoint keys the loader skips (default: rotary ``inv_freq`` buffers).
-        tp_fields: ``{(name inside a layer, dim): config field}``: a dim split over tp must
-            keep the field divisible (``("attn.wq", 0): "num_attention_heads"``).
+        tp_fields: ``{(name inside a layer, dim): config field}`` tp must divide when it splits that dim.
         fused_gate_up: layer parameter names holding a fused ``[gate | up]`` (split per half).
         routed: whether ``forward`` takes ``impl=``, ``router=`` and ``return_aux=`` (MoE layers).
-        init_cache: ``init_cache(cfg, batch, max_len, mesh=None, dtype=...) -> cache`` for
-            generation (``forward(..., cache=, positions=)``), or None.
-        aux_loss_fields: ``(switch, coefficient)``: the config fields that turn the router's
-            load-balance loss on and weigh it (transformers' ``output_router_logits``,
-            ``router_aux_loss_coef``), or None when the model has none (:meth:`with_aux_loss`).
+        init_cache: ``init_cache(cfg, batch, max_len, mesh=None, dtype=...) -> cache``, or None.
+        aux_loss_fields: ``(switch, coefficient)`` config fields of the router's load-balance loss
+            (``output_router_logits``, ``router_aux_loss_coef``), or None (:meth:`with_aux_loss`).
         remat_blocks: the blocks ``forward`` marks for :mod:`fmoe.remat` (``--remat`` choices).
         width_fields: shape letter -> config field, over :data:`WIDTH_FIELDS` (:meth:`widths`).
         hf_router: how the model's Hugging Face config states its router, for exports:
@@ -106,8 +103,7 @@ class Model:
             its twin that also reads ``expert_bias``, for ``--balance bias``); None for a dense model.
         router_scores: the default router's scores (``"softmax"`` or ``"sigmoid"``; the balance losses' too).
         hf_expert_bias: the Hugging Face format holds the expert bias (exportable after bias updates).
-        balance: the model's own load-balancing method when ``--balance`` is not given (``"aux"``
-            or ``"bias"``: aux-loss-free expert-bias updates).
+        balance: the model's own load balancing (``"aux"``, or ``"bias"``: expert-bias updates).
     """
 
     name: str
