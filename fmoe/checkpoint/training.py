@@ -41,14 +41,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import tree as _tree
 from . import atomic
 from .canonical import sort_metadata
 from .integrity import digests, verify
 from .retention import complete_steps
+from .packed import dcp_view, restore, views
 from .steps import step_dir, step_of
 from ..collectives import all_gather_objects, barrier, broadcast_object
 from ..sharding import local_shard
@@ -77,54 +76,6 @@ def packed_layout(plan: Any, params: Any, mesh: Any = None) -> dict[str, tuple[i
         if p.packed > 1:
             out[path] = (p.packed, p.packed_dim)
     return out
-
-
-def _blocks(path: str, leaf: Any, k: int, d: int) -> list[Any]:
-    """The ``k`` blocks of a packed leaf along ``d``, each a plain-chunked tensor/DTensor."""
-    if not isinstance(leaf, DTensor):
-        return [b.contiguous() for b in leaf.detach().chunk(k, dim=d)]
-    pls = []
-    for p in leaf.placements:
-        if isinstance(p, _StridedShard) and p.dim == d and p.split_factor == k:
-            pls.append(Shard(d))
-        elif isinstance(p, Shard) and not isinstance(p, _StridedShard) and p.dim == d:
-            raise ValueError(f"checkpoint: {path!r} is saved as {k} packed blocks on dim {d}, but this "
-                             f"DTensor splits dim {d} without packing ({leaf.placements})")
-        else:
-            pls.append(p)
-    shape = list(leaf.shape)
-    shape[d] //= k
-    return [DTensor.from_local(b.contiguous(), leaf.device_mesh, pls, run_check=False,
-                               shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-            for b in leaf._local_tensor.detach().chunk(k, dim=d)]
-
-
-def _dcp_view(tree: Any, packed: dict[str, tuple[int, int]]) -> dict[str, Any]:
-    """Flat ``{key: tensor}`` that DCP can save/load; packed leaves split into blocks."""
-    out: dict[str, Any] = {}
-    for path, leaf in _tree.flatten(tree).items():
-        if path in packed:
-            for j, b in enumerate(_blocks(path, leaf, *packed[path])):
-                out[f"{path}.__block{j}"] = b
-        else:
-            out[path] = leaf
-    return out
-
-
-def _restore(tree: Any, view: dict[str, Any], packed: dict[str, tuple[int, int]]) -> None:
-    """Copy loaded packed blocks back into their leaves (other leaves were loaded in place)."""
-    with torch.no_grad():
-        for path, leaf in _tree.flatten(tree).items():
-            if path in packed:
-                k, d = packed[path]
-                blocks = [view[f"{path}.__block{j}"] for j in range(k)]
-                local_shard(leaf).copy_(torch.cat([local_shard(b) for b in blocks], dim=d))
-
-
-def _views(params: Any, opt_state: Any, packed: dict) -> dict:
-    return {"params": _dcp_view(params, packed),
-            "opt": {"step": opt_state["step"], "m": _dcp_view(opt_state["m"], packed),
-                    "v": _dcp_view(opt_state["v"], packed)}}
 
 
 @contextlib.contextmanager
@@ -228,7 +179,7 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
         try:
             writer = dcp.HuggingFaceStorageWriter(tmp, save_distributed=True)
             with _single_process_ok():
-                dcp.save(_views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
+                dcp.save(views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
         except (Exception, dcp.api.CheckpointException) as e:
             raise _io_error(e, what) from e
         _barrier()
@@ -331,7 +282,7 @@ def load(ckpt: str, params: Any, opt_state: Optional[Any], packed: Optional[dict
     meta = read_meta(ckpt)
     _check_files(ckpt, meta)
     packed = packed or {}
-    state = _views(params, opt_state, packed) if opt_state is not None else {"params": _dcp_view(params, packed)}
+    state = views(params, opt_state, packed) if opt_state is not None else {"params": dcp_view(params, packed)}
     try:
         with torch.no_grad(), _single_process_ok():
             dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt), no_dist=not _dist())
@@ -339,11 +290,11 @@ def load(ckpt: str, params: Any, opt_state: Optional[Any], packed: Optional[dict
                 opt_state["step"].copy_(state["opt"]["step"])
     except (Exception, dcp.api.CheckpointException) as e:
         raise _io_error(e, f"reading {ckpt}") from e
-    _restore(params, state["params"], packed)
+    restore(params, state["params"], packed)
     if opt_state is None:
         _check_finite({"params": params}, ckpt)
         return meta
-    _restore(opt_state["m"], state["opt"]["m"], packed)
-    _restore(opt_state["v"], state["opt"]["v"], packed)
+    restore(opt_state["m"], state["opt"]["m"], packed)
+    restore(opt_state["v"], state["opt"]["v"], packed)
     _check_finite({"params": params, "m": opt_state["m"], "v": opt_state["v"]}, ckpt)
     return meta
