@@ -146,6 +146,9 @@ class JobConfig:
                      "auto: cuda when available", "auto")
     remat: str = _f("precision", ("choice", ("none", "layer", "moe")), "recompute each layer / MoE block in "
                     "backward instead of keeping activations", "none")
+    compile: bool = _f("precision", ("bool",), "torch.compile the step: one process compiles forward + loss whole, a "
+                       "multi-rank mesh each decoder layer once (the MoE exchange eager between the graphs; "
+                       "docs/transforms.md). Same numbers as eager (default: eager)", False)
     memory_gb: Optional[float] = _f("precision", ("float", 0.0, True), "warn when the memory plan exceeds this "
                                     "per rank (default: no limit)", metavar="X")
     # checkpoints and output

@@ -127,7 +127,7 @@ def step_options(job: Any) -> dict:
     return {"router": from_spec(job.router, "--router") if job.router else None, "dtype": job.dtype,
             "remat": job.remat, "grad_accum": job.grad_accum * job.dp_batches,   # --dp-batches
             "round_seed": job.seed if job.master_dtype == "bf16" else None, "donate": True,
-            "loss_chunks": job.loss_chunks}
+            "loss_chunks": job.loss_chunks, "compile": job.compile}
 
 
 def should_eval(job: Any, step: int) -> bool:
