@@ -24,6 +24,9 @@ Not differentiable (bookkeeping and buffers that autograd never sees): ``all_gat
 ``all_gather_sizes``, ``all_reduce_coalesced``, ``broadcast_from``, and the world-level
 ``sum_over_world``, ``barrier``, ``broadcast_object`` and ``all_gather_objects``.
 
+``with counting() as sent:`` measures the bytes this rank's collectives send inside the block, by
+kind (:mod:`~fmoe.collectives.counting`); the job logs them per step as ``sent_bytes``.
+
 This package (:mod:`~fmoe.collectives.exchange` and :mod:`~fmoe.collectives.slices`: the
 differentiable ones; :mod:`~fmoe.collectives.buffers`: the rest) is the only place that calls ``torch.distributed`` collectives
 (``tests/unit/test_architecture.py`` checks it); process-group bookkeeping (``get_rank``,
@@ -40,10 +43,11 @@ all-reduce.
 
 from .buffers import (all_gather_objects, all_gather_rows, all_gather_sizes, all_reduce_coalesced, all_to_all_rows,
                       barrier, broadcast_from, broadcast_object, group_size, reduce_scatter_rows, sum_over_world)
+from .counting import SentBytes, counting
 from .exchange import all_reduce, all_to_all, grad_sum
 from .slices import all_gather, gather_slices, local_slice, reduce_scatter
 
 __all__ = ["all_to_all", "all_reduce", "grad_sum", "all_gather", "gather_slices",
            "reduce_scatter", "local_slice", "group_size", "all_gather_sizes", "all_reduce_coalesced",
            "all_gather_rows", "reduce_scatter_rows", "all_to_all_rows", "sum_over_world", "barrier",
-           "broadcast_object", "broadcast_from", "all_gather_objects"]
+           "broadcast_object", "broadcast_from", "all_gather_objects", "counting", "SentBytes"]

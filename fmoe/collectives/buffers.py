@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from .counting import count
 
 __all__ = ["group_size", "all_gather_sizes", "all_reduce_coalesced", "all_gather_rows", "reduce_scatter_rows",
            "all_to_all_rows", "sum_over_world", "barrier", "broadcast_object", "broadcast_from", "all_gather_objects"]
@@ -30,6 +31,7 @@ def all_gather_sizes(n: int, group: Optional[dist.ProcessGroup]) -> list[int]:
         return [n]
     t = torch.tensor([n], dtype=torch.int64)
     out = [torch.empty_like(t) for _ in range(group_size(group))]
+    count("all_gather", t, group_size(group))
     dist.all_gather(out, t, group=group)
     return [int(o.item()) for o in out]
 
@@ -39,6 +41,7 @@ def all_gather_rows(xm: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tor
     order: one collective, not differentiable (torch's ``all_gather_single``, or its older
     name ``all_gather_into_tensor``)."""
     out = xm.new_empty((xm.shape[0] * group_size(group),) + tuple(xm.shape[1:]))
+    count("all_gather", xm, group_size(group))
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, xm, group=group)
     return out
 
@@ -54,6 +57,7 @@ def reduce_scatter_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup]) 
     if group_size(group) == 1:
         return send.reshape(-1).clone()
     out = send.new_empty(send.shape[1])
+    count("reduce_scatter", send, group_size(group))
     dist.reduce_scatter_single(out, send.reshape(-1), group=group)
     return out
 
@@ -69,6 +73,7 @@ def all_to_all_rows(send: torch.Tensor, group: Optional[dist.ProcessGroup]) -> t
     if group_size(group) == 1:
         return send.clone()
     recv = torch.empty_like(send)
+    count("all_to_all", send, group_size(group))
     dist.all_to_all_single(recv, send, group=group)
     return recv
 
@@ -81,6 +86,7 @@ def sum_over_world(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over every rank of the default group, in place (no-op in one process); returns
     ``x``. Not differentiable: metrics and norms."""
     if _world_size() > 1:
+        count("all_reduce", x, _world_size())
         dist.all_reduce(x)
     return x
 
@@ -95,6 +101,8 @@ def broadcast_from(x: torch.Tensor, group: Optional[dist.ProcessGroup], group_sr
     """``x`` of the rank with index ``group_src`` in ``group``, on every rank of it, in place
     (contiguous ``x``; no-op for one rank); returns ``x``. Not differentiable."""
     if group_size(group) > 1:
+        if dist.get_rank(group) == group_src:
+            count("broadcast", x, group_size(group))
         dist.broadcast(x, group=group, group_src=group_src)
     return x
 
@@ -139,6 +147,7 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[dist.P
     for idx in buckets.values():
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
         if group_size(group) > 1:
+            count("all_reduce", flat, group_size(group))
             dist.all_reduce(flat, group=group)
         for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
             out[i] = piece.view(tensors[i].shape)

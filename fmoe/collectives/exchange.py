@@ -7,6 +7,7 @@ whole batch.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed._functional_collectives as funcol
 
 from ..transforms import apply, compiling, without_jvp
 from .buffers import group_size
+from .counting import count, count_bytes
 
 __all__ = ["all_to_all", "all_reduce", "grad_sum"]
 
@@ -22,6 +24,7 @@ __all__ = ["all_to_all", "all_reduce", "grad_sum"]
 def _exchange(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    count_bytes("all_to_all", (x.shape[0] - in_splits[dist.get_rank(group)]) * math.prod(x.shape[1:]) * x.element_size())
     dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group)
     return out
 
@@ -83,6 +86,7 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(x, group):
         out = x.clone(memory_format=torch.contiguous_format)
+        count("all_reduce", out, group_size(group))
         dist.all_reduce(out, group=group)
         return out
 

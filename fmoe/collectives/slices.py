@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..transforms import apply, without_jvp
 from .buffers import all_gather_rows, all_gather_sizes, group_size
+from .counting import count
 
 __all__ = ["all_gather", "gather_slices", "reduce_scatter", "local_slice"]
 
@@ -56,6 +57,7 @@ def _reduce_own_slice(g: torch.Tensor, dim: int, sizes: Sequence[int], group) ->
         for i, piece in enumerate(gm.split(list(sizes))):
             padded[i * m: i * m + piece.shape[0]] = piece
     out = padded.new_empty((m,) + tuple(gm.shape[1:]))
+    count("reduce_scatter", padded, n)
     dist.reduce_scatter_single(out, padded, group=group)
     return out[:sizes[dist.get_rank(group)]].movedim(0, dim).contiguous()
 
