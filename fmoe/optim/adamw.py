@@ -39,9 +39,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import tree as _tree
 from ..collectives import sum_over_world
-from ..precision import store, upcast
-from ..transforms import active as _transform_active
+from ..precision import upcast
 from ..sharding import local_shard, placed_like
+from .kernels import adam, fusable, fused_adamw
 
 __all__ = ["AdamWConfig", "init", "update", "step", "global_norm"]
 
@@ -136,50 +136,6 @@ def _decays(path: str, p: Any, cfg: AdamWConfig) -> bool:
 DONATE_PIECE = 1 << 22
 
 
-def _adam(g0, m0, v0, p0, hyper, finite, rounding):
-    """One AdamW update of local tensors, computed in at least float32 whatever the stored dtypes,
-    then stored back in them (bf16 weights stochastically rounded with ``rounding``)."""
-    scale, b1, b2, bc1, bc2, lr, wd, eps = hyper
-    cd = torch.promote_types(p0.dtype, torch.float32)
-    g = g0.to(cd) * scale.to(cd)
-    m = m0.to(cd) * b1 + g * (1 - b1)
-    v = v0.to(cd) * b2 + g.square() * (1 - b2)
-    pl = p0.to(cd)
-    if wd:
-        pl = pl * (1 - lr * wd)
-    denom = (v / bc2).sqrt().add_(eps)
-    pl = pl - lr * (m / bc1) / denom
-    pl, m, v = store(pl, p0.dtype, rounding), store(m, m0.dtype), store(v, v0.dtype)
-    return torch.where(finite, pl, p0), torch.where(finite, m, m0), torch.where(finite, v, v0)
-
-
-def _fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether torch's fused AdamW kernel can update this leaf: plain contiguous fp32 / bf16
-    tensors of one dtype and device, outside any transform (float64 keeps the exact tensor math:
-    the kernel takes its gradient scale in fp32)."""
-    ts = (g, m, v, p)
-    return (not _transform_active() and p.dtype in (torch.float32, torch.bfloat16)
-            and p.device.type in ("cpu", "cuda") and all(t.dtype == p.dtype and t.device == p.device
-                                                         and t.is_contiguous() for t in ts))
-
-
-def _fused_adamw(group: list, t: torch.Tensor, scale: torch.Tensor, finite: torch.Tensor,
-                 lr: Union[float, torch.Tensor], cfg: AdamWConfig, wd: float) -> None:
-    """``torch._fused_adamw_`` over ``[(g, m, v, p), ...]`` in place at step ``t`` (the bias
-    corrections' step count): the same update as :func:`_adam` in one vectorized pass per tensor
-    (the elementwise tensor math makes ~15 passes over memory). The clip scale enters as the
-    kernel's gradient divisor (``g`` is left scaled), a non-finite norm as its ``found_inf``
-    (nothing is written)."""
-    g, m, v, p = (list(x) for x in zip(*group))
-    dev = p[0].device
-    t = t.to(device=dev, dtype=torch.float32)
-    b1, b2 = cfg.betas
-    lr = lr.to(dev) if isinstance(lr, torch.Tensor) else float(lr)
-    torch._fused_adamw_(p, g, m, v, [], [t] * len(p), lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=cfg.eps,
-                        amsgrad=False, maximize=False, grad_scale=(1 / scale).to(dev, torch.float32),
-                        found_inf=(~finite).to(dev, torch.float32))
-
-
 def step(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], cfg: AdamWConfig = AdamWConfig(),
          mask: Optional[Any] = None, rounding: Optional[torch.Generator] = None,
          donate: bool = False) -> tuple[Any, dict, dict]:
@@ -263,7 +219,7 @@ def step_flat(flat_g: dict, flat_m: dict, flat_v: dict, flat_p: dict, count: tor
                 continue
             g0, m0, v0, p0 = local_shard(flat_g[path]), local_shard(flat_m[path]), local_shard(flat_v[path]), local_shard(p)
             wd = cfg.weight_decay if _decays(path, p, cfg) else 0.0
-            if rounding is None and _fusable(g0, m0, v0, p0):
+            if rounding is None and fusable(g0, m0, v0, p0):
                 if not donate:                       # the kernel writes in place: into copies
                     g0, m0, v0, p0 = g0.clone(), m0.clone(), v0.clone(), p0.clone()
                 fused.setdefault((p0.dtype, p0.device, wd), []).append((path, g0, m0, v0, p0))
@@ -274,15 +230,15 @@ def step_flat(flat_g: dict, flat_m: dict, flat_v: dict, flat_p: dict, count: tor
                 for a in range(0, fp.numel(), DONATE_PIECE):
                     sl = slice(a, a + DONATE_PIECE)
                     for old_t, new_t in zip((fp[sl], fm[sl], fv[sl]),
-                                            _adam(fg[sl], fm[sl], fv[sl], fp[sl], hyper, finite, rounding)):
+                                            adam(fg[sl], fm[sl], fv[sl], fp[sl], hyper, finite, rounding)):
                         old_t.copy_(new_t)
                 new_p[path], new_m[path], new_v[path] = p, flat_m[path], flat_v[path]
                 continue
-            pl, m, v = _adam(g0, m0, v0, p0, hyper, finite, rounding)
+            pl, m, v = adam(g0, m0, v0, p0, hyper, finite, rounding)
             new_p[path] = placed_like(pl, p).requires_grad_(p.requires_grad)
             new_m[path], new_v[path] = placed_like(m, flat_m[path]), placed_like(v, flat_v[path])
         for (dtype, device, wd), group in fused.items():
-            _fused_adamw([x[1:] for x in group], t, scale, finite, lr, cfg, wd)
+            fused_adamw([x[1:] for x in group], t, scale, finite, lr, cfg, wd)
             for path, _, m, v, pl in group:
                 p = flat_p[path]
                 new_p[path] = p if donate else placed_like(pl, p).requires_grad_(p.requires_grad)
