@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from ..model import PRESETS
 from ..models import NAMES
+from .observe import check_tensorboard, parse_steps
 
 __all__ = ["JobConfig", "JobConfigError", "FIELDS", "DEFAULTS", "DEFAULT_OUT", "SEED_MAX", "flag", "check_value"]
 
@@ -57,7 +58,7 @@ def flag(name: str) -> str:
 
 
 # (check kind, argument): "int" (low, high or None), "float" (low, strict), "fraction" (open (0, 1)),
-# "choice" (values), "str", "bool"
+# "choice" (values), "str", "bool" (optional: a check of what switching it on needs), "steps" ("A:B")
 def _f(group: str, check: tuple, help: str, default: Any = None, metavar: Optional[str] = None) -> Any:
     return dataclasses.field(default=default, metadata={"group": group, "check": check, "help": help,
                                                         "metavar": metavar})
@@ -153,10 +154,14 @@ class JobConfig:
                                     "per rank (default: no limit)", metavar="X")
     # checkpoints and output
     out: Optional[str] = _f("checkpoints and output", ("str",), "run directory: log.jsonl, step-N/ checkpoints, "
-                            f".lock (default: {DEFAULT_OUT}; with --resume: the checkpoint's run directory)",
-                            metavar="DIR")
+                            ".lock; a --resume without --out continues in the checkpoint's run directory "
+                            f"(default: {DEFAULT_OUT})", metavar="DIR")
     save_every: int = _f("checkpoints and output", ("int", 0, None), "checkpoint every N steps (0: only at the end)",
                          0, "N")
+    profile_steps: Optional[str] = _f("checkpoints and output", ("steps",), "profile steps A to B with torch.profiler: "
+                                      "a Chrome trace per rank in OUT/profile/rank-R.json", metavar="A:B")
+    tensorboard: bool = _f("checkpoints and output", ("bool", check_tensorboard), "also write the log rows as TensorBoard "
+                           "scalars in OUT/tensorboard (needs pip install 'fmoe[tensorboard]')", False)
     keep_last: int = _f("checkpoints and output", ("int", 0, None), "keep only the N newest complete checkpoints "
                         "in --out, removing older ones after each save (never the one --resume continues from; 0: "
                         "keep all)", 0, "N")
@@ -221,9 +226,14 @@ def check_value(name: str, value: Any) -> Any:
         if value not in arg[0]:
             raise ValueError(f"{said} must be one of {', '.join(arg[0])}, got {value!r}")
         return value
+    if kind == "steps":
+        parse_steps(value, said)
+        return value
     if kind == "bool":
         if not isinstance(value, bool):
             raise ValueError(f"{said} is a switch (True / False), got {value!r}")
+        if value and arg:                              # a switch that needs an optional extra
+            arg[0](said)
         return value
     if not isinstance(value, str) or not value:
         raise ValueError(f"{said} must be a non-empty string, got {value!r}")

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..precision import dtype_of
 from . import balancing, options
-from . import settings
+from . import observe, settings
 from .threads import threads_of
 
 __all__ = ["run", "log_row", "NonFiniteStep"]
@@ -150,6 +150,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     meta = {**_job_meta(job, model, hf_cfg, mesh), **options.run_meta(job, tokenizer, device),
             **balancing.record(job), "upcycle": job.upcycle, **settings.record(job)}
     bar = _Progress(job.steps, start, rank0 and not job.quiet)
+    watch = observe.Observer(job.out, rank, job.profile_steps, job.tensorboard)   # per-rank time, bytes
     last: dict = {}
     skipped = 0
     for step in range(start + 1, job.steps + 1):
@@ -158,15 +159,17 @@ def run(rank: int, world: int, job: Any) -> dict:
                  train_data.batch(step, mesh.batch_index, job.batch * job.grad_accum, job.seq, job.seed,
                                   num_batches=mesh.num_batches))
         lr = lr_at(step, job.lr, job.warmup, job.schedule_total)
-        params, opt_state, m = train_step(model, cfg, params, opt_state, tuple(t.to(device) for t in batch),
-                                          mesh=mesh, step_cfg=step_cfg, lr=lr)
+        with watch.step(step):
+            params, opt_state, m = train_step(model, cfg, params, opt_state, tuple(t.to(device) for t in batch),
+                                              mesh=mesh, step_cfg=step_cfg, lr=lr)
         if options.should_eval(job, step):
             m.update(evaluate(model, cfg, params, held_out, mesh=mesh, batches=job.eval_batches, batch=job.batch,
                               seq=job.seq, seed=job.eval_seed, impl=job.impl, router=step_cfg.router,
                               dtype=job.dtype, device=device))
-        last = {"step": step, **m}
+        last = {"step": step, **m, **watch.rank_lists()}
         if rank0:
             append_row(os.path.join(job.out, "log.jsonl"), log_row(last))   # one write, no link followed
+            watch.write(last)
         if m.get("skipped"):
             skipped += 1
             if skipped > job.skip_nonfinite:
@@ -184,6 +187,7 @@ def run(rank: int, world: int, job: Any) -> dict:
                 ckpt.on_rank0(lambda: prune(job.out, job.keep_last, keep=[job.resume_path] if job.resume_path else []),
                               f"removing old checkpoints of --out {job.out}")
     bar.close()
+    watch.close()
     if write_record is not None:
         write_record()
     if job.export_hf:                                 # the weights, the router and the tokenizer

@@ -1,0 +1,128 @@
+"""Watching a run: every rank's step time and bytes sent, a profiler window, a TensorBoard sink.
+
+The job's log is written by rank 0, but a slow or chatty rank is another rank's problem, so each
+step is measured on every rank (:meth:`Observer.step`: wall time of the train step, and the bytes
+its collectives send, :func:`fmoe.collectives.counting`) and the measurements are gathered into
+rank 0's log row (:meth:`Observer.rank_lists`, one small all-gather per step)::
+
+    {"step": 3, "loss": 5.1, ..., "rank_step_time": [0.21, 0.22], "sent_bytes": [181000, 181000],
+     "sent_bytes_by_kind": {"all_gather": [120000, 120000], "reduce_scatter": [61000, 61000]}}
+
+``--profile-steps A:B`` runs steps A to B (inclusive) under :class:`torch.profiler.profile` and
+writes one Chrome trace per rank, ``OUT/profile/rank-R.json`` (``chrome://tracing``, Perfetto,
+TensorBoard's profiler plugin). ``--tensorboard`` also writes rank 0's numeric log values as
+TensorBoard scalars in ``OUT/tensorboard`` (``torch.utils.tensorboard``; the optional extra
+``pip install 'fmoe[tensorboard]'``).
+
+Example:
+    >>> parse_steps("3:5")
+    (3, 5)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import time
+from typing import Any, Iterator, Optional
+
+from ..collectives import all_gather_objects, counting
+
+__all__ = ["Observer", "parse_steps", "check_tensorboard"]
+
+
+def parse_steps(text: str, flag: str = "--profile-steps") -> tuple[int, int]:
+    """``"A:B"`` -> ``(A, B)``, the first and last step of a window (1 <= A <= B).
+
+    Raises:
+        ValueError: naming ``flag``, the value and what is valid.
+    """
+    parts = text.split(":") if isinstance(text, str) else []
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[1]):
+        raise ValueError(f"{flag} must be A:B, the first and last step profiled (1 <= A <= B), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def check_tensorboard(flag: str = "--tensorboard") -> None:
+    """Raise ``ValueError`` naming ``flag`` and the extra to install when TensorBoard is missing."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(f"{flag} needs the tensorboard package, which is not installed: "
+                         "pip install 'fmoe[tensorboard]'")
+
+
+class Observer:
+    """One rank's view of the run's measurements (module docstring).
+
+    Args:
+        out: the run directory.
+        rank: this rank.
+        profile_steps: ``"A:B"`` or None.
+        tensorboard: write rank 0's rows as TensorBoard scalars too.
+    """
+
+    def __init__(self, out: str, rank: int, profile_steps: Optional[str] = None, tensorboard: bool = False):
+        self.out, self.rank = out, rank
+        self.window = parse_steps(profile_steps) if profile_steps else None
+        self.profiler: Any = None
+        self.writer: Any = None
+        if tensorboard and rank == 0:
+            check_tensorboard()
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+        self.step_time = 0.0
+        self.sent: dict = {}
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Measure one train step on this rank (and profile it when in the window)."""
+        if self.window and step == self.window[0]:
+            import torch.profiler
+
+            self.profiler = torch.profiler.profile(record_shapes=True)
+            self.profiler.__enter__()
+        start = time.perf_counter()
+        with counting() as sent:
+            yield
+        self.step_time = time.perf_counter() - start
+        self.sent = dict(sent.by_kind)
+        if self.profiler is not None and step >= self.window[1]:
+            self._export()
+
+    def _export(self) -> None:
+        self.profiler.__exit__(None, None, None)
+        directory = os.path.join(self.out, "profile")
+        os.makedirs(directory, exist_ok=True)
+        self.profiler.export_chrome_trace(os.path.join(directory, f"rank-{self.rank}.json"))
+        self.profiler = None
+
+    def rank_lists(self) -> dict:
+        """Every rank's last step time and bytes sent, in rank order (call on every rank)."""
+        every = all_gather_objects((self.step_time, self.sent))
+        kinds = sorted({k for _, sent in every for k in sent})
+        return {"rank_step_time": [round(t, 6) for t, _ in every],
+                "sent_bytes": [sum(sent.values()) for _, sent in every],
+                "sent_bytes_by_kind": {k: [sent.get(k, 0) for _, sent in every] for k in kinds}}
+
+    def write(self, row: dict) -> None:
+        """Rank 0: the row's numbers as TensorBoard scalars (per-rank lists as ``name/rank-R``)."""
+        if self.writer is None:
+            return
+        step = row["step"]
+        for name, value in row.items():
+            if isinstance(value, bool) or name == "step":
+                continue
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(name, value, step)
+            elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+                for r, v in enumerate(value):
+                    self.writer.add_scalar(f"{name}/rank-{r}", v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        """End a profile cut short (the run ended inside the window) and the TensorBoard file."""
+        if self.profiler is not None:
+            self._export()
+        if self.writer is not None:
+            self.writer.close()
