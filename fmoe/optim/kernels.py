@@ -10,15 +10,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import Any, Union
 
 import torch
 
 from ..precision import store
 from ..transforms import active as _transform_active
-
-if TYPE_CHECKING:
-    from .adamw import AdamWConfig
 
 __all__ = ["adam", "fusable", "fused_adamw"]
 
@@ -51,10 +48,10 @@ def fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor) 
 
 
 def fused_adamw(group: list, t: torch.Tensor, scale: torch.Tensor, finite: torch.Tensor,
-                 lr: Union[float, torch.Tensor], cfg: AdamWConfig, wd: float) -> None:
+                 lr: Union[float, torch.Tensor], cfg: Any, wd: float) -> None:
     """``torch._fused_adamw_`` over ``[(g, m, v, p), ...]`` in place at step ``t`` (the bias
-    corrections' step count): the same update as :func:`adam` in one vectorized pass per tensor
-    (the elementwise tensor math makes ~15 passes over memory). The clip scale enters as the
+    corrections' step count; ``cfg`` an :class:`fmoe.optim.AdamWConfig`): the same update as
+    :func:`adam` in one vectorized pass per tensor (the tensor math makes ~15 passes over memory). The clip scale enters as the
     kernel's gradient divisor (``g`` is left scaled), a non-finite norm as its ``found_inf``
     (nothing is written)."""
     g, m, v, p = (list(x) for x in zip(*group))

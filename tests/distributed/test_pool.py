@@ -105,7 +105,7 @@ def _train_step_on_a_mesh(rank, world):
 
 
 def _gloo_workers(rank, world):
-    from fmoe.testing.pool import gloo_workers
+    from fmoe.testing.rank_state import gloo_workers
 
     dist.barrier()
     return gloo_workers()
