@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 from ..training import JobConfig, JobConfigError, run
 from ..training.job import DEFAULT_OUT, FIELDS, flag
+from ..training.jobfile import read_job_file
 from ..training.loop import NonFiniteStep, log_row
 
 __all__ = ["build_parser", "parse_args", "main", "EPILOG"]
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fmoe train", formatter_class=_Help, epilog=EPILOG,
                                  description="Train an fmoe mixture-of-experts model on local gloo ranks "
                                              "(or under torchrun -m fmoe train).")
+    ap.add_argument("--config", metavar="FILE", help="a job file (TOML) whose keys are the settings' names "
+                    "(--bias-rate is bias_rate); flags given here override it (fmoe.training.jobfile)")
     groups = {name: ap.add_argument_group(name) for name in GROUPS}
     for name, f in FIELDS.items():
         meta = f.metadata
@@ -101,9 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None, ap: Optional[argparse.ArgumentParser] = None) -> JobConfig:
     """The :class:`JobConfig` of a command line; a value its field refuses is a usage error (exit 2)."""
     ap = ap or build_parser()
-    ns = ap.parse_args(argv)
+    known, _ = ap.parse_known_args(argv)
+    if known.config:                                   # the job file's values are the defaults
+        try:
+            ap.set_defaults(**read_job_file(known.config))
+        except ValueError as e:
+            ap.error(str(e))
+    ns = vars(ap.parse_args(argv))
+    ns.pop("config")
     try:
-        return JobConfig(**vars(ns))
+        return JobConfig(**ns)
     except ValueError as e:
         ap.error(str(e))
 
