@@ -41,13 +41,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import os
 import re
 import shutil
 import tempfile
 from typing import Callable, Iterator, Union
+
+from . import fs
 
 __all__ = ["atomic_directory", "begin", "commit", "abort", "remove_stale", "replace_files", "check_target",
            "checkpoint_file", "foreign_files", "TEMP_MARK"]
@@ -62,71 +62,6 @@ _CKPT_FILE = re.compile(r"^(config\.json|generation_config\.json|model\.safetens
 def checkpoint_file(name: str) -> bool:
     """Whether ``name`` is a file a Hugging Face checkpoint written by fmoe consists of."""
     return bool(_CKPT_FILE.match(name))
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _publish_modes(directory: str) -> None:
-    """Give ``directory`` and its files the modes a plain ``open``/``mkdir`` would (umask)."""
-    mask = _umask()
-    os.chmod(directory, 0o777 & ~mask)
-    for name in os.listdir(directory):
-        file = os.path.join(directory, name)
-        if os.path.isfile(file) and not os.path.islink(file):
-            os.chmod(file, 0o666 & ~mask)
-
-_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux renameat2); False where the call is unavailable."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(err, f"renameat2 exchange of {a!r} and {b!r} failed: {os.strerror(err)}")
-
-
-def _fsync_tree(directory: str) -> None:
-    for name in os.listdir(directory):
-        file = os.path.join(directory, name)
-        if os.path.isfile(file):
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems do not fsync directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale(path: Union[str, os.PathLike]) -> list[str]:
@@ -145,18 +80,10 @@ def remove_stale(path: Union[str, os.PathLike]) -> list[str]:
         if not entry.startswith(prefix):
             continue
         pid = entry[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            _remove(os.path.join(parent, entry))
+        if pid.isdigit() and int(pid) != os.getpid() and not fs.pid_alive(int(pid)):
+            fs.remove(os.path.join(parent, entry))
             gone.append(entry)
     return gone
-
-
-def _remove(path: str) -> None:
-    """Remove a file, a link (not what it points to) or a directory tree."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)
 
 
 def check_target(path: Union[str, os.PathLike], overwrite: bool = False, what: str = "save",
@@ -213,15 +140,15 @@ def replace_files(path: Union[str, os.PathLike]) -> Iterator[str]:
     tmp = tempfile.mkdtemp(prefix=f".fmoe-write-{os.getpid()}-", dir=path)
     try:
         yield tmp
-        _publish_modes(tmp)
-        _fsync_tree(tmp)
+        fs.publish_modes(tmp)
+        fs.fsync_tree(tmp)
         new = set(os.listdir(tmp))
         for name in sorted(new):
             os.replace(os.path.join(tmp, name), os.path.join(path, name))
         for name in os.listdir(path):
             if checkpoint_file(name) and name not in new and os.path.isfile(os.path.join(path, name)):
                 os.remove(os.path.join(path, name))
-        _fsync_dir(path)
+        fs.fsync_dir(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -254,13 +181,13 @@ def commit(tmp: str, path: Union[str, os.PathLike], own: Callable[[str], bool] =
     """
     path = check_target(path, own=own)
     parent = os.path.dirname(path)
-    _publish_modes(tmp)
-    _fsync_tree(tmp)
+    fs.publish_modes(tmp)
+    fs.fsync_tree(tmp)
     if not os.path.lexists(path):
         os.rename(tmp, path)
-    elif _exchange(tmp, path):
+    elif fs.exchange(tmp, path):
         if os.path.islink(tmp):             # a link slipped in after the check: put it back
-            _exchange(tmp, path)
+            fs.exchange(tmp, path)
             raise ValueError(f"commit: {path!r} became a symbolic link; nothing was replaced")
         shutil.rmtree(tmp)                  # tmp now holds the previous directory
     else:
@@ -271,13 +198,13 @@ def commit(tmp: str, path: Union[str, os.PathLike], own: Callable[[str], bool] =
         except BaseException:
             os.rename(old, path)
             raise
-        _remove(old)
-    _fsync_dir(parent)
+        fs.remove(old)
+    fs.fsync_dir(parent)
 
 
 def abort(tmp: str) -> None:
     """Remove a temporary directory from :func:`begin` (a failed or interrupted write)."""
-    _remove(tmp)
+    fs.remove(tmp)
 
 
 @contextlib.contextmanager

@@ -228,9 +228,9 @@ def test_failed_save_keeps_the_old_checkpoint_and_leaves_nothing(dirs, tmp_path,
 
 
 def test_replacing_without_renameat2_exchange(dirs, tmp_path, monkeypatch):
-    import fmoe.checkpoint.atomic as atomic
+    import fmoe.checkpoint.fs as fs
 
-    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)   # e.g. a filesystem without it
+    monkeypatch.setattr(fs, "exchange", lambda a, b: False)   # e.g. a filesystem without it
     out = str(tmp_path / "ckpt")
     params = expected_params(dirs["hf"])
     save_hf(toy, fmoe.tree.map_with_path(lambda _, t: torch.zeros_like(t), params), CFG, out)
