@@ -71,10 +71,10 @@ def test_what_needs_several_fields_is_an_error_before_anything_starts(tmp_path):
 
 def test_the_flags_are_the_fields():
     ap = build_parser()
-    dests = {a.dest for a in ap._actions if a.option_strings and a.dest != "help"}
-    assert dests == set(FIELDS)
+    dests = {a.dest for a in ap._actions if a.option_strings and a.dest not in ("help", "config")}   # --config FILE
+    assert dests == set(FIELDS)                                                                      # holds fields
     for a in ap._actions:
-        if a.option_strings and a.dest != "help":
+        if a.option_strings and a.dest not in ("help", "config"):
             assert a.option_strings == ["--" + a.dest.replace("_", "-")]
     cfg = parse_args(["--bias-rate", "0.01", "--nproc", "2", "--ep", "2", "--overwrite"])
     assert cfg == JobConfig(bias_rate=0.01, nproc=2, ep=2, overwrite=True)
