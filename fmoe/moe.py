@@ -22,7 +22,7 @@ Routers may take keyword inputs besides the logits (:func:`fmoe.routing.call`): 
 (from ``params["expert_bias"] [E]``, detached: selection-only state updated by
 ``fmoe.routing.update_bias``, never by gradients) and every entry of ``router_inputs`` (per-batch
 tensors such as ``token_ids [T]`` or ``seq_ids [T]``). ``params["shared"]`` adds shared experts
-(:mod:`fmoe.shared_experts`).
+(:mod:`fmoe.nn.shared_experts`).
 
 ``aux`` holds the router's own entries, with every :class:`fmoe.global_stats.GlobalStat` (aux
 losses, drop rates) reduced over the data-parallel batches and finished (a
@@ -51,7 +51,7 @@ from .mesh import Mesh
 from .global_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .routing.core import as_stats
-from .shared_experts import check_shared, shared_expert
+from .nn.shared_experts import check_shared, shared_expert
 from .transforms import peel, refuse_compiled_transform
 
 __all__ = ["moe"]

@@ -1,5 +1,5 @@
 """The dense SwiGLU feed-forward block ``down(act(gate(x), up(x)))``, for dense layers and shared
-experts (:mod:`fmoe.shared_experts`) alike.
+experts (:mod:`fmoe.nn.shared_experts`) alike.
 
 Gate and up are one fused weight ``w_gate_up [2I, D]`` (gate rows first), as in the experts.
 Under tensor parallelism it is sharded ``packed_colwise`` (each half split separately), so the

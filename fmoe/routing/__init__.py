@@ -38,7 +38,7 @@ A router named by text (``--router``, ``meta.json``): :func:`from_spec` (``"swit
 
 Aux losses (load balancing, sequence balance, z-loss) wrap any router:
 :func:`with_losses` (from :mod:`fmoe.routing.aux_losses`). Shared experts are params, not a router
-(:mod:`fmoe.shared_experts`).
+(:mod:`fmoe.nn.shared_experts`).
 
 Example:
     >>> import torch

@@ -337,7 +337,7 @@ LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own 
     (1, ("fmoe.sharding",)),
     (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.global_stats", "fmoe.remat")),
     (3, ("fmoe.routing", "fmoe.ep")),
-    (4, ("fmoe.moe", "fmoe.nn", "fmoe.shared_experts")),
+    (4, ("fmoe.moe", "fmoe.nn")),
     (5, ("fmoe.model", "fmoe.testing", "fmoe.optim", "fmoe.checkpoint", "fmoe.generate",
          "fmoe.data", "fmoe.memory.plan", "fmoe.memory.peak", "fmoe.memory.tracker")),
     (6, ("fmoe.models",)),
@@ -468,7 +468,7 @@ def test_the_layer_treats_every_implementation_alike_and_paths_are_chosen_by_dat
     """``fmoe.moe`` runs every expert-parallel implementation through ``ep.run`` (no built-in
     named, no identity test), and no module picks a compute path by ``act is swiglu``."""
     assert identity_dispatch(TREES["fmoe.moe"]) == []
-    assert {n: f for n, t in TREES.items() if n.startswith(("fmoe.experts", "fmoe.ep", "fmoe.nn", "fmoe.shared_experts"))
+    assert {n: f for n, t in TREES.items() if n.startswith(("fmoe.experts", "fmoe.ep", "fmoe.nn"))
             for f in [[x for x in identity_dispatch(t) if " is " in x]] if f} == {}
     bad = ast.parse("def f(act, ep):\n    if act is swiglu:\n        pass\n    return ep.ALL_TO_ALL\n")
     assert identity_dispatch(bad) == ["line 2: is swiglu", "line 4: ep.ALL_TO_ALL"]

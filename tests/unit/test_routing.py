@@ -228,7 +228,7 @@ def test_shared_experts_are_added_with_their_gate():
     torch.testing.assert_close(y, y0 + torch.sigmoid(x @ s["gate"].t()) * dense, rtol=1e-5, atol=1e-6)
     p2 = {**full_params(), "shared": shared_params(gate=False)}
     y2, _ = fmoe.moe(p2, x, router=routing.topk(2))
-    torch.testing.assert_close(y2, y0 + fmoe.shared_experts.shared_expert(p2["shared"], x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y2, y0 + fmoe.nn.shared_experts.shared_expert(p2["shared"], x), rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------ aux losses, hand-checked

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from .activations import Activation, swiglu
-from .fsdp import unshard
-from .nn.mlp import swiglu_mlp
-from .sharding import check_fused_gate_up, placement_of
+from ..activations import Activation, swiglu
+from ..fsdp import unshard
+from ..sharding import check_fused_gate_up, placement_of
+from .mlp import swiglu_mlp
 
 __all__ = ["shared_expert", "check_shared"]
 
