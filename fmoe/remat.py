@@ -6,9 +6,11 @@ A trainer picks a policy for a region of code; a model marks its blocks. Under
 recomputed when backward reaches the block — collectives included, which line up because every
 rank runs the same backward. Under ``"moe"`` only the MoE blocks are recomputed; under
 ``"none"`` (the default) :func:`call` is a plain call. Results and gradients are unchanged.
-Under a ``torch.func`` transform a recomputing policy raises ``NotImplementedError`` (saved-tensor
-hooks, which the checkpoint relies on, do not run under ``torch.func``): use
-``torch.autograd.grad`` there.
+Under a ``torch.func`` transform (``grad``, ``vjp``, ``hessian``), whose levels do not run the
+saved-tensor hooks ``torch.utils.checkpoint`` relies on, a block is recomputed functionally: an
+autograd Function keeps only the block's inputs and its backward recomputes the block under
+``torch.func.vjp`` (JAX's ``checkpoint`` composed with ``grad``). Results and gradients equal
+``.backward()`` with remat.
 
 The same marks serve regional compilation: under ``with remat.compiled("layer")`` every
 :func:`call` of that kind runs its block through ``torch.compile`` (each decoder layer is the
@@ -38,7 +40,11 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .transforms import compiling, func_active
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torch.distributed.tensor import DTensor
+
+from .transforms import compiling, func_active, peel
 
 __all__ = ["POLICIES", "policy", "compiled", "call", "active"]
 
@@ -116,10 +122,60 @@ def call(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         args = (unshard_layer(args[0]),) + args[1:]
     if active() != kind or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    if func_active() and not compiling():
-        raise NotImplementedError(
-            f"remat policy {kind!r} under a torch.func transform (grad, vjp, jvp, vmap) is not supported: "
-            "torch.utils.checkpoint recomputes through saved-tensor hooks, which torch.func does not run. "
-            "Instead differentiate with torch.autograd.grad / .backward() (remat works there), or use "
-            "remat.policy('none') inside torch.func")
+    if func_active() and not compiling():       # saved-tensor hooks do not run under torch.func
+        return _recomputed(fn, args, kwargs)
     return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+class _Recompute(torch.autograd.Function):
+    """``outs = block(*floats)`` kept without its activations; backward recomputes the block
+    under ``torch.func.vjp`` (a functional checkpoint: what ``torch.func`` transforms can run)."""
+
+    @staticmethod
+    def forward(block, *floats):
+        with torch.no_grad():
+            return tuple(block(*floats))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.block = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        floats = ctx.saved_tensors
+        with torch.enable_grad():
+            outs, pullback = torch.func.vjp(lambda *f: tuple(ctx.block(*f)), *floats)
+        grads = tuple(torch.zeros_like(o) if g is None else g for g, o in zip(grads, outs))
+        return (None,) + tuple(pullback(grads))
+
+
+def _recomputed(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` through :class:`_Recompute`: the floating tensors of the arguments
+    (a pytree) are its inputs, the floating tensors of the output its outputs; everything else
+    (ints, configs, integer tensors, non-tensor outputs) rides along unchanged."""
+    leaves, spec = tree_flatten((args, kwargs))
+    if any(isinstance(peel(t), DTensor) for t in leaves):
+        raise NotImplementedError(
+            "remat policy under a torch.func transform (grad, vjp) over sharded (DTensor) parameters is not "
+            "supported on a mesh: the recompute's torch.func.vjp would nest a second transform level, which a "
+            "DTensor cannot carry. Instead differentiate with torch.autograd.grad / .backward() (remat works "
+            "there, any mesh), or use remat.policy('none') inside torch.func")
+    at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    out_spec, out_leaves, out_at = [], [], []
+
+    def block(*floats):
+        full = list(leaves)
+        for i, t in zip(at, floats):
+            full[i] = t
+        a, kw = tree_unflatten(full, spec)
+        ol, os_ = tree_flatten(fn(*a, **kw))
+        out_spec[:], out_leaves[:] = [os_], ol
+        out_at[:] = [i for i, t in enumerate(ol) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return [ol[i] for i in out_at]
+
+    floats = _Recompute.apply(block, *[leaves[i] for i in at])
+    full = list(out_leaves)
+    for i, t in zip(out_at, floats):
+        full[i] = t
+    return tree_unflatten(full, out_spec[0])

@@ -306,3 +306,20 @@ def _jvp_and_compile_on_meshes(rank, world):
 def test_jvp_and_compile_on_four_ranks():
     for out in on_ranks(_jvp_and_compile_on_meshes, 4, timeout=900):
         assert out["break_lines"] == [("token_dispatch.py", "_exchange_splits")], out["break_lines"]
+
+
+# ------------------------------------------------------------------------------ one process: remat under grad
+@pytest.mark.parametrize("policy", ["layer", "moe"])
+def test_remat_under_grad_equals_backward(policy):
+    """``torch.func.grad`` under a recomputing policy (a functional checkpoint: the block's
+    backward recomputes it under ``torch.func.vjp``) equals ``.backward()`` under the same policy
+    (``torch.utils.checkpoint``), every leaf, fp32."""
+    from helpers import close as close_dtype
+    cfg = qwen3_moe.Config.tiny()
+    params, toks = qwen3_moe.init(cfg, seed=0), tokens_of(cfg, 0)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in fmoe.tree.flatten(params).items()}
+    with fmoe.remat.policy(policy):
+        got = fmoe.tree.flatten(grad(lm_loss(cfg, toks))(params))
+        lm_loss(cfg, toks)(fmoe.tree.unflatten(leaves, like=params)).backward()
+    for k, leaf in leaves.items():
+        close_dtype(got[k], leaf.grad, f"{policy}: {k}")
