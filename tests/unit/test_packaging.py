@@ -93,3 +93,12 @@ def test_import_fmoe_does_not_import_the_test_harness():
     assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr
     plugins = _pyproject()["project"]["entry-points"]["pytest11"]
     assert "fmoe.testing.plugin" in plugins.values()
+
+
+
+def test_one_console_script_runs_the_commands():
+    """``fmoe`` is the one console script, the same program as ``python -m fmoe`` (``fmoe.cli.main``;
+    tests/cli/test_commands.py starts both)."""
+    from fmoe.cli import main
+
+    assert _pyproject()["project"]["scripts"] == {"fmoe": "fmoe.cli:main"} and callable(main)
