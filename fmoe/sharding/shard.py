@@ -78,8 +78,9 @@ def rank_blocks(shape: tuple[int, ...], p: P, mesh: Mesh) -> tuple[list[tuple[sl
         ``(blocks, dim)``: index tuples and the dim to concatenate them along.
 
     Example:
-        >>> # rank_blocks((8, 4), P("tp", None, packed=2), mesh)   # tp rank 1 of 2
-        >>> # ([(slice(2, 4), slice(0, 4)), (slice(6, 8), slice(0, 4))], 0)
+        >>> from fmoe.mesh import RankLayout
+        >>> rank_blocks((8, 4), P("tp", None, packed=2), RankLayout(2, rank=1, tp=2))   # tp rank 1 of 2
+        ([(slice(2, 4, None), slice(0, 4, None)), (slice(6, 8, None), slice(0, 4, None))], 0)
     """
     idx = [slice(0, n) for n in shape]
     packed = p.packed_dim
@@ -102,7 +103,13 @@ def rank_blocks(shape: tuple[int, ...], p: P, mesh: Mesh) -> tuple[list[tuple[sl
 
 def slice_for_rank(full: torch.Tensor, p: P, mesh: Mesh) -> torch.Tensor:
     """This rank's slice of ``full`` under placement ``p`` (no communication; see
-    :func:`rank_blocks`)."""
+    :func:`rank_blocks`).
+
+    Example:
+        >>> from fmoe.mesh import RankLayout
+        >>> slice_for_rank(torch.arange(8), P("tp", packed=2), RankLayout(2, rank=1, tp=2)).tolist()
+        [2, 3, 6, 7]
+    """
     blocks, d = rank_blocks(tuple(full.shape), p, mesh)
     return full[blocks[0]] if len(blocks) == 1 else torch.cat([full[b] for b in blocks], dim=d)
 
@@ -122,7 +129,10 @@ def from_local_slice(local: torch.Tensor, full_shape: Sequence[int], p: P, mesh:
         a DTensor whose :func:`placement_of` is ``p``.
 
     Example:
-        >>> # w = from_local_slice(ck_block, (1024, 512), P("tp", None), mesh)
+        >>> from fmoe.mesh import RankLayout      # a slice of the wrong shape: refused before any wrapping
+        >>> from_local_slice(torch.zeros(3, 4), (8, 4), P("tp", None), RankLayout(2, rank=1, tp=2))
+        Traceback (most recent call last):
+        ValueError: from_local_slice: local slice has shape (3, 4), but P('tp', None) of a tensor of shape (8, 4) gives this rank a slice of shape (4, 4)
     """
     want = local_shape(tuple(full_shape), p, mesh)
     if tuple(local.shape) != want:

@@ -219,8 +219,17 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         expert over all batches), ``load_imbalance`` (max/mean) and ``drop_rate`` if routed so.
 
     Example:
-        >>> # params, opt_state, m = train_step(llama, cfg, params, opt_state, batch,
-        >>> #                                   mesh=mesh, step_cfg=StepConfig(), lr=1e-3)
+        >>> import fmoe
+        >>> from fmoe.models import qwen3_moe
+        >>> from fmoe.optim import adamw
+        >>> cfg = qwen3_moe.Config.tiny()
+        >>> params = fmoe.tree.map_with_path(lambda p, t: t.requires_grad_(not p.endswith("expert_bias")),
+        ...                                  qwen3_moe.init(cfg))
+        >>> tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+        >>> params, opt_state, m = train_step(qwen3_moe, cfg, params, adamw.init(params), (tokens, tokens),
+        ...                                   mesh=fmoe.Mesh(), step_cfg=StepConfig(), lr=1e-3)
+        >>> m["skipped"], m["tokens"], int(opt_state["step"])
+        (False, 16, 1)
     """
     t0 = time.perf_counter()
     tokens, targets = batch
