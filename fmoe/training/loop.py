@@ -165,7 +165,7 @@ def run(rank: int, world: int, job: Any) -> dict:
         if options.should_eval(job, step):
             m.update(evaluate(model, cfg, params, held_out, mesh=mesh, batches=job.eval_batches, batch=job.batch,
                               seq=job.seq, seed=job.eval_seed, impl=job.impl, router=step_cfg.router,
-                              dtype=job.dtype, device=device))
+                              dtype=job.dtype, device=device, dp_batches=job.dp_batches))
         last = {"step": step, **m, **watch.rank_lists()}
         if rank0:
             append_row(os.path.join(job.out, "log.jsonl"), log_row(last))   # one write, no link followed
