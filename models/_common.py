@@ -4,12 +4,12 @@ plan and its checkpoint name map (read by :mod:`._hf`).
 
 Every model here is the same pre-norm decoder; each model's ``forward`` spells it::
 
-    x, ctx = start(params, tokens, cfg, mesh, ...)     # checks; x = embed(tokens) [B, S, D]; rope, cache step
-    for i, layer in enumerate(params["layers"]):       # block: FSDP-gathered inside (remat kind "layer")
-        x = ctx.keep(*remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
+    x, ctx, out = start(params, tokens, cfg, mesh, ...)  # checks; x = embed(tokens) [B, S, D]; rope, cache step
+    for i, layer in enumerate(params["layers"]):         # block: FSDP-gathered inside (remat kind "layer")
+        x = out.keep(*remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
             # block: h = x + attention(attn_norm(x)); x = h + (moe or mlp)(mlp_norm(h))
-    logits = lm_head(norm(x))                          # [B, S, V], full on every rank
-    return ctx.outputs(logits, return_aux)             # (logits, cache, aux) as asked
+    logits = lm_head(norm(x))                            # [B, S, V], full on every rank
+    return out.result(logits, return_aux)                # (logits, cache, aux) as asked
 
 A model's ``attention(a, x, i, ctx, entry) -> (y, entry)`` reads what the call shares from a
 :class:`Context` (config, rotary tables, cache step; mesh, implementation, router and expert
@@ -39,7 +39,7 @@ from fmoe.activations import Activation, swiglu
 from fmoe.routing.aux_losses import with_losses
 
 __all__ = ["TP_FIELDS", "AUX_LOSS_FIELDS", "check_config", "rope", "decoder_shapes",
-           "attention_shapes", "init_params", "init_kv_cache", "Context", "start", "moe", "lm_head", "mlp",
+           "attention_shapes", "init_params", "init_kv_cache", "Context", "Outputs", "start", "moe", "lm_head", "mlp",
            "with_aux_loss"]
 
 #: (parameter name inside a layer, tensor dim) -> the config field tp must divide when that dim
@@ -169,26 +169,33 @@ def init_kv_cache(cfg: Any, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] 
 # ---------------------------------------------------------------------------- forward
 @dataclass(frozen=True)
 class Context:
-    """What every layer of one forward call shares, and what the layers return (:meth:`keep`).
+    """What every layer of one forward call shares (the same object for every layer, so a layer
+    compiled once by ``fmoe.remat.compiled`` serves them all).
 
     Attributes:
         cfg: the config.
         cos, sin: rotary tables of the new tokens' positions.
         step: the cache step (:class:`fmoe.nn.cache.Step`: start slot, key mask).
-        cache: the cache being decoded with, or None.
         mesh, impl, router, act: passed to every ``fmoe.moe`` block (:func:`moe`).
-        auxes, entries: per layer, its MoE block's aux (None for a dense layer) and cache entry.
     """
 
     cfg: Any
     cos: torch.Tensor
     sin: torch.Tensor
     step: nn.cache.Step
-    cache: Optional[dict] = None
     mesh: Optional[fmoe.Mesh] = None
     impl: str = "auto"
     router: Any = None
     act: Activation = swiglu
+
+
+@dataclass
+class Outputs:
+    """What the layers of one forward call return, kept outside their remat blocks: per layer its
+    MoE block's aux (None for a dense layer) and its cache entry."""
+
+    cache: Optional[dict]
+    step: nn.cache.Step
     auxes: list = field(default_factory=list)
     entries: list = field(default_factory=list)
 
@@ -197,12 +204,12 @@ class Context:
         return None if self.cache is None else self.cache["layers"][i]
 
     def keep(self, x: torch.Tensor, aux: Optional[dict], entry: Optional[dict]) -> torch.Tensor:
-        """Record a layer's ``aux`` and cache ``entry`` (outside its remat block); returns ``x``."""
+        """Record a layer's ``aux`` and cache ``entry``; returns its output ``x``."""
         self.auxes.append(aux)
         self.entries.append(entry)
         return x
 
-    def outputs(self, logits: torch.Tensor, return_aux: bool = False) -> Any:
+    def result(self, logits: torch.Tensor, return_aux: bool = False) -> Any:
         """``logits``, then the new cache when decoding, then ``{"moe": [aux of each MoE block]}``
         with ``return_aux`` (:func:`fmoe.nn.cache.outputs`)."""
         aux = {"moe": [a for a in self.auxes if a is not None]} if return_aux else None
@@ -211,8 +218,9 @@ class Context:
 
 def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh] = None,
           cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None, *, rope_dim: Optional[int] = None,
-          impl: str = "auto", router: Any = None, act: Activation = swiglu) -> tuple[torch.Tensor, Context]:
-    """A forward call's start: the checks, ``x = embed(tokens)`` and the :class:`Context`.
+          impl: str = "auto", router: Any = None, act: Activation = swiglu) -> tuple[torch.Tensor, Context, Outputs]:
+    """A forward call's start: the checks, ``x = embed(tokens)``, the :class:`Context` its layers
+    share and the :class:`Outputs` they return into.
 
     Args:
         params: tree from the model's ``init`` / ``load_hf`` (plain, or sharded by a plan).
@@ -228,11 +236,11 @@ def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh
         router: the router of every MoE block (any ``fmoe.routing`` router or ``router(logits) -> Routing``).
         act: the experts' activation.
     Returns:
-        ``(x [B, S, D], ctx)``.
+        ``(x [B, S, D], ctx, out)``.
 
     Example:
         >>> from fmoe.models import llama
-        >>> x, ctx = start(llama.init(llama.Config.tiny()), torch.zeros(1, 3, dtype=torch.long), llama.Config.tiny())
+        >>> x, ctx, out = start(llama.init(llama.Config.tiny()), torch.zeros(1, 3, dtype=torch.long), llama.Config.tiny())
         >>> x.shape, ctx.cos.shape
         (torch.Size([1, 3, 64]), torch.Size([3, 16]))
     """
@@ -247,7 +255,7 @@ def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh
     step = nn.cache.begin(tokens, cache, positions)
     x = nn.embedding(tokens, params["embed"])  # [B, S, D]
     cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, x.dtype)
-    return x, Context(cfg, cos, sin, step, cache, mesh, impl, router, act)
+    return x, Context(cfg, cos, sin, step, mesh, impl, router, act), Outputs(cache, step)
 
 
 def with_aux_loss(router: Any, cfg: Any) -> Any:

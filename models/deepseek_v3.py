@@ -206,12 +206,12 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
     ``return_aux``. ``router`` replaces the ``noaux_tc`` router of every MoE layer (it receives
     ``expert_bias``); the other arguments as :func:`fmoe.models._common.start` takes them."""
-    x, ctx = _common.start(params, tokens, cfg, mesh, cache, positions, rope_dim=cfg.qk_rope_head_dim, impl=impl,
+    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, rope_dim=cfg.qk_rope_head_dim, impl=impl,
                            router=router or default_router(cfg))  # x: [B, S, D]
     for i, layer in enumerate(params["layers"]):
-        x = ctx.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
+        x = out.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
-    return ctx.outputs(logits, return_aux)  # logits: [B, S, V], full on every rank
+    return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 
 
 def plan(cfg: Config) -> Plan:

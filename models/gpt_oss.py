@@ -153,11 +153,11 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     """
     router = _common.with_aux_loss(router or default_router(cfg), cfg)
     act = fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
-    x, ctx = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, act=act)
+    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, act=act)
     for i, layer in enumerate(params["layers"]):                         # x: [B, S, D]
-        x = ctx.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
+        x = out.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
-    return ctx.outputs(logits, return_aux)  # logits: [B, S, V], full on every rank
+    return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 
 
 def plan(cfg: Config) -> Plan:

@@ -129,11 +129,11 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         torch.Size([2, 5, 128])
     """
     router = _common.with_aux_loss(router or default_router(cfg), cfg)
-    x, ctx = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router)  # [B, S, D]
+    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router)  # [B, S, D]
     for i, layer in enumerate(params["layers"]):
-        x = ctx.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, ctx.entry(i)))
+        x = out.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
-    return ctx.outputs(logits, return_aux)  # logits: [B, S, V], full on every rank
+    return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 
 
 def plan(cfg: Config) -> Plan:
