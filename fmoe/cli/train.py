@@ -163,10 +163,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         if cfg.debug:
             traceback.print_exc()
+        from ..training.failure import PeerFailed
         from ..training.settings import SettingsMismatch
 
-        if not isinstance(e, SettingsMismatch) or os.environ.get("LOCAL_RANK", "0") == "0":   # once a node
-            print(f"fmoe train: error: {_describe(e)}", file=sys.stderr)
+        once = isinstance(e, (SettingsMismatch, PeerFailed))      # the same on every rank: once a node,
+        if not (once and os.environ.get("LOCAL_RANK", "0") != "0") and not getattr(e, "same_node", False):
+            print(f"fmoe train: error: {_describe(e)}", file=sys.stderr)   # not where the first failure prints
         return 1
     finally:
         for s, h in old.items():

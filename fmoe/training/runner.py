@@ -87,6 +87,7 @@ def run(cfg: JobConfig, step_config: Optional[StepConfig] = None) -> Optional[di
 
         from ..checkpoint import training as ckpt
         from .options import resolve_device
+        from .failure import annotate
         from .settings import check_same, of_job
 
         if "TORCHELASTIC_RUN_ID" in os.environ:        # a torchrun agent is the parent: die with it
@@ -108,6 +109,11 @@ def run(cfg: JobConfig, step_config: Optional[StepConfig] = None) -> Optional[di
                 from ..collectives import barrier
 
                 barrier()                              # every rank is done with every collective
+        except Exception as e:                         # the first failing rank, named once
+            error = annotate(e, rank)
+            if error is e:
+                raise
+            raise error from e
         finally:
             lock.release()                             # (a no-op where it was not taken)
             if owned:

@@ -93,7 +93,11 @@ def test_sigkill_of_one_torchrun_leaves_no_rank_of_it_alive(tmp_path):
         assert not any(_alive(r) for r in ranks), "ranks of the killed torchrun still run"
         rows = sum(1 for _ in open(log))
         code = nodes[0].wait(timeout=60)                    # the other node ends too, soon
+        ended = time.monotonic() - killed
         assert code != 0
+        lines = _errors(nodes[0].communicate()[1])
+        assert len(lines) == 1 and "a peer rank ended without reporting an error" in lines[0], lines   # once
+        print(f"node 0 ended {ended:.1f} s after the kill")
         assert sum(1 for _ in open(log)) <= rows + 1         # no training went on after the kill
         assert [json.loads(r)["step"] for r in open(log)][0] == 1
     finally:

@@ -62,3 +62,38 @@ def test_any_job_setting_counts(bad):
         return True
 
     assert on_ranks(fn, 2) == [True, True]
+
+
+def _fail(rank, world):
+    import os
+
+    from fmoe.collectives import barrier
+    from fmoe.training.failure import PeerFailed, annotate
+
+    os.environ["GROUP_RANK"] = str(rank // 2)                   # two "nodes" of two ranks
+    if rank == 3:
+        own = ValueError("bad batch")
+        assert annotate(own, rank) is own                       # the first failure: recorded, kept
+    barrier()
+    if rank == 3:
+        return None
+    echo = annotate(RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:1234"), rank)
+    assert isinstance(echo, PeerFailed)
+    return str(echo), echo.same_node
+
+
+def test_an_echo_names_the_first_failing_rank_and_node():
+    out = on_ranks(_fail, 4)
+    for rank in range(3):
+        msg, same_node = out[rank]
+        assert msg == "stopped because rank 3 (node 1) failed first: ValueError: bad batch"
+        assert same_node == (rank == 2)                         # node 1 prints rank 3's own error instead
+
+
+def test_an_echo_without_a_record_says_a_peer_ended_unreported():
+    from fmoe.training.failure import PeerFailed, annotate
+
+    e = annotate(RuntimeError("Connection reset by peer"), 0, wait=0.1)
+    assert isinstance(e, PeerFailed) and e.first is None and "ended without reporting" in str(e)
+    own = KeyError("x")
+    assert annotate(own, 0) is own
