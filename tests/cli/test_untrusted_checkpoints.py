@@ -1,5 +1,6 @@
-"""Checkpoints and run directories as untrusted input: nothing read from disk is trusted, nothing written follows a link,
-every interrupted run resumes, what was trained is what is exported and decoded.
+"""Checkpoints and run directories as untrusted input: nothing read from disk is trusted, nothing
+written follows a link, every interrupted run resumes, what was trained is what is exported and
+decoded (with the weights alone).
 
 One small qwen3_moe run (in this process) is trained once per module; each case copies it and
 crafts what an attacker or a crash would leave: meta.json values, links in OUT, torn log rows,
