@@ -13,7 +13,14 @@ temporary file beside it and renamed into place (never through a link); the defa
 ``runs.png`` is never overwritten silently (pass ``--out``).
 
 Example:
-    >>> # fig = plot_runs(["runs/a", "runs/b"], "runs.png")
+    >>> import json, tempfile
+    >>> out = tempfile.mkdtemp()                        # a run directory with two logged steps
+    >>> with open(os.path.join(out, "log.jsonl"), "w") as f:
+    ...     for step, loss in [(1, 2.5), (2, 2.0)]:
+    ...         print(json.dumps({"step": step, "loss": loss}), file=f)
+    >>> fig = plot_runs([out], os.path.join(out, "runs.png"))      # panels without data: a note on stderr
+    >>> type(fig).__name__, os.path.isfile(os.path.join(out, "runs.png"))
+    ('Figure', True)
 """
 
 from __future__ import annotations

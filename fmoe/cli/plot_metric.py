@@ -37,7 +37,13 @@ def log_rows(out: str) -> Iterator[dict]:
         ValueError: ``out`` has no ``log.jsonl`` or a line is not JSON.
 
     Example:
-        >>> # for row in log_rows("runs/a"): print(row["step"], row["loss"])
+        >>> import tempfile
+        >>> out = tempfile.mkdtemp()
+        >>> with open(os.path.join(out, "log.jsonl"), "w") as f:
+        ...     for step, loss in [(1, 2.5), (2, 2.0)]:
+        ...         print(json.dumps({"step": step, "loss": loss}), file=f)
+        >>> [(row["step"], row["loss"]) for row in log_rows(out)]
+        [(1, 2.5), (2, 2.0)]
     """
     path = os.path.join(out, "log.jsonl")
     if not os.path.isfile(path):

@@ -86,7 +86,14 @@ def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batc
         floats, equal on every rank.
 
     Example:
-        >>> # m = evaluate(qwen3_moe, cfg, params, held_out, mesh=mesh, batches=4, batch=4, seq=64)
+        >>> import numpy as np, fmoe
+        >>> from fmoe.data import TokenStream
+        >>> from fmoe.models import qwen3_moe
+        >>> cfg = qwen3_moe.Config.tiny()
+        >>> held_out = TokenStream(np.arange(2000, dtype=np.uint16) % cfg.vocab_size)
+        >>> m = evaluate(qwen3_moe, cfg, qwen3_moe.init(cfg), held_out, mesh=fmoe.Mesh(), batches=2, batch=2, seq=8)
+        >>> m["eval_ppl"] > 1.0, "eval_maxvio" in m
+        (True, True)
     """
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
         raise ValueError(f"evaluate: batches must be an int >= 1, got {batches!r}")

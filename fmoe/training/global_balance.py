@@ -18,8 +18,19 @@ With ``grad_accum == 1`` the result equals the ``aux`` method (the frequencies o
 are already global over the data-parallel batches).
 
 Example:
-    >>> # counts, tokens = step_counts(model, cfg, params, micro_batches, mesh, step_cfg)
-    >>> # share = share_of(aux, counts, tokens, weight)      # per micro-batch, added to its loss
+    >>> import fmoe
+    >>> from fmoe.routing import balance, topk
+    >>> g = torch.Generator().manual_seed(0)
+    >>> params = {"router": torch.randn(4, 8, generator=g), "w_gate_up": torch.randn(4, 8, 8, generator=g),
+    ...           "w_down": torch.randn(4, 8, 4, generator=g)}                    # E=4, D=8, I=4
+    >>> router = balance.with_balance_sums(topk(2))
+    >>> forward = lambda x: (None, {"moe": [fmoe.moe(params, x, router=router)[1]]})
+    >>> micro_batches = torch.randn(2, 6, 8, generator=g).unbind(0)              # 2 x [T=6, D]
+    >>> counts, tokens = step_counts(forward, micro_batches)
+    >>> [int(c.sum()) for c in counts], [int(t) for t in tokens]                 # 12 tokens x top-2
+    ([24], [12])
+    >>> share_of(forward(micro_batches[0])[1], counts, tokens, weight=0.01).ndim  # added to its loss
+    0
 """
 
 from __future__ import annotations
