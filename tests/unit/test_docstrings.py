@@ -28,3 +28,18 @@ def test_docstring_examples_run(name):
     result = doctest.testmod(module, extraglobs={"torch": torch}, report=False,
                              optionflags=doctest.ELLIPSIS | doctest.IGNORE_EXCEPTION_DETAIL)
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed (python -m doctest -v)"
+
+
+def commented_examples(text: str) -> list[int]:
+    """Lines of ``text`` that are a ``>>> #`` example: a call written as a comment runs nothing."""
+    return [i for i, line in enumerate(text.splitlines(), 1) if line.strip().startswith(">>> #")]
+
+
+def test_no_example_is_a_comment():
+    """Every example runs (above); none is a ``>>> #`` comment that only looks like one."""
+    import pathlib
+
+    roots = [pathlib.Path(fmoe.__file__).parent, pathlib.Path(fmoe.models.__file__).parent]
+    found = [f"{p.name}:{i}" for root in roots for p in sorted(root.rglob("*.py")) for i in commented_examples(p.read_text())]
+    assert found == []
+    assert commented_examples('"""\nExample:\n    >>> # y = f(x)\n    >>> f(1)\n    2\n"""') == [3]
