@@ -82,8 +82,9 @@ class Routing(NamedTuple):
     Attributes:
         weights: ``[T, K]`` floating mixing weights (differentiable: gradients reach the router).
         expert_ids: ``[T, K]`` int64 global expert ids in ``[0, E)``.
-        aux: extra entries: tensors, or :class:`fmoe.global_stats.GlobalStat` for quantities over
-            all data-parallel batches (``fmoe.moe`` reduces and finishes those).
+        aux: extra entries, each a loss (:class:`Loss`: trained and logged) or a statistic (a
+            tensor, or a :class:`fmoe.global_stats.GlobalStat` for a quantity over all
+            data-parallel batches, which ``fmoe.moe`` reduces and finishes): logged.
     """
 
     weights: torch.Tensor
