@@ -204,9 +204,13 @@ def _check_out(job: Job) -> None:
     previous = holds_run(job.out)
     own = bool(job.resume_path) and inside(job.resume_path, job.out)    # continues OUT's run
     if previous and not own and not job.overwrite:
+        from ..checkpoint.retention import complete_steps
+
         what = f"not the run --resume {job.resume_path} continues" if job.resume_path else "another run"
-        _error(f"--out {job.out!r} holds {what} ({', '.join(previous[:6])}); pass --resume "
-               f"{job.out} to continue it, --overwrite to replace it, or choose another --out")
+        cont = (f"pass --resume {job.out} to continue it, " if complete_steps(job.out) else
+                "it has no complete checkpoint to continue from (its saves were cut short); ")
+        _error(f"--out {job.out!r} holds {what} ({', '.join(previous[:6])}); {cont}--overwrite to replace "
+               "it, or choose another --out")
     newer = newer_steps(job.out, job.resume_meta["step"]) if own else []
     if newer and not job.overwrite:
         _error(f"--out {job.out!r} holds newer checkpoints ({', '.join(newer[:6])}) than the one --resume "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 import fmoe
@@ -58,3 +59,19 @@ def test_keep_last_keeps_exactly_the_newest_complete_checkpoints_never_the_resum
     fmoe.training.run(JobConfig(out=out, resume=os.path.join(out, "step-4"), overwrite=True, steps=8, save_every=1,
                                 keep_last=2, **FLAGS))
     assert [n for n in _steps(out) if "step-" in n] == ["step-4", "step-7", "step-8"]
+
+
+def test_a_run_without_a_complete_checkpoint_is_not_offered_to_resume(tmp_path):
+    from fmoe.training import JobConfigError
+    from fmoe.training.resolve import resolve
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (out / ".step-1.tmp-1-ab").mkdir()                  # its only save was cut short
+    with pytest.raises(JobConfigError, match="no complete checkpoint to continue from") as e:
+        resolve(JobConfig(out=str(out), **FLAGS))
+    assert "--resume" not in str(e.value) and "--overwrite" in str(e.value)
+    fmoe.training.run(JobConfig(out=str(tmp_path / "done"), steps=1, **FLAGS))
+    with pytest.raises(JobConfigError, match=f"pass --resume {tmp_path / 'done'} to continue it"):
+        resolve(JobConfig(out=str(tmp_path / "done"), **FLAGS))
