@@ -43,7 +43,7 @@ def corpus(tmp_path_factory):
 #: The files whose tests compile with Inductor or run notebooks: 60% of the suite's CPU time, in
 #: tests of up to ~3 min each (benchmarks/RESULTS.md). They are collected first, so that under
 #: ``-n 2`` the long tests start early and the workers end on short ones, together.
-_LONG_FIRST = ("test_transform_matrix.py", "test_transforms.py", "test_notebooks.py")
+_LONG_FIRST = ("test_transform_matrix.py", "test_compile.py", "test_transforms.py", "test_notebooks.py")
 
 
 def pytest_collection_modifyitems(items):
