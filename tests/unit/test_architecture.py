@@ -198,7 +198,7 @@ def test_collectives_only_in_fmoe_collectives():
     home = [n for n in TREES if n == "fmoe.collectives" or n.startswith("fmoe.collectives.")]
     found = {name: collective_calls(tree) for name, tree in TREES.items() if name not in home}
     assert {k: v for k, v in found.items() if v} == {}
-    assert all(collective_calls(TREES[n]) for n in home if n != "fmoe.collectives")   # the rule sees them
+    assert any(collective_calls(TREES[n]) for n in home)      # the rule can see a collective
 
 
 def test_every_autograd_function_is_new_style():
