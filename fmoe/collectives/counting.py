@@ -39,12 +39,14 @@ from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["SentBytes", "counting", "count", "count_bytes"]
+__all__ = ["SentBytes", "counting", "count", "count_bytes", "KINDS"]
 
 #: kind -> bytes sent per payload byte, for a group of n ranks (the table above)
 _SHARE = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
           "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
           "broadcast": lambda n: n - 1}
+#: every kind a collective reports
+KINDS = tuple(sorted(_SHARE))
 
 
 @dataclasses.dataclass

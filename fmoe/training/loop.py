@@ -150,7 +150,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     meta = {**_job_meta(job, model, hf_cfg, mesh), **options.run_meta(job, tokenizer, device),
             **balancing.record(job), "upcycle": job.upcycle, **settings.record(job)}
     bar = _Progress(job.steps, start, rank0 and not job.quiet)
-    watch = observe.Observer(job.out, rank, job.profile_steps, job.tensorboard)   # per-rank time, bytes
+    watch = observe.Observer(job.out, rank, job.profile_steps, job.tensorboard, device)   # per-rank time, bytes
     last: dict = {}
     skipped = 0
     for step in range(start + 1, job.steps + 1):

@@ -27,7 +27,8 @@ import os
 import time
 from typing import Any, Iterator, Optional
 
-from ..collectives import all_gather_objects, counting
+from ..collectives import all_gather_rows, counting
+from ..collectives.counting import KINDS
 
 __all__ = ["Observer", "parse_steps", "check_tensorboard"]
 
@@ -59,10 +60,12 @@ class Observer:
         rank: this rank.
         profile_steps: ``"A:B"`` or None.
         tensorboard: write rank 0's rows as TensorBoard scalars too.
+        device: the device the job's collectives run on (NCCL gathers CUDA tensors).
     """
 
-    def __init__(self, out: str, rank: int, profile_steps: Optional[str] = None, tensorboard: bool = False):
-        self.out, self.rank = out, rank
+    def __init__(self, out: str, rank: int, profile_steps: Optional[str] = None, tensorboard: bool = False,
+                 device: Any = "cpu"):
+        self.out, self.rank, self.device = out, rank, device
         self.window = parse_steps(profile_steps) if profile_steps else None
         self.profiler: Any = None
         self.writer: Any = None
@@ -98,12 +101,17 @@ class Observer:
         self.profiler = None
 
     def rank_lists(self) -> dict:
-        """Every rank's last step time and bytes sent, in rank order (call on every rank)."""
-        every = all_gather_objects((self.step_time, self.sent))
-        kinds = sorted({k for _, sent in every for k in sent})
-        return {"rank_step_time": [round(t, 6) for t, _ in every],
-                "sent_bytes": [sum(sent.values()) for _, sent in every],
-                "sent_bytes_by_kind": {k: [sent.get(k, 0) for _, sent in every] for k in kinds}}
+        """Every rank's last step time and bytes sent, in rank order (call on every rank: one
+        all-gather of ``[time, bytes of each kind]`` in float64, exact for byte counts below 2**53)."""
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([[self.step_time] + [float(self.sent.get(k, 0)) for k in KINDS]], dtype=torch.float64)
+        every = all_gather_rows(mine.to(self.device), dist.group.WORLD).cpu() if dist.is_initialized() else mine
+        times, sent = every[:, 0].tolist(), every[:, 1:].to(torch.int64)
+        by_kind = {k: sent[:, i].tolist() for i, k in enumerate(KINDS) if bool(sent[:, i].any())}
+        return {"rank_step_time": [round(t, 6) for t in times], "sent_bytes": sent.sum(1).tolist(),
+                "sent_bytes_by_kind": by_kind}
 
     def write(self, row: dict) -> None:
         """Rank 0: the row's numbers as TensorBoard scalars (per-rank lists as ``name/rank-R``)."""
