@@ -202,7 +202,9 @@ class Model:
             >>> llama.MODEL.preset("tiny").vocab_size >= 256
             True
         """
-        cfg = self.Config.preset(name)        # ValueError listing the presets for another name
+        if name not in PRESETS:
+            raise ValueError(f"preset: name must be one of {PRESETS} (the Config's PRESETS), got {name!r}")
+        cfg = self.Config.preset(name)
         vocab = self._field("V")
         if getattr(cfg, vocab) < 256:
             cfg = replace(cfg, **{vocab: 256})
