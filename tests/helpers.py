@@ -1,7 +1,8 @@
 """Helpers shared by the test folders (importable as ``helpers``: ``tests/`` is on ``sys.path``
 through ``tests/conftest.py``, in the pytest process and in every rank).
 
-- ``close``: ``torch.testing.assert_close`` at fp32 parity tolerances, naming what differs;
+- ``close`` / ``mismatch``: the one comparison of the tests, ``torch.testing.assert_close`` at a
+  tolerance derived from the dtype (``tolerance``), naming what differs;
 - ``hf_model`` / ``read_all``: a transformers oracle model with redrawn weights; the tensors of
   a safetensors directory;
 - ``check_grads_and_save_hf``: fmoe's gradients equal transformers' in the checkpoint layout,
@@ -14,26 +15,47 @@ through ``tests/conftest.py``, in the pytest process and in every rank).
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 
-def close(a: torch.Tensor, b: torch.Tensor, what: str = "", atol: float = 1e-6) -> None:
-    """``a`` equals ``b`` at rtol 1e-5. The atol only covers elements that cancel to ~0: the larger
+def tolerance(dtype: torch.dtype) -> float:
+    """The relative tolerance of a comparison in ``dtype``: ~84 eps of it, never tighter than
+    fp32's (exactly 1e-5 for fp32 and float64; ~0.65 for bf16, which a test then narrows)."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return 1e-5 * max(1.0, eps / torch.finfo(torch.float32).eps)
+
+
+def mismatch(a: torch.Tensor, b: torch.Tensor, what: str = "", rtol: Optional[float] = None,
+             atol: float = 1e-6) -> Optional[str]:
+    """Why ``a`` does not equal ``b`` within :func:`close`'s tolerance (None when it does): for
+    tests that collect every failure before asserting."""
+    try:
+        close(a, b, what, rtol=rtol, atol=atol)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str = "", rtol: Optional[float] = None,
+          atol: float = 1e-6) -> None:
+    """``a`` equals ``b`` elementwise at ``rtol`` (default :func:`tolerance` of ``b``'s dtype:
+    1e-5 in fp32), shapes included. The atol only covers elements that cancel to ~0: the larger
     of ``atol`` times the tensor's scale (at least 1) and ~84 eps of ``b``'s dtype times its scale
-    (its largest element): 1e-5 of the scale in fp32.
+    (its largest element): 1e-5 of the scale in fp32. The one comparison of the tests.
 
     Why ~84 eps of the scale: an element that cancels carries the rounding of the terms it summed,
     not of its own size. Two fp32 implementations with different reduction orders, through a few
     layers of width 64, differ by up to 2.8e-6 of a gradient's largest element (measured on
     transformers' DeepSeek-V3 gradients, AMD EPYC; ~24 fp32 eps): 1e-5 (~84 eps) leaves a 3x margin
     and still fails any scale bug (a gradient x2 is off by 100% of its scale)."""
+    rtol = tolerance(b.dtype) if rtol is None else rtol
     scale = b.abs().max().item() if b.numel() else 0.0
     eps = torch.finfo(b.dtype).eps if b.dtype.is_floating_point else 0.0
     cancel = 1e-5 * scale * eps / torch.finfo(torch.float32).eps        # exactly 1e-5 of it in fp32
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=max(atol * max(1.0, scale), cancel),
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(a, b, rtol=rtol, atol=max(atol * max(1.0, scale), cancel),
+                               msg=lambda m: f"{what}: {m} (scale {scale:.3g})")
 
 
 def hf_model(cfg, cls_name: str, seed: int = 0):

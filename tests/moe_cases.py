@@ -6,6 +6,7 @@ import torch
 import fmoe
 from fmoe import P, Plan
 from fmoe.routing import Routing
+from helpers import mismatch
 
 E, D, I = 8, 8, 4
 
@@ -86,23 +87,20 @@ def check_case(mesh, impl, router_name, sizes, seed=0, matmul="auto"):
         ref[bb] = (yb, gxb, {k: v.grad for k, v in p1.items()}, auxb)
     fails = []
 
-    def close(name, got, want, rel=1e-5):
-        scale = want.abs().max().item() if want.numel() else 0.0
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=rel, atol=rel * max(scale, 1e-3)):
-            err = (got - want).abs().max().item() if got.shape == want.shape else f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
-            fails.append(f"{name}: {err} (scale {scale})")
+    def check(name, got, want, rel=None):
+        fails.extend([e for e in [mismatch(got, want, name, rtol=rel, atol=rel or 1e-6)] if e])   # rel: cancellations too
 
     yb, gxb, _, auxb = ref[b]
-    close("y", y, yb)
-    close("grad x", gx, gxb)
+    check("y", y, yb)
+    check("grad x", gx, gxb)
     # The router gradient passes through the softmax backward w * (g - sum_k w g): with K = E
     # random (duplicate) slots the difference cancels, so fp32 rounding differences in the
     # expert outputs (grouped GEMMs over different row counts) grow to ~3e-5 of the largest
     # value (seen with a hypothesis-found routing); a wrong scale or a missing term is O(1).
-    close("grad router", grads["router"], sum(ref[bb][2]["router"] for bb in group_batches), rel=1e-4)
+    check("grad router", grads["router"], sum(ref[bb][2]["router"] for bb in group_batches), rel=1e-4)
     for k in ("w_gate_up", "w_down"):
         want = sum(ref[bb][2][k] for bb in group_batches)
-        close(f"grad {k}", grads[k], want)
+        check(f"grad {k}", grads[k], want)
         if sharded[k].grad is None:
             fails.append(f"grad {k} missing")
     if not torch.equal(aux["tokens_per_expert"], auxb["tokens_per_expert"]):
@@ -207,21 +205,16 @@ def check_router_case(mesh, impl, router, sizes, name, extra=None, inputs=None, 
         ref[bb] = (yb, gxb, _tree_map(lambda p, v: v.grad, {k: v for k, v in p1.items() if k != "expert_bias"}), auxb)
     fails = []
 
-    def close(what, got, want):
-        scale = want.abs().max().item() if want.numel() else 0.0
-        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-5,
-                                                         atol=1e-5 * max(scale, 1e-3)):
-            err = (got - want).abs().max().item() if got.shape == want.shape else \
-                f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
-            fails.append(f"{what}: {err} (scale {scale})")
+    def check(what, got, want):
+        fails.extend([e for e in [mismatch(got.float(), want.float(), what)] if e])
 
     yb, gxb, _, auxb = ref[b]
-    close("y", y, yb)
-    close("grad x", gx, gxb)
+    check("y", y, yb)
+    check("grad x", gx, gxb)
     for k in ("router", "w_gate_up", "w_down"):
-        close(f"grad {k}", grads[k], sum(ref[bb][2][k] for bb in group_batches))
+        check(f"grad {k}", grads[k], sum(ref[bb][2][k] for bb in group_batches))
     for k in (extra or {}).get("shared", {}):
-        close(f"grad shared.{k}", grads["shared"][k], sum(ref[bb][2]["shared"][k] for bb in group_batches))
+        check(f"grad shared.{k}", grads["shared"][k], sum(ref[bb][2]["shared"][k] for bb in group_batches))
     if "expert_bias" in sharded and sharded["expert_bias"].grad is not None:
         fails.append("expert_bias received a gradient")
     if not torch.equal(aux["tokens_per_expert"], auxb["tokens_per_expert"]):
@@ -231,6 +224,6 @@ def check_router_case(mesh, impl, router, sizes, name, extra=None, inputs=None, 
         if key not in aux:
             fails.append(f"aux[{key!r}] missing")
         else:
-            close(f"aux[{key!r}]", aux[key].detach(), value)
+            check(f"aux[{key!r}]", aux[key].detach(), value)
     return [f"{name} {impl} tp={mesh.tp} ep={mesh.ep} dpr={mesh.dp_replicate} sizes={sizes} "
             f"rank={mesh.rank}: {f}" for f in fails]

@@ -7,7 +7,7 @@ import torch
 import fmoe
 from fmoe import P, Plan, routing
 from fmoe.routing import aux_losses
-from helpers import on_ranks
+from helpers import mismatch, on_ranks
 from moe_cases import E, SHARED_TP_RULES, batch, check_router_case, full_params, shared_params
 
 
@@ -67,21 +67,19 @@ def aux_union(mesh, name, router, sizes, extra, inputs):
     aux_losses.total([aux1]).backward()
     fails = []
 
-    def close(what, got, want):
-        scale = max(want.abs().max().item(), 1.0) if want.numel() else 1.0
-        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-5, atol=1e-6 * scale):
-            fails.append(f"{what}: {got} vs {want}")
+    def check(what, got, want):
+        fails.extend([e for e in [mismatch(got.float(), want.float(), what)] if e])
 
     for key in ("load_balance_loss", "seq_balance_loss", "z_loss", "load", "imbalance"):
-        close(key, aux[key].detach(), aux1[key].detach())
-    close("summed router grad", g, p1["router"].grad)
+        check(key, aux[key].detach(), aux1[key].detach())
+    check("summed router grad", g, p1["router"].grad)
     if "expert_bias" in full:               # the bias update on a replicated DTensor bias
         new = routing.update_bias(sharded, aux["load"], rate=0.1)["expert_bias"]
         if fmoe.placement_of(new) != P() or not isinstance(new, type(sharded["expert_bias"])):
             fails.append(f"updated bias placement {fmoe.placement_of(new)!r} / type {type(new).__name__}")
-        close("updated bias", fmoe.gather(new), routing.update_bias(full["expert_bias"], aux1["load"], 0.1))
+        check("updated bias", fmoe.gather(new), routing.update_bias(full["expert_bias"], aux1["load"], 0.1))
     start = sum(sizes[:b])
-    close("x grad", x.grad, xu.grad[start:start + sizes[b]])
+    check("x grad", x.grad, xu.grad[start:start + sizes[b]])
     return [f"aux union {name} {mesh!r}: {f}" for f in fails]
 
 
