@@ -77,6 +77,7 @@ def test_sigkill_of_one_torchrun_leaves_no_rank_of_it_alive(tmp_path):
     args = ["--out", out, "--steps", "100000", "--timeout", "600"]
     port = free_port()
     nodes = [_node(0, port, args), _node(1, port, args)]
+    started: list = []                                       # every rank, to end them if the test fails
     try:
         log = os.path.join(out, "log.jsonl")
         deadline = time.monotonic() + 240
@@ -85,6 +86,7 @@ def test_sigkill_of_one_torchrun_leaves_no_rank_of_it_alive(tmp_path):
                 [p.communicate()[1][-2000:] for p in nodes if p.poll() is not None]
             time.sleep(0.5)
         ranks = _children(nodes[1].pid)
+        started += ranks + _children(nodes[0].pid)
         assert len(ranks) == 2, ranks
         nodes[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
@@ -104,4 +106,8 @@ def test_sigkill_of_one_torchrun_leaves_no_rank_of_it_alive(tmp_path):
         for p in nodes:
             if p.poll() is None:
                 p.kill()
-            p.communicate()
+        for r in started:                                   # orphans would hold the pipes open
+            if _alive(r):
+                os.kill(r, signal.SIGKILL)
+        for p in nodes:
+            p.communicate(timeout=30)
