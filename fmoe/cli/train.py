@@ -45,7 +45,8 @@ exit codes:
 
 resume: --resume keeps the run's model, preset, seed, batch, seq, lr schedule, optimizer
   settings and aux weight (flags left out take the checkpoint's values; a different value is
-  an error); the mesh may change if the number of data-parallel batches (world / tp) stays.
+  an error); the mesh may change if the number of data-parallel batches (world / tp) stays,
+  and mesh flags left out take the checkpoint's mesh (--ep too, unless --tp is given).
   Schedule rule: warmup + cosine over the --steps of the run that was started; extending a run
   with a larger --steps trains the extra steps at the final lr (0.1 * --lr).
 

@@ -14,7 +14,8 @@ field, the environment or the disk (the mesh over the launcher's world, ``--resu
 
 ``None`` is "not given": a setting a ``--resume`` keeps (:data:`fmoe.training.resume.KEPT`)
 then takes the checkpoint's value, else its default (:data:`DEFAULTS`); so ``JobConfig().lr`` is
-None and the job trains at ``DEFAULTS["lr"]``.
+None and the job trains at ``DEFAULTS["lr"]``. The mesh fields (``nproc tp ep dp_replicate``) work
+the same way, from the checkpoint's mesh record (:data:`fmoe.training.resume.MESH`).
 
 Example:
     >>> JobConfig(model="qwen3_moe", nproc=4, ep=4).nproc
@@ -42,7 +43,8 @@ SEED_MAX = 2**63 - 1   # torch.Generator.manual_seed takes 64-bit seeds; derived
 PRECISIONS = ("fp32", "bf16")
 
 #: the value a field left None takes (where it is not the checkpoint's on --resume)
-DEFAULTS: dict[str, Any] = {"model": "qwen3_moe", "preset": "tiny", "seed": 0, "batch": 4, "seq": 64, "lr": 3e-3,
+DEFAULTS: dict[str, Any] = {"nproc": 1, "tp": 1, "dp_replicate": 1,
+                            "model": "qwen3_moe", "preset": "tiny", "seed": 0, "batch": 4, "seq": 64, "lr": 3e-3,
                             "warmup": 5, "weight_decay": 0.1, "clip": 1.0, "eval_fraction": 0.05, "grad_accum": 1,
                             "dtype": "fp32", "master_dtype": "fp32", "optim_dtype": "fp32", "out": DEFAULT_OUT}
 
@@ -92,11 +94,15 @@ class JobConfig:
                                 metavar="E,K")
     impl: str = _f("model", ("str",), "MoE dispatch implementation (a name registered in fmoe.ep)", "auto", "NAME")
     # mesh
-    nproc: int = _f("mesh", ("int", 1, None), "local ranks to spawn (ignored under torchrun)", 1, "N")
-    tp: int = _f("mesh", ("int", 1, None), "tensor-parallel size", 1, "N")
-    ep: Optional[int] = _f("mesh", ("int", 1, None), "expert-parallel size (default: same as --tp)", metavar="N")
-    dp_replicate: int = _f("mesh", ("int", 1, None), "data-parallel replicas (HSDP); fsdp = nproc / (tp * "
-                           "dp_replicate)", 1, "N")
+    # (None: 1, or with --resume the checkpoint's mesh: fmoe.training.resume.MESH)
+    nproc: Optional[int] = _f("mesh", ("int", 1, None), "local ranks to spawn (ignored under torchrun) (default: 1; "
+                              "with --resume: the checkpoint's world)", metavar="N")
+    tp: Optional[int] = _f("mesh", ("int", 1, None), "tensor-parallel size (default: 1; with --resume: the "
+                           "checkpoint's)", metavar="N")
+    ep: Optional[int] = _f("mesh", ("int", 1, None), "expert-parallel size (default: same as --tp; with --resume "
+                           "and no --tp: the checkpoint's)", metavar="N")
+    dp_replicate: Optional[int] = _f("mesh", ("int", 1, None), "data-parallel replicas (HSDP); fsdp = nproc / (tp * "
+                                     "dp_replicate) (default: 1; with --resume: the checkpoint's)", metavar="N")
     # data
     batch: Optional[int] = _f("data", ("int", 1, None), "sequences per data-parallel batch (default: 4)", metavar="N")
     seq: Optional[int] = _f("data", ("int", 1, None), "tokens per sequence (default: 64)", metavar="N")

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from ..mesh import check_layout
 from ..models import NAMES, get
-from . import balancing
+from . import balancing, resume
 from .job import FIELDS, JobConfig, JobConfigError
 
 FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate"}   # mesh fields as flags
@@ -62,13 +62,18 @@ def resolve(cfg: JobConfig) -> Job:
         raise TypeError(f"fmoe.training: the job is a fmoe.training.JobConfig, got {type(cfg).__name__}")
     explicit = {n for n, f in FIELDS.items() if f.default is None and getattr(cfg, n) is not None}
     job = Job(**{n: cfg.get(n) for n in FIELDS}, config=cfg, explicit=explicit, step_config=None)
+    if job.resume and job.init_hf:
+        _error("--resume and --init-hf are exclusive")
+    found = _find_resume(job) if job.resume else None
+    taken = resume.take_mesh(job, found[1], found[0], _error) if found else []   # mesh flags not given
     job.world = launcher_world() or job.nproc
     ep = job.tp if job.ep is None else job.ep
     try:                                               # Mesh's own rules, before any rank starts
         check_layout(job.world, tp=job.tp, ep=ep, dp_replicate=job.dp_replicate,
                      names={**FLAG_NAMES, "world": "WORLD_SIZE" if launcher_world() else "--nproc"})
     except ValueError as e:
-        _error(str(e))
+        _error(str(e) + (f" ({', '.join(taken)} taken from the checkpoint {found[0]}; give them to choose "
+                         "another mesh)" if taken else ""))
     if job.init_hf and not os.path.isdir(job.init_hf):
         _error(f"--init-hf {job.init_hf!r} is not a directory")
     if job.impl != "auto":
@@ -76,8 +81,6 @@ def resolve(cfg: JobConfig) -> Job:
         if job.impl not in fmoe.ep.registered():
             _error(f"--impl {job.impl!r} is not a registered MoE implementation; choose from "
                    f"{['auto'] + fmoe.ep.registered()}")
-    if job.resume and job.init_hf:
-        _error("--resume and --init-hf are exclusive")
     if job.dp_batches > 1 and job.world > 1:
         _error(f"--dp-batches {job.dp_batches}: one process reads the batches of {job.dp_batches} ranks; it runs "
                f"with --nproc 1 only (this job has {job.world} ranks)")
@@ -85,8 +88,8 @@ def resolve(cfg: JobConfig) -> Job:
     job.ep = ep
     job.schedule_total = job.steps
     job.resume_path = job.resume_meta = None
-    if job.resume:
-        _check_resume(job)
+    if found:
+        _check_resume(job, *found)
     else:
         _check_sizes(job, 256)
     balancing.resolve(job, _error, {n: get(n) for n in NAMES})   # after a resume filled in the kept settings
@@ -136,10 +139,10 @@ def _check_sizes(job: Job, vocab: int) -> None:
                "or --seq (or use --grad-accum)")
 
 
-def _check_resume(job: Job) -> None:
+def _find_resume(job: Job) -> tuple[str, dict]:
+    """The checkpoint ``--resume`` names (the latest complete one of a run directory) and its
+    ``meta.json``, checked as far as reading it."""
     from ..checkpoint import training as ckpt
-    from ..checkpoint.config_check import config_from_dict
-    from . import resume
 
     if not os.path.exists(job.resume):
         _error(f"--resume {job.resume!r} does not exist")
@@ -153,6 +156,13 @@ def _check_resume(job: Job) -> None:
     file = os.path.join(path, "meta.json")
     if meta.get("model") not in NAMES:
         _error(f"--resume: {file}: 'model' is {meta.get('model')!r}, not one of {list(NAMES)}")
+    return path, meta
+
+
+def _check_resume(job: Job, path: str, meta: dict) -> None:
+    from ..checkpoint.config_check import config_from_dict
+
+    file = os.path.join(path, "meta.json")
     resume.apply(job, meta, path, _error)              # kept values, each checked like its flag
 
     def prefixed(message: str) -> None:

@@ -8,7 +8,9 @@ A checkpoint's ``meta.json`` records the job that wrote it. Resuming continues *
   the checkpoint (``hf_config``), never from the flags;
 - **may change**: the mesh (``--nproc --tp --ep --dp-replicate``: the checkpoint is resharded)
   as long as the number of data-parallel batches per step stays the same (otherwise each step
-  would see other data); ``--steps`` (must be beyond the saved step; equal to it with
+  would see other data). A mesh flag not given takes the checkpoint's value (:data:`MESH`,
+  :func:`take_mesh`; ``--ep`` only when ``--tp`` is not given either, else it follows ``--tp``),
+  so ``--resume OUT --steps N`` continues on the mesh the run had; ``--steps`` (must be beyond the saved step; equal to it with
   ``--export-hf``: export the checkpoint without training), ``--out`` (default: the
   checkpoint's own run directory, so a resumed run continues there),
   ``--save-every``, ``--impl``, ``--timeout``, ``--quiet``, ``--debug``, ``--export-hf``;
@@ -35,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from .job import DEFAULTS, check_value, flag
 
-__all__ = ["KEPT", "apply", "check_router", "check_kept_value", "schedule_record"]
+__all__ = ["KEPT", "MESH", "take_mesh", "apply", "check_router", "check_kept_value", "schedule_record"]
 
 #: flag dest -> meta.json key of the settings a resumed run keeps (extend for new flags)
 KEPT: dict[str, str] = {
@@ -51,7 +53,40 @@ KEPT: dict[str, str] = {
     "dtype": "dtype", "master_dtype": "master_dtype", "optim_dtype": "optim_dtype",
 }
 
+#: mesh flag dest -> key of meta.json's ``mesh`` record: the mesh a resumed run keeps unless given
+MESH: dict[str, str] = {"nproc": "world", "tp": "tp", "ep": "ep", "dp_replicate": "dp_replicate"}
+
 MIN_RATIO = 0.1     # the cosine ends at MIN_RATIO * lr
+
+
+def take_mesh(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> list[str]:
+    """Fill in the mesh settings not given from the checkpoint's ``mesh`` record (before the mesh
+    is checked); ``--ep`` comes from it only when ``--tp`` does too (a given ``--tp`` brings the
+    default ``--ep`` = ``--tp``).
+
+    Args:
+        job: the resolved job (``job.explicit``: the settings given).
+        meta: the checkpoint's ``meta.json``.
+        where: the checkpoint path (for messages).
+        error: called with the message of a bad record; raises.
+    Returns:
+        the settings taken, as ``--flag value`` (for messages).
+    """
+    file = os.path.join(where, "meta.json")
+    mesh = meta.get("mesh")
+    if not isinstance(mesh, dict):
+        error(f"--resume: {file}: 'mesh' is {mesh!r}, not the mesh record fmoe train writes")
+    taken = []
+    for dest, key in MESH.items():
+        if dest in job.explicit or (dest == "ep" and "tp" in job.explicit):
+            continue
+        try:
+            value = check_value(dest, mesh.get(key))
+        except ValueError as e:
+            error(f"--resume: {file}: mesh {key!r} is {mesh.get(key)!r}, not a value {flag(dest)} accepts ({e})")
+        setattr(job, dest, value)
+        taken.append(f"{flag(dest)} {value}")
+    return taken
 
 
 def schedule_record(job: Any) -> dict:
