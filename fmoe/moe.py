@@ -24,7 +24,7 @@ Routers may take keyword inputs besides the logits (:func:`fmoe.routing.call`): 
 tensors such as ``token_ids [T]`` or ``seq_ids [T]``). ``params["shared"]`` adds shared experts
 (:mod:`fmoe.nn.shared_experts`).
 
-``aux`` holds the router's own entries, with every :class:`fmoe.global_stats.GlobalStat` (aux
+``aux`` holds the router's own entries, with every :class:`fmoe.routing.global_stats.GlobalStat` (aux
 losses, drop rates) reduced over the data-parallel batches and finished (a
 :class:`fmoe.routing.Loss` unwrapped: a tensor loss becomes its mean over the batches), the
 kind of each in ``router_keys`` (``{key: "loss" | "stat"}``: what a trainer adds to the loss,
@@ -48,7 +48,7 @@ from .activations import Activation, swiglu
 from .experts import LocalExperts, check_matmul
 from .fsdp import unshard
 from .mesh import Mesh
-from .global_stats import finalize, pack, routed_load, stat_sums
+from .routing.global_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .routing.core import as_stats
 from .nn.shared_experts import check_shared, shared_expert

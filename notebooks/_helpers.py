@@ -10,7 +10,7 @@ hand-written one.) Everything is a pure function of a parameter tree, built from
       -> rms_norm -> lm_head -> logits [B, S, V]
 
 with ``aux`` of each MoE layer returned beside the logits (load, imbalance, aux losses, drop
-rates: see :mod:`fmoe.global_stats`). :func:`train_lm` trains it in one process on the standard
+rates: see :mod:`fmoe.routing.global_stats`). :func:`train_lm` trains it in one process on the standard
 library's source (:class:`fmoe.data.TokenStream`, byte tokens) with fmoe's functional AdamW,
 adds every ``fmoe.routing.Loss`` aux term to the loss, and, for a router with an expert bias,
 moves the bias with :func:`fmoe.routing.update_bias` after each optimizer step (the bias is
@@ -37,7 +37,7 @@ import fmoe
 from fmoe import nn
 from fmoe.data import TokenStream
 from fmoe.routing.aux_losses import total as aux_total
-from fmoe.global_stats import stack_layers
+from fmoe.routing.global_stats import stack_layers
 from fmoe.routing import update_bias
 from fmoe.optim import AdamWConfig, lr_at
 from fmoe.optim.adamw import init as adamw_init

@@ -162,7 +162,7 @@ def run_inputs(params, x, coef, router, mesh, impl, router_inputs=None):
 
 def _global_reference(full, router, sizes, inputs):
     """Per-batch single-process routing stats summed over all batches, then finished."""
-    from fmoe.global_stats import GlobalStat
+    from fmoe.routing.global_stats import GlobalStat
     from fmoe.routing import call
     sums, finishes, load = {}, {}, None
     for bb, n in enumerate(sizes):

@@ -11,7 +11,7 @@ An implementation is a pair of steps (torchtitan's ``_token_dispatch`` / ``_toke
 implementations alike. Besides the rows, a :class:`Dispatch` reports ``sent_rows`` (rows sent
 to other ranks: ``aux["dispatch_rows"]``) and, when ``impl.folds_stats(mesh)``, ``stats_sum``:
 ``fmoe.moe`` then hands the dispatch the layer's packed routing statistics (``stats``, fp64
-``[S]``, :func:`fmoe.global_stats.pack`) and the dispatch returns their sum over this rank's
+``[S]``, :func:`fmoe.routing.global_stats.pack`) and the dispatch returns their sum over this rank's
 ``fsdp`` group (differentiable, backward: identity), so the layer needs no all-reduce for them.
 
 A whole-layer function ``fn(x, weights, expert_ids, experts, mesh) -> y`` (or ``(y, extra)``:

@@ -3,7 +3,7 @@
 A router is any callable ``router(logits[T, E]) -> Routing(weights[T, K], expert_ids[T, K],
 aux)``. It sees only this rank's tokens and never communicates, so a scheme written in a few
 lines runs distributed unchanged: ``fmoe.moe`` dispatches the tokens and reduces the global
-statistics a router reports (:class:`fmoe.global_stats.GlobalStat`). Extra per-batch inputs
+statistics a router reports (:class:`fmoe.routing.global_stats.GlobalStat`). Extra per-batch inputs
 (token ids, the expert bias) arrive as keyword arguments (see :mod:`fmoe.routing.core`).
 
 A new scheme, e.g. top-1 on noisy logits::

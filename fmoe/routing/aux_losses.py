@@ -1,6 +1,6 @@
 """Router auxiliary losses over the GLOBAL batch: load balancing, sequence balance, z-loss.
 
-Each loss is a :class:`fmoe.global_stats.GlobalStat`: sums over this rank's tokens plus a
+Each loss is a :class:`fmoe.routing.global_stats.GlobalStat`: sums over this rank's tokens plus a
 ``finish``. ``fmoe.moe`` sums them over the distinct data-parallel batches and finishes them,
 so the value on every rank equals the single-process value on the union of all batches. The
 losses (``T`` tokens, ``E`` experts, ``K`` slots, ``p`` the router's probabilities)::
@@ -45,7 +45,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from ..precision import at_least_f32, upcast
-from ..global_stats import GlobalStat, weighted_sum
+from .global_stats import GlobalStat, weighted_sum
 from .core import Loss, Router, Routing, call, validate
 
 __all__ = ["load_balance_loss", "seq_balance_loss", "z_loss", "softmax_probs", "normalized_sigmoid",

@@ -15,7 +15,7 @@ Qiu et al. 2025, "Demons in the Detail"), all pure functions of the logits:
   (:data:`SCORES`: softmax for softmax routers, the normalised sigmoid for sigmoid routers);
 - **global-batch balance**: :func:`with_balance_sums` adds the sums ``f`` and ``P`` are made of
   (``balance_count [E]`` all slots, ``balance_prob [E]`` differentiable, ``balance_tokens``) as
-  :class:`fmoe.global_stats.GlobalStat` entries, so ``fmoe.moe`` returns them summed over the
+  :class:`fmoe.routing.global_stats.GlobalStat` entries, so ``fmoe.moe`` returns them summed over the
   data-parallel batches; a trainer sums the counts over its gradient-accumulation micro-batches
   too and weighs each micro-batch's ``balance_prob`` by them (:func:`global_balance_loss`).
 
@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..global_stats import GlobalStat
+from .global_stats import GlobalStat
 from .aux_losses import normalized_sigmoid, softmax_probs
 from .core import Router, Routing, _accepted, call, check_k, check_logits
 from ..precision import upcast

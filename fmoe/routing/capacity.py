@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import upcast
-from ..global_stats import GlobalStat
+from .global_stats import GlobalStat
 from .core import Router, Routing, check_k, check_logits
 
 __all__ = ["switch", "expert_choice", "capacity"]

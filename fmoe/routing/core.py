@@ -3,7 +3,7 @@
 A router is any callable ``router(logits[T, E]) -> Routing``. It sees only this rank's token
 logits and never communicates, so a scheme written in a notebook runs distributed unchanged:
 ``fmoe.moe`` does the dispatch and reduces any global statistics (see
-:class:`fmoe.global_stats.GlobalStat`). A ``Routing`` holds, per token, ``K`` global expert ids
+:class:`fmoe.routing.global_stats.GlobalStat`). A ``Routing`` holds, per token, ``K`` global expert ids
 and the weights their outputs are mixed with, plus ``aux`` (losses and statistics).
 
 Extra inputs are keyword arguments. A router that needs more than the logits declares them::
@@ -26,7 +26,7 @@ experts fixed whatever the scores): the trainer then defaults to no balancing an
 
 - ``Loss(value)`` (:class:`Loss`): a term of the training loss, already weighted. ``value`` is a
   scalar tensor (computed on this rank's tokens; the layer averages it over the data-parallel
-  batches) or a :class:`fmoe.global_stats.GlobalStat` (a quantity of the global batch). The
+  batches) or a :class:`fmoe.routing.global_stats.GlobalStat` (a quantity of the global batch). The
   trainer adds it to the loss and logs it under its key.
 - a tensor or a ``GlobalStat``: a statistic, logged (per layer; a tensor's value is averaged over
   the ranks, a ``GlobalStat`` is finished over all batches), never trained.
@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from ..global_stats import GlobalStat, batch_mean
+from .global_stats import GlobalStat, batch_mean
 from ..transforms import compiling, data_checks_enabled
 
 __all__ = ["Routing", "Router", "Loss", "RESERVED", "validate", "check_aux", "as_stats", "call", "check_k", "check_logits"]
@@ -64,7 +64,7 @@ class Loss(NamedTuple):
 
     Attributes:
         value: a scalar tensor (this rank's tokens; averaged over the data-parallel batches by
-            ``fmoe.moe``) or a :class:`fmoe.global_stats.GlobalStat` finishing to a scalar.
+            ``fmoe.moe``) or a :class:`fmoe.routing.global_stats.GlobalStat` finishing to a scalar.
 
     Example:
         >>> logits = torch.zeros(2, 4, requires_grad=True)
@@ -83,7 +83,7 @@ class Routing(NamedTuple):
         weights: ``[T, K]`` floating mixing weights (differentiable: gradients reach the router).
         expert_ids: ``[T, K]`` int64 global expert ids in ``[0, E)``.
         aux: extra entries, each a loss (:class:`Loss`: trained and logged) or a statistic (a
-            tensor, or a :class:`fmoe.global_stats.GlobalStat` for a quantity over all
+            tensor, or a :class:`fmoe.routing.global_stats.GlobalStat` for a quantity over all
             data-parallel batches, which ``fmoe.moe`` reduces and finishes): logged.
     """
 
@@ -201,7 +201,7 @@ def check_aux(aux: object) -> dict:
 def as_stats(aux: dict) -> tuple[dict, dict]:
     """``(stats, kinds)``: the aux with every :class:`Loss` unwrapped into a ``GlobalStat`` (a
     plain tensor loss becomes its mean over the data-parallel batches,
-    :func:`fmoe.global_stats.batch_mean`) for ``fmoe.moe`` to finalize, and :func:`check_aux`'s
+    :func:`fmoe.routing.global_stats.batch_mean`) for ``fmoe.moe`` to finalize, and :func:`check_aux`'s
     ``{key: "loss" | "stat"}``.
 
     Example:

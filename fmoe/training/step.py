@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .. import remat as _remat
 from .. import tree as _tree
-from ..global_stats import imbalance
+from ..routing.global_stats import imbalance
 from ..routing.metrics import load_metrics
 from ..sharding import gather, local_shard
 from . import global_balance as _global_balance

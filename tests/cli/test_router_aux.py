@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fmoe.training
-from fmoe.global_stats import GlobalStat
+from fmoe.routing.global_stats import GlobalStat
 from fmoe.routing import Loss, Routing, topk
 from fmoe.training import JobConfig, StepConfig
 from fmoe.routing.aux_losses import with_losses

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import fmoe
-from fmoe import global_stats, routing
+from fmoe import routing
+from fmoe.routing import global_stats
 from fmoe.routing import Loss, Routing, aux_losses
 from fmoe.routing.core import as_stats
 from helpers import close

@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from .collectives import all_reduce, group_size
+from ..collectives import all_reduce, group_size
 
 __all__ = ["GlobalStat", "finalize", "reduce_over_batches", "routed_load", "imbalance", "batch_mean",
            "weighted_sum", "stack_layers", "pack", "stat_sums"]
