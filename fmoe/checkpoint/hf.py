@@ -245,7 +245,8 @@ def _config(model: Any, ck: Checkpoint) -> Any:
 
 def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
             max_shard_size: Union[int, str] = "50GB", overwrite: bool = False,
-            files: Optional[Mapping[str, bytes]] = None, config_update: Optional[Mapping[str, Any]] = None) -> None:
+            files: Optional[Mapping[str, bytes]] = None, config_update: Optional[Mapping[str, Any]] = None,
+            progress: bool = False) -> None:
     """Write ``params`` as a Hugging Face checkpoint directory, atomically (call on every rank).
 
     Args:
@@ -261,6 +262,7 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
             published with the weights in the same atomic step; names are checkpoint file names
             (:func:`fmoe.checkpoint.atomic.checkpoint_file`).
         config_update: fields merged into ``config.json`` (e.g. the trained router).
+        progress: a bar on stderr over the files written (rank 0; :mod:`fmoe.checkpoint.progress`).
     Returns:
         None.
 
@@ -309,7 +311,8 @@ def save_hf(model: Any, params: Any, cfg: Any, path: Union[str, os.PathLike], *,
                 tensors.update(spec.split(full[p].detach()))
             place = replace_files if foreign_files(os.path.abspath(path)) else atomic_directory
             with place(path) as tmp:
-                write_checkpoint(tmp, tensors, config, max_shard_size)
+                write_checkpoint(tmp, tensors, config, max_shard_size,
+                                 progress=f"exporting {os.fspath(path)}" if progress else None)
                 for name, data in files.items():
                     fd = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
                     with os.fdopen(fd, "wb") as f:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import safetensors
 import safetensors.torch
@@ -44,6 +44,7 @@ import torch
 
 from .canonical import sort_metadata
 from .integrity import HEADER_KEY, inside, tensor_digest
+from .progress import bar
 
 __all__ = ["Checkpoint", "write_checkpoint", "parse_size", "CONFIG", "SINGLE", "INDEX"]
 
@@ -223,7 +224,7 @@ def parse_size(size: Union[int, str]) -> int:
 
 
 def write_checkpoint(directory: str, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any],
-                     max_shard_size: Union[int, str] = "50GB") -> list[str]:
+                     max_shard_size: Union[int, str] = "50GB", progress: Optional[str] = None) -> list[str]:
     """Write ``config.json`` and the tensors into ``directory`` in the hub layout.
 
     Tensors go into files in the given order, a new file starting when the next tensor would
@@ -236,6 +237,8 @@ def write_checkpoint(directory: str, tensors: Mapping[str, torch.Tensor], config
         tensors: ``{hf_key: tensor}`` (made contiguous for writing).
         config: the ``config.json`` content.
         max_shard_size: largest file size in bytes (int or ``"50GB"``-style string).
+        progress: the label of a bar on stderr over the files written (None: no bar;
+            :mod:`fmoe.checkpoint.progress`).
     Returns:
         the names of the files written.
 
@@ -260,12 +263,14 @@ def write_checkpoint(directory: str, tensors: Mapping[str, torch.Tensor], config
         f.write(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for i in range(len(shards))]
-    for name, keys in zip(names, shards):
-        own = {k: _own_storage(tensors[k]) for k in keys}
-        sums = json.dumps({k: tensor_digest(t) for k, t in own.items()}, sort_keys=True)
-        safetensors.torch.save_file(own, os.path.join(directory, name),
-                                    metadata={"format": "pt", HEADER_KEY: sums})
-        sort_metadata(os.path.join(directory, name))          # byte-reproducible (fmoe.checkpoint.canonical)
+    with bar(progress or "", names, progress is not None) as next_part:
+        for name, keys in zip(names, shards):
+            own = {k: _own_storage(tensors[k]) for k in keys}
+            sums = json.dumps({k: tensor_digest(t) for k, t in own.items()}, sort_keys=True)
+            safetensors.torch.save_file(own, os.path.join(directory, name),
+                                        metadata={"format": "pt", HEADER_KEY: sums})
+            sort_metadata(os.path.join(directory, name))      # byte-reproducible (fmoe.checkpoint.canonical)
+            next_part()
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         params = sum(t.numel() for t in tensors.values())

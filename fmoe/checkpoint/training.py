@@ -48,6 +48,7 @@ from .canonical import sort_metadata
 from .integrity import digests, verify
 from .retention import complete_steps
 from .packed import dcp_view, restore, views
+from .progress import bar
 from .steps import step_dir, step_of
 from ..collectives import all_gather_objects, barrier, broadcast_object
 from ..sharding import local_shard
@@ -151,7 +152,7 @@ def _split_digests(directory: str) -> dict[str, dict]:
 
 
 def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
-         packed: Optional[dict] = None) -> str:
+         packed: Optional[dict] = None, progress: bool = False) -> str:
     """Write ``out_dir/step-{step}`` atomically; call on every rank. Returns the final path.
 
     Args:
@@ -160,6 +161,7 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
         params, opt_state: trees to save (any placements).
         meta: JSON-able job description (config, mesh, data settings).
         packed: :func:`packed_layout` of the params (leaves stored as blocks).
+        progress: a bar on stderr (:mod:`fmoe.checkpoint.progress`; the job's rank 0 without --quiet).
     Raises:
         OSError: disk full (``"no space left on device writing OUT/step-N"``) or read-only
             ``out_dir``, on every rank; RuntimeError for other failures of any rank.
@@ -176,22 +178,26 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
     on_rank0(prepare, what)
     tmp = broadcast_object(box.get("tmp"), src=0)
     try:
-        try:
-            writer = dcp.HuggingFaceStorageWriter(tmp, save_distributed=True)
-            with _single_process_ok():
-                dcp.save(views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
-        except (Exception, dcp.api.CheckpointException) as e:
-            raise _io_error(e, what) from e
-        _barrier()
-        files = _split_digests(tmp)
+        with bar(f"saving {final}", ["write", "checksums", "commit"], progress) as next_part:
+            try:
+                writer = dcp.HuggingFaceStorageWriter(tmp, save_distributed=True)
+                with _single_process_ok():
+                    dcp.save(views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
+            except (Exception, dcp.api.CheckpointException) as e:
+                raise _io_error(e, what) from e
+            _barrier()
+            next_part()
+            files = _split_digests(tmp)
+            next_part()
 
-        def commit() -> None:
-            fd = os.open(os.path.join(tmp, "meta.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "w") as f:
-                json.dump({**meta, "step": step, "format": FORMAT, "files": files}, f, indent=2, sort_keys=True)
-            atomic.commit(tmp, final, own=_own)
+            def commit() -> None:
+                fd = os.open(os.path.join(tmp, "meta.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                with os.fdopen(fd, "w") as f:
+                    json.dump({**meta, "step": step, "format": FORMAT, "files": files}, f, indent=2, sort_keys=True)
+                atomic.commit(tmp, final, own=_own)
 
-        on_rank0(commit, what)
+            on_rank0(commit, what)
+            next_part()
     except BaseException:
         if _rank() == 0:
             atomic.abort(tmp)             # a failed save leaves nothing behind (the disk stays usable)
@@ -271,30 +277,36 @@ def _check_finite(tree: Any, ckpt: str) -> None:
         raise ValueError(bad)
 
 
-def load(ckpt: str, params: Any, opt_state: Optional[Any], packed: Optional[dict] = None) -> dict:
+def load(ckpt: str, params: Any, opt_state: Optional[Any], packed: Optional[dict] = None,
+         progress: bool = False) -> dict:
     """Load a checkpoint into ``params`` and ``opt_state`` in place (any mesh: DCP reshards);
     call on every rank with the same ``packed`` layout as the save. Returns the meta.
     ``opt_state=None`` reads the parameters only (decoding needs no optimizer state).
 
     Nothing is unpickled; the files are checked against ``meta.json``'s checksums first and the
     loaded values must be finite (``ValueError`` naming the file or the leaf otherwise).
+    ``progress``: a bar on stderr (:mod:`fmoe.checkpoint.progress`).
     """
-    meta = read_meta(ckpt)
-    _check_files(ckpt, meta)
-    packed = packed or {}
-    state = views(params, opt_state, packed) if opt_state is not None else {"params": dcp_view(params, packed)}
-    try:
-        with torch.no_grad(), _single_process_ok():
-            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt), no_dist=not _dist())
-            if opt_state is not None:
-                opt_state["step"].copy_(state["opt"]["step"])
-    except (Exception, dcp.api.CheckpointException) as e:
-        raise _io_error(e, f"reading {ckpt}") from e
-    restore(params, state["params"], packed)
-    if opt_state is None:
-        _check_finite({"params": params}, ckpt)
-        return meta
-    restore(opt_state["m"], state["opt"]["m"], packed)
-    restore(opt_state["v"], state["opt"]["v"], packed)
-    _check_finite({"params": params, "m": opt_state["m"], "v": opt_state["v"]}, ckpt)
+    with bar(f"loading {ckpt}", ["checksums", "read", "check"], progress) as next_part:
+        meta = read_meta(ckpt)
+        _check_files(ckpt, meta)
+        next_part()
+        packed = packed or {}
+        state = views(params, opt_state, packed) if opt_state is not None else {"params": dcp_view(params, packed)}
+        try:
+            with torch.no_grad(), _single_process_ok():
+                dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt), no_dist=not _dist())
+                if opt_state is not None:
+                    opt_state["step"].copy_(state["opt"]["step"])
+        except (Exception, dcp.api.CheckpointException) as e:
+            raise _io_error(e, f"reading {ckpt}") from e
+        next_part()
+        restore(params, state["params"], packed)
+        if opt_state is None:
+            _check_finite({"params": params}, ckpt)
+        else:
+            restore(opt_state["m"], state["opt"]["m"], packed)
+            restore(opt_state["v"], state["opt"]["v"], packed)
+            _check_finite({"params": params, "m": opt_state["m"], "v": opt_state["v"]}, ckpt)
+        next_part()
     return meta

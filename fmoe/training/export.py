@@ -75,7 +75,7 @@ def _tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
 
 
 def export_hf(model: Any, params: Any, cfg: Any, path: str, *, model_name: str, router: Optional[str],
-              tokenizer: Any, step: int, overwrite: bool = False) -> None:
+              tokenizer: Any, step: int, overwrite: bool = False, progress: bool = False) -> None:
     """Write the export (see the module docstring); call on every rank.
 
     Args:
@@ -87,6 +87,7 @@ def export_hf(model: Any, params: Any, cfg: Any, path: str, *, model_name: str, 
         tokenizer: the job's tokenizer (from :func:`fmoe.training.options.resolve_tokenizer`).
         step: the step the weights are at.
         overwrite: as ``--overwrite``.
+        progress: a bar on stderr (rank 0 without ``--quiet``).
     """
     from ..checkpoint.hf import save_hf
     from ..model import model_of
@@ -97,4 +98,4 @@ def export_hf(model: Any, params: Any, cfg: Any, path: str, *, model_name: str, 
               "tokenizer_digest": tokenizer.digest, "step": step}
     files = {**_tokenizer_files(tokenizer), FMOE_RECORD: (json.dumps(record, indent=2) + "\n").encode()}
     save_hf(model_of(model), params, cfg, path, overwrite=overwrite, files=files,
-            config_update={**(fields or {}), "fmoe_router": router})
+            config_update={**(fields or {}), "fmoe_router": router}, progress=progress)

@@ -139,7 +139,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     opt_state = adamw_init(params, dtype=dtype_of(job.optim_dtype))
     start = 0
     if job.resume_path:
-        start = ckpt.load(job.resume_path, params, opt_state, packed)["step"]
+        start = ckpt.load(job.resume_path, params, opt_state, packed, progress=rank == 0 and not job.quiet)["step"]
     step_cfg = job.step_config or StepConfig(   # fmoe.training.run(cfg, step_config=...) replaces it
         opt=AdamWConfig(weight_decay=job.weight_decay, max_grad_norm=job.clip),
         impl=job.impl, **balancing.step_options(job, cfg, options.step_options(job), model))
@@ -182,7 +182,7 @@ def run(rank: int, world: int, job: Any) -> dict:
         else:
             bar.update(step, m)
         if (job.save_every and step % job.save_every == 0) or step == job.steps:
-            ckpt.save(job.out, step, params, opt_state, meta, packed)
+            ckpt.save(job.out, step, params, opt_state, meta, packed, progress=rank0 and not job.quiet)
             if job.keep_last:                          # --keep-last N (fmoe.checkpoint.retention)
                 ckpt.on_rank0(lambda: prune(job.out, job.keep_last, keep=[job.resume_path] if job.resume_path else []),
                               f"removing old checkpoints of --out {job.out}")
@@ -194,5 +194,6 @@ def run(rank: int, world: int, job: Any) -> dict:
         from .export import export_hf
 
         export_hf(model, params, hf_cfg, job.export_hf, model_name=job.model, router=job.router,
-                  tokenizer=tokenizer, step=max(start, last.get("step", start)), overwrite=job.overwrite)
+                  tokenizer=tokenizer, step=max(start, last.get("step", start)), overwrite=job.overwrite,
+                  progress=rank0 and not job.quiet)
     return last
