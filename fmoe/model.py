@@ -94,7 +94,7 @@ class Model:
         init_cache: ``init_cache(cfg, batch, max_len, mesh=None, dtype=...) -> cache``, or None.
         aux_loss_fields: ``(switch, coefficient)`` config fields of the router's load-balance loss
             (``output_router_logits``, ``router_aux_loss_coef``), or None (:meth:`with_aux_loss`).
-        remat_blocks: the blocks ``forward`` marks for :mod:`fmoe.remat` (``--remat`` choices).
+        remat_blocks: the blocks ``forward`` marks for :mod:`fmoe.nn.remat` (``--remat`` choices).
         width_fields: shape letter -> config field, over :data:`WIDTH_FIELDS` (:meth:`widths`).
         hf_router: how the model's Hugging Face config states its router, for exports:
             ``(fmoe.routing scheme, {scheme argument: config field}, {fixed argument: value})``,

@@ -170,7 +170,7 @@ def init_kv_cache(cfg: Any, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] 
 @dataclass(frozen=True)
 class Context:
     """What every layer of one forward call shares (the same object for every layer, so a layer
-    compiled once by ``fmoe.remat.compiled`` serves them all).
+    compiled once by ``fmoe.nn.remat.compiled`` serves them all).
 
     Attributes:
         cfg: the config.
@@ -275,7 +275,7 @@ def with_aux_loss(router: Any, cfg: Any) -> Any:
 
 def moe(m: dict, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict]:
     """The routed experts, ``fmoe.moe`` over the ``(b s)`` tokens: ``x [B, S, D] -> (y [B, S, D], aux)``
-    (the call a model's block wraps in ``fmoe.remat.call("moe", ...)``)."""
+    (the call a model's block wraps in ``nn.remat.call("moe", ...)``)."""
     y, aux = fmoe.moe(m, rearrange(x, "b s d -> (b s) d"), router=ctx.router, mesh=ctx.mesh, impl=ctx.impl,
                       act=ctx.act)  # [T, D]
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux

@@ -187,7 +187,7 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Opt
     x = nn.rms_norm(h, layer["mlp_norm"], eps)
     if "moe" not in layer:                                   # the first first_k_dense_replace layers
         return h + _common.mlp(layer["mlp"], x), None, entry
-    y, aux = fmoe.remat.call("moe", _common.moe, layer["moe"], x, ctx)  # routed + shared experts
+    y, aux = nn.remat.call("moe", _common.moe, layer["moe"], x, ctx)  # routed + shared experts
     return h + y, aux, entry
 
 
@@ -209,7 +209,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, rope_dim=cfg.qk_rope_head_dim, impl=impl,
                            router=router or default_router(cfg))  # x: [B, S, D]
     for i, layer in enumerate(params["layers"]):
-        x = out.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
+        x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
     return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 

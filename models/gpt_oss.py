@@ -128,7 +128,7 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Opt
     window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
     a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), ctx, entry, window)
     h = x + a
-    y, aux = fmoe.remat.call("moe", _common.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
+    y, aux = nn.remat.call("moe", _common.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
     return h + y, aux, entry                                  # the experts' activation: ctx.act
 
 
@@ -155,7 +155,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     act = fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
     x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, act=act)
     for i, layer in enumerate(params["layers"]):                         # x: [B, S, D]
-        x = out.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
+        x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
     return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 

@@ -125,7 +125,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     """
     x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions)  # [B, S, D]
     for i, layer in enumerate(params["layers"]):
-        x = out.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
+        x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
     return out.result(logits)  # logits: [B, S, V], full on every rank
 

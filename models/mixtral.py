@@ -105,7 +105,7 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Opt
     layer, eps = fmoe.unshard_layer(layer), ctx.cfg.rms_norm_eps
     a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), i, ctx, entry)
     h = x + a
-    y, aux = fmoe.remat.call("moe", _common.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
+    y, aux = nn.remat.call("moe", _common.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
     return h + y, aux, entry
 
 
@@ -131,7 +131,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     router = _common.with_aux_loss(router or default_router(cfg), cfg)
     x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router)  # [B, S, D]
     for i, layer in enumerate(params["layers"]):
-        x = out.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
+        x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
     return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 

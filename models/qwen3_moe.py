@@ -126,7 +126,7 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Opt
     x = nn.rms_norm(h, layer["mlp_norm"], eps)
     if "moe" not in layer:                                   # mlp_only_layers, decoder_sparse_step
         return h + _common.mlp(layer["mlp"], x), None, entry
-    y, aux = fmoe.remat.call("moe", _common.moe, layer["moe"], x, ctx)
+    y, aux = nn.remat.call("moe", _common.moe, layer["moe"], x, ctx)
     return h + y, aux, entry
 
 
@@ -152,7 +152,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     router = _common.with_aux_loss(router or default_router(cfg), cfg)
     x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router)  # [B, S, D]
     for i, layer in enumerate(params["layers"]):
-        x = out.keep(*fmoe.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
+        x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
     return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 

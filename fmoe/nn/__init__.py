@@ -35,7 +35,7 @@ Example:
     torch.Size([2, 5, 8])
 """
 
-from . import cache
+from . import cache, remat
 from .attention import attention, shared_by_heads, visible
 from .linear import embedding, linear
 from .loss import cross_entropy
@@ -44,5 +44,5 @@ from .norm import head_rms_norm, rms_norm
 from .rope import ROPE_TYPES, apply_rope, rope_cos_sin, rope_frequencies, yarn_mscale
 
 __all__ = ["linear", "embedding", "rms_norm", "head_rms_norm", "rope_frequencies", "rope_cos_sin",
-           "apply_rope", "yarn_mscale", "ROPE_TYPES", "attention", "visible", "shared_by_heads", "cache",
+           "apply_rope", "yarn_mscale", "ROPE_TYPES", "attention", "visible", "shared_by_heads", "cache", "remat",
            "swiglu", "swiglu_mlp", "cross_entropy"]

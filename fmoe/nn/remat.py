@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch.distributed.tensor import DTensor
 
-from .transforms import compiling, func_active, peel
+from ..transforms import compiling, func_active, peel
 
 __all__ = ["POLICIES", "policy", "compiled", "call", "active"]
 
@@ -117,7 +117,7 @@ def call(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if kind == "moe" and _regional() == "layer":        # the expert-parallel exchange between the graphs
             return _eager(kind, fn, *args, **kwargs)
     elif _COMPILED.get() is not None and _COMPILED.get()[0] == kind:
-        from .fsdp import unshard_layer      # the FSDP gather (collectives, DTensor specs) stays eager
+        from ..fsdp import unshard_layer      # the FSDP gather (collectives, DTensor specs) stays eager
         fn = torch.compile(fn, **_COMPILED.get()[1])   # Dynamo's cache is per code object: one graph, all layers
         args = (unshard_layer(args[0]),) + args[1:]
     if active() != kind or not torch.is_grad_enabled():

@@ -29,7 +29,7 @@ reduction, clipping and the AdamW moments are fp32. Checkpoints therefore hold f
 
 Memory (``StepConfig.remat``, ``StepConfig.grad_accum``): ``remat="layer"`` / ``"moe"``
 recomputes each decoder layer / MoE block in backward instead of keeping its activations
-(:mod:`fmoe.remat`); ``grad_accum=N`` splits the batch into N micro-batches whose gradients are
+(:mod:`fmoe.nn.remat`); ``grad_accum=N`` splits the batch into N micro-batches whose gradients are
 summed before one reduction and one optimizer step: the same update as the whole batch (exactly
 so for the LM loss; batch-level aux losses and load statistics are computed per micro-batch).
 """
@@ -44,7 +44,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .. import remat as _remat
+from ..nn import remat as _remat
 from .. import tree as _tree
 from ..routing.global_stats import imbalance
 from ..routing.metrics import load_metrics
@@ -92,7 +92,7 @@ class StepConfig:
             name such as ``"aot_eager"``). On one process forward + loss compile as one graph
             (backward by AOTAutograd); on a multi-rank mesh each decoder layer is compiled once
             and reused by every layer, the expert-parallel exchange between the graphs
-            (:func:`fmoe.remat.compiled`; ``docs/transforms.md``). Same numbers as eager.
+            (:func:`fmoe.nn.remat.compiled`; ``docs/transforms.md``). Same numbers as eager.
     """
 
     opt: AdamWConfig = AdamWConfig()
@@ -170,7 +170,7 @@ def forward_loss(model: Any, params: Any, tokens: torch.Tensor, targets: torch.T
 def _compiled(step_cfg: StepConfig, mesh: Mesh) -> tuple[Any, Any]:
     """``(forward_loss, region)``: with ``step_cfg.compile``, on one process the compiled
     :func:`forward_loss` and no region; on a multi-rank mesh eager :func:`forward_loss` inside
-    :func:`fmoe.remat.compiled` (each decoder layer compiled once, reused by every layer)."""
+    :func:`fmoe.nn.remat.compiled` (each decoder layer compiled once, reused by every layer)."""
     if not step_cfg.compile:
         return forward_loss, contextlib.nullcontext()
     backend = "inductor" if step_cfg.compile is True else step_cfg.compile

@@ -96,7 +96,7 @@ def test_remat_saves_less_for_backward():
             if p not in own:
                 seen[p] = t.untyped_storage().nbytes()
             return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fmoe.remat.policy(policy):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fmoe.nn.remat.policy(policy):
             loss = fmoe.nn.cross_entropy(qwen3_moe.forward(params, tokens, cfg), tokens)
         saved[policy] = sum(seen.values())
         torch.autograd.grad(loss, fmoe.tree.leaves(params))
@@ -113,7 +113,7 @@ def test_every_model_recomputes_to_the_same_loss_and_gradients():
         tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
         out = {}
         for policy in ("none", "layer", "moe"):
-            with fmoe.remat.policy(policy):
+            with fmoe.nn.remat.policy(policy):
                 loss = fmoe.nn.cross_entropy(model.forward(params, tokens, cfg), tokens)
                 out[policy] = (loss, torch.autograd.grad(loss, leaves))
         for policy in ("layer", "moe"):

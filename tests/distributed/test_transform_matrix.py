@@ -201,7 +201,7 @@ def one_process_cell(transform: str, name: str) -> Callable[[], None]:
             assert min(moved.values()) > 1e-3, f"a leaf did not move (zero gradient?): {moved}"
             close_trees(got, want, "compiled AdamW step vs eager", 1e-8)
         elif transform == "remat under grad":      # recomputed by torch.func.vjp in backward
-            with fmoe.remat.policy("layer"):
+            with fmoe.nn.remat.policy("layer"):
                 got = grad(loss)(p64)
             close_trees(got, grad(loss)(p64), "grad with remat vs without", 1e-10)
     return run
@@ -278,7 +278,7 @@ def _mesh_cells(rank, world, setting):
             elif transform == "vmap(grad)":
                 vmap(grad(lambda p, t: lm_loss(model, cfg, t[None], mesh)(p)), in_dims=(None, 0))(sh, mine)
             elif transform == "remat under grad":
-                with fmoe.remat.policy("layer"):
+                with fmoe.nn.remat.policy("layer"):
                     grad(loss)(sh)
 
         for transform in [t for t in ON_MESH if (t, setting, name) in CELLS]:

@@ -318,7 +318,7 @@ def test_remat_under_grad_equals_backward(policy):
     cfg = qwen3_moe.Config.tiny()
     params, toks = qwen3_moe.init(cfg, seed=0), tokens_of(cfg, 0)
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in fmoe.tree.flatten(params).items()}
-    with fmoe.remat.policy(policy):
+    with fmoe.nn.remat.policy(policy):
         got = fmoe.tree.flatten(grad(lm_loss(cfg, toks))(params))
         lm_loss(cfg, toks)(fmoe.tree.unflatten(leaves, like=params)).backward()
     for k, leaf in leaves.items():

@@ -335,7 +335,7 @@ LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own 
     (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.activations", "fmoe.precision",
          "fmoe.memory", "fmoe.memory.fake_splits")),
     (1, ("fmoe.sharding",)),
-    (2, ("fmoe.experts", "fmoe.fsdp", "fmoe.remat")),
+    (2, ("fmoe.experts", "fmoe.fsdp")),
     (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn")),
     (5, ("fmoe.model", "fmoe.testing", "fmoe.optim", "fmoe.checkpoint", "fmoe.generate",

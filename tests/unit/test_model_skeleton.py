@@ -88,8 +88,8 @@ def test_remat_policies_leave_logits_and_gradients_unchanged():
     params = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(), qwen3_moe.init(cfg))
     tokens = torch.randint(0, cfg.vocab_size, (2, 5))
     runs = {}
-    for policy in fmoe.remat.POLICIES:
-        with fmoe.remat.policy(policy):
+    for policy in fmoe.nn.remat.POLICIES:
+        with fmoe.nn.remat.policy(policy):
             loss = qwen3_moe.forward(params, tokens, cfg).logsumexp(-1).mean()
             runs[policy] = (loss.detach(), torch.autograd.grad(loss, list(fmoe.tree.flatten(params).values())))
     for policy in ("layer", "moe"):
