@@ -5,7 +5,8 @@ the ``meta.json`` of its latest checkpoint, and draws panels against the step: t
 held-out loss (``eval_loss``, where logged), load imbalance (max / mean expert load, averaged
 over MoE layers) and tokens per second, then the routing panels of :data:`OPTIONAL` for the keys
 some run logged: drop rate (capacity routers), MaxVio after dropping and before it
-(``maxvio_routed``). Each run has one colour in every panel and one legend entry: its directory,
+(``maxvio_routed``), and each rank's step time (``rank_step_time``, one value per rank: the band
+from the fastest to the slowest rank, and the ranks' mean as its line). Each run has one colour in every panel and one legend entry: its directory,
 then model, router, mesh and balancing from its ``meta.json``. A run without a panel's key has
 no line there, and a note on stderr says so. Drawn with
 matplotlib's non-interactive Agg backend (no display needed). The image is written to a
@@ -32,7 +33,7 @@ from typing import Optional, Sequence
 
 from .plot_metric import latest_meta, log_rows, plot_metric, pyplot, save_png, settings_label
 
-__all__ = ["load_run", "label", "plot_runs", "main", "PANELS", "OPTIONAL", "DEFAULT_OUT"]
+__all__ = ["load_run", "label", "plot_runs", "main", "PANELS", "OPTIONAL", "PER_RANK", "DEFAULT_OUT"]
 
 DEFAULT_OUT = "runs.png"
 
@@ -42,16 +43,24 @@ PANELS = (("loss", "training loss"), ("eval_loss", "held-out loss"), ("load_imba
 #: panels drawn only when some run logged the key (routing studies; per-layer keys: the layers' mean)
 OPTIONAL = (("drop_rate", "drop rate (tokens no expert takes)"), ("maxvio", "MaxVio after dropping"),
             ("maxvio_routed", "MaxVio before dropping (routed)"))
+#: optional panels of one value per rank (fmoe.training.observe): a min-max band over the ranks and their mean
+PER_RANK = (("rank_step_time", "step time per rank, s (min-max band, mean)"),)
 
 
 def load_run(out: str) -> dict:
-    """``{"steps": {metric: ([step...], [value...])}, "meta": dict}`` of a run directory.
+    """``{"steps": {metric: ([step...], [value...])}, "meta": dict}`` of a run directory (a
+    :data:`PER_RANK` metric's value: the list of the ranks' values).
 
     Raises:
         ValueError: ``out`` has no ``log.jsonl`` or a line is not JSON.
     """
-    series: dict[str, tuple[list, list]] = {k: ([], []) for k, _ in PANELS + OPTIONAL}
+    series: dict[str, tuple[list, list]] = {k: ([], []) for k, _ in PANELS + OPTIONAL + PER_RANK}
     for row in log_rows(out):
+        for key, _ in PER_RANK:                            # [value per rank], kept whole
+            v = row.get(key)
+            if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v) and "step" in row:
+                series[key][0].append(row["step"])
+                series[key][1].append([float(x) for x in v])
         for key, _ in PANELS + OPTIONAL:
             v = row.get(key)
             if isinstance(v, list):                        # per MoE layer: the layers' mean
@@ -84,7 +93,7 @@ def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
     _check_out(path)
     runs = [load_run(o) for o in outs]
     colors = [f"C{i % 10}" for i in range(len(runs))]           # one colour per run, in every panel
-    panels = PANELS + tuple(p for p in OPTIONAL if any(r["steps"][p[0]][0] for r in runs))
+    panels = PANELS + tuple(p for p in OPTIONAL + PER_RANK if any(r["steps"][p[0]][0] for r in runs))
     for key, _ in panels[len(PANELS):]:
         for run in runs:
             if not run["steps"][key][0]:
@@ -96,7 +105,11 @@ def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
     for ax, (key, name) in zip(axes.flat, panels):
         for run, color in zip(runs, colors):
             xs, ys = run["steps"][key]
-            if xs:
+            if xs and key in dict(PER_RANK):               # the ranks' spread, and their mean
+                ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=color, alpha=0.25,
+                                linewidth=0)
+                ax.plot(xs, [sum(v) / len(v) for v in ys], label=label(run), color=color)
+            elif xs:
                 ax.plot(xs, ys, marker="o" if key == "eval_loss" else None, markersize=3, label=label(run),
                         color=color)
         ax.set_title(name)

@@ -140,3 +140,31 @@ def test_routing_panels_when_logged_legend_with_balance_and_missing_keys_skipped
     assert len(fig.axes[0].lines) == 1 and f"{top} logged no 'drop_rate'; skipped" in capsys.readouterr().err
     fig = plot_runs([top], str(tmp_path / "t.png"))                                # no routing keys: 4 panels
     assert len([ax for ax in fig.axes if ax.get_visible()]) == 4
+
+
+def test_plot_draws_per_rank_step_time_as_a_band_and_the_mean(tmp_path, capsys):
+    """Rows with ``rank_step_time`` (one value per rank) get a panel: the band from the fastest to
+    the slowest rank and the ranks' mean; a run without it has no line there, and a note says so."""
+    import numpy as np
+
+    from fmoe.cli.plot import PER_RANK
+
+    a = _fake_run(tmp_path / "a", "qwen3_moe", None, 5.0)
+    rows = [json.loads(line) for line in open(tmp_path / "a" / "log.jsonl")]
+    with open(tmp_path / "a" / "log.jsonl", "w") as f:
+        for r in rows:                                  # rank 1 is the slow one from step 4
+            f.write(json.dumps({**r, "rank_step_time": [0.1 * r["step"], 0.1 * r["step"] + (1.0 if r["step"] >= 4
+                                                                                           else 0.0)]}) + "\n")
+    b = _fake_run(tmp_path / "b", "mixtral", None, 3.0)
+    fig = plot_runs([a, b], str(tmp_path / "r.png"))
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert set(panels) == {name for _, name in PANELS + PER_RANK}
+    ax = panels[PER_RANK[0][1]]
+    (mean,) = ax.lines                                  # run b logged none
+    assert mean.get_label().startswith(a) and mean.get_color() == panels["training loss"].lines[0].get_color()
+    assert list(mean.get_xdata()) == [1, 2, 3, 4, 5, 6]
+    assert list(mean.get_ydata()) == pytest.approx([0.1, 0.2, 0.3, 0.9, 1.0, 1.1])
+    (band,) = ax.collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert np.min(ys) == pytest.approx(0.1) and np.max(ys) == pytest.approx(1.6)     # fastest .. slowest rank
+    assert f"{b} logged no 'rank_step_time'" in capsys.readouterr().err
