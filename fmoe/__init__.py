@@ -9,7 +9,7 @@ The test harness :mod:`fmoe.testing` (warm gloo ranks, ``spawn``, ``assert_parit
 imported with the package: ``fmoe.testing`` loads it on first use.
 """
 
-from . import activations, collectives, ep, experts, fsdp, nn, optim, routing, tree
+from . import collectives, ep, experts, fsdp, nn, optim, routing, tree
 from .fsdp import unshard, unshard_layer, unsharded_layers
 from .generate import generate
 from .mesh import Mesh
@@ -19,7 +19,7 @@ from .checkpoint.tree_io import load, save
 
 __all__ = ["Mesh", "P", "Plan", "STYLES", "shard", "gather", "placement_of", "to_local", "unshard", "unshard_layer",
            "unsharded_layers", "moe", "generate", "nn", "routing",
-           "fsdp", "ep", "experts", "activations", "collectives", "testing", "tree", "optim", "save", "load"]
+           "fsdp", "ep", "experts", "collectives", "testing", "tree", "optim", "save", "load"]
 __version__ = "0.1.0"
 
 

@@ -44,7 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import ep as _ep
-from .activations import Activation, swiglu
+from .experts.activations import Activation, swiglu
 from .experts import LocalExperts, check_matmul
 from .fsdp import unshard
 from .mesh import Mesh

@@ -35,7 +35,7 @@ from einops import rearrange
 
 import fmoe
 import fmoe.nn as nn
-from fmoe.activations import Activation, swiglu
+from fmoe.experts.activations import Activation, swiglu
 from fmoe.routing.aux_losses import with_losses
 
 __all__ = ["TP_FIELDS", "AUX_LOSS_FIELDS", "check_config", "rope", "decoder_shapes",

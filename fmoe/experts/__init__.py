@@ -24,7 +24,7 @@ traced      :mod:`fmoe.experts.ops`: the grouped       under ``torch.func`` tran
 ==========  =========================================  ==========================================
 
 The choice is made from explicit data (``matmul``, the activation's *name*
-(:func:`fmoe.activations.activation_name`), the biases, the device and the number of
+(:func:`fmoe.experts.activations.activation_name`), the biases, the device and the number of
 assignments), never from object identity. Weights are fused per expert: ``w_gate_up [E, 2I, D]``
 (gate rows first) and ``w_down [E, D, I]``, optionally ``b_gate_up [E, 2I]`` and ``b_down [E, D]``.
 """
@@ -36,7 +36,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..memory import fake_splits
-from ..activations import Activation, activation_name, clamped_swiglu, swiglu
+from .activations import Activation, activation_name, clamped_swiglu, swiglu
 from ..transforms import active as transforms_active
 from ..transforms import vmapping
 from .blocked import weighted_expert_sum
@@ -65,7 +65,7 @@ class LocalExperts:
             ``b_gate_up``, ``b_down``.
         first: global id of the first local expert.
         num_experts: E, the global number of experts.
-        act: activation ``act(gate, up)`` (:mod:`fmoe.activations`; any callable works, only one
+        act: activation ``act(gate, up)`` (:mod:`fmoe.experts.activations`; any callable works, only one
             named ``"swiglu"`` takes the fused paths).
         matmul: ``"auto"``, ``"grouped"`` or ``"loop"`` (see the module docstring).
 

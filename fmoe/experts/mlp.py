@@ -20,7 +20,7 @@ when ``I < D``), keeps only ``x`` and the ``[N, 2I]`` projection for backward, r
 cheap activation there and writes the gate and up gradients straight into one buffer (no
 concatenation). Other activations and biased experts use plain autograd over the same GEMMs.
 
-Activations are :mod:`fmoe.activations` (``act(gate, up) -> h``); the fused Function runs when
+Activations are :mod:`fmoe.experts.activations` (``act(gate, up) -> h``); the fused Function runs when
 the activation's name is ``"swiglu"`` (explicit data, so ``fmoe.nn.swiglu``, the same object, and
 any ``Activation("swiglu", ...)`` take it), any other callable the general path.
 """
@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..activations import Activation, activation_name, swiglu
+from .activations import Activation, activation_name, swiglu
 from ..transforms import vmap_by_loop
 from ..memory.fake_splits import is_fake
 from .ops import check_matmul, grouped_mm

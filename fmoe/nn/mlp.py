@@ -7,7 +7,7 @@ local output is ``[gate_r | up_r]`` and ``chunk(2, -1)`` still pairs each gate w
 down projection ``w_down [D, I]`` is ``rowwise`` and sums the partial products. A plain
 ``colwise`` (unpacked) split of ``w_gate_up`` would pair gates with gates; it is rejected
 (:func:`fmoe.sharding.check_fused_gate_up`). The activation is :func:`swiglu`
-(:mod:`fmoe.activations`, the same object the experts use) unless another is given.
+(:mod:`fmoe.experts.activations`, the same object the experts use) unless another is given.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..activations import Activation, swiglu
+from ..experts.activations import Activation, swiglu
 from ..sharding import check_fused_gate_up, placement_of
 from ._tp import tp_size_rank
 from .linear import linear
@@ -35,7 +35,7 @@ def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
             gathered ``P("tp", None, packed=2, gather=True)``).
         w_down: ``[D, I]`` (replicated or ``rowwise``).
         b_gate_up: optional ``[2I]``; b_down: optional ``[D]``.
-        act: ``act(gate, up)`` (:mod:`fmoe.activations`; default SwiGLU).
+        act: ``act(gate, up)`` (:mod:`fmoe.experts.activations`; default SwiGLU).
     Returns:
         ``[..., D]``.
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..activations import Activation, swiglu
+from ..experts.activations import Activation, swiglu
 from ..fsdp import unshard
 from ..sharding import check_fused_gate_up, placement_of
 from .mlp import swiglu_mlp

@@ -98,7 +98,7 @@ def test_expert_path_is_chosen_by_the_activation_name():
     w = {"w_gate_up": torch.randn(E, 2 * I, D), "w_down": torch.randn(E, D, I)}
     x = torch.randn(3, D)
     many = fmoe.experts.BLOCKED_MIN_ROWS * E
-    fused = [fmoe.nn.swiglu, fmoe.experts.swiglu, fmoe.activations.Activation("swiglu", fmoe.nn.swiglu.fn)]
+    fused = [fmoe.nn.swiglu, fmoe.experts.swiglu, fmoe.experts.activations.Activation("swiglu", fmoe.nn.swiglu.fn)]
     assert fmoe.nn.swiglu is fmoe.experts.swiglu                # one SwiGLU
     for act in fused:
         assert fmoe.experts.LocalExperts(w, 0, E, act=act).blocked(x, many)

@@ -332,7 +332,7 @@ def test_no_module_level_mutable_state():
 PROGRAMS = ("fmoe.cli", "fmoe.__main__")
 
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
-    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.activations", "fmoe.precision",
+    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.precision",
          "fmoe.memory", "fmoe.memory.fake_splits")),
     (1, ("fmoe.sharding",)),
     (2, ("fmoe.experts", "fmoe.fsdp")),
