@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.generate import left_pad
+from fmoe.model.generate import left_pad
 from fmoe.models import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
 from helpers import close, hf_model, on_ranks
 
