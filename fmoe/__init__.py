@@ -11,7 +11,7 @@ imported with the package: ``fmoe.testing`` loads it on first use.
 
 from . import collectives, ep, experts, fsdp, nn, optim, routing, tree
 from .fsdp import unshard, unshard_layer, unsharded_layers
-from .generate import generate
+from .model.generate import generate
 from .mesh import Mesh
 from .moe import moe
 from .sharding import STYLES, P, Plan, gather, placement_of, shard, to_local

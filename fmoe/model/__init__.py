@@ -35,12 +35,12 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
-from . import tree as _tree
-from .checkpoint import hf as _hf
-from .fsdp import data_parallel_plan
-from .mesh import Mesh
-from .sharding import Plan, check_fused_gate_up
-from .sharding import shard as _shard
+from .. import tree as _tree
+from ..checkpoint import hf as _hf
+from ..fsdp import data_parallel_plan
+from ..mesh import Mesh
+from ..sharding import Plan, check_fused_gate_up
+from ..sharding import shard as _shard
 
 __all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS", "EXPORTS"]
 

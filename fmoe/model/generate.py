@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..collectives import broadcast_from
-from ..model import model_of
+from . import model_of
 from ..tree import leaves
 
 __all__ = ["generate", "sample", "left_pad", "cache_bytes"]

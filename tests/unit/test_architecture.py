@@ -246,7 +246,7 @@ def test_a_submodule_import_counts_its_package():
 
 # ------------------------------------------------------------------------------- the model interface
 MODEL_FILES = sorted(n for n in MODULES if n.startswith("fmoe.models.") and not n.rpartition(".")[2].startswith("_"))
-GENERIC = [n for n in MODULES if n.startswith(("fmoe.models", "fmoe.cli", "fmoe.checkpoint", "fmoe.generate"))
+GENERIC = [n for n in MODULES if n.startswith(("fmoe.models", "fmoe.cli", "fmoe.checkpoint", "fmoe.model."))
            or n in ("fmoe.model", "fmoe.memory.plan") or n.startswith("fmoe.training")]
 
 
@@ -338,7 +338,7 @@ LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own 
     (2, ("fmoe.experts", "fmoe.fsdp")),
     (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn")),
-    (5, ("fmoe.model", "fmoe.testing", "fmoe.optim", "fmoe.checkpoint", "fmoe.generate",
+    (5, ("fmoe.model", "fmoe.testing", "fmoe.optim", "fmoe.checkpoint",
          "fmoe.data", "fmoe.memory.plan", "fmoe.memory.peak", "fmoe.memory.tracker")),
     (6, ("fmoe.models",)),
     (7, ("fmoe.training", "fmoe.memory.dry_run")),      # the job: a model by name, its step, its run
