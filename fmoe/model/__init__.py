@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import types
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
@@ -41,6 +41,7 @@ from ..fsdp import data_parallel_plan
 from ..mesh import Mesh
 from ..sharding import Plan, check_fused_gate_up
 from ..sharding import shard as _shard
+from .widths import WIDTH_FIELDS, Widths, field_of, read_widths
 
 __all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS", "EXPORTS"]
 
@@ -51,29 +52,6 @@ PRESETS = ("tiny", "small")
 
 #: The :class:`Model` methods a model module offers as its own attributes (:meth:`Model.attribute`).
 EXPORTS = ("check_plan", "shard", "load_hf", "save_hf", "init_cache")
-
-#: Shape letter -> the config field that holds it, transformers' names; a model declares in
-#: ``Model.width_fields`` only the letters its config names otherwise (None: it has none).
-WIDTH_FIELDS = {"D": "hidden_size", "H": "num_attention_heads", "G": "num_key_value_heads", "hd": "head_dim",
-                "V": "vocab_size", "L": "num_hidden_layers", "E": "num_experts", "K": "num_experts_per_tok",
-                "I": "moe_intermediate_size", "Id": "intermediate_size"}
-
-
-class Widths(NamedTuple):
-    """A model's layer widths (:meth:`Model.widths`): model dim D, query heads H, KV heads G
-    (H when the config has none), head dim hd (D // H when none), vocabulary V, layers L,
-    routed experts E, top-k K, expert hidden I, dense MLP hidden Id (0 when none)."""
-
-    D: int
-    H: int
-    G: int
-    hd: int
-    V: int
-    L: int
-    E: int
-    K: int
-    I: int
-    Id: int
 
 
 @dataclass(frozen=True)
@@ -162,7 +140,7 @@ class Model:
         return replace(cfg, **{switch: weight > 0, coef: weight})
 
     def _field(self, letter: str) -> Optional[str]:
-        return self.width_fields.get(letter, WIDTH_FIELDS[letter])
+        return field_of(letter, self.width_fields)
 
     def widths(self, cfg: Any) -> Widths:
         """The layer widths of ``cfg``, read from the declared :attr:`width_fields`.
@@ -173,9 +151,7 @@ class Model:
             >>> (w.E, w.K) == (mixtral.Config.tiny().num_local_experts, mixtral.Config.tiny().num_experts_per_tok)
             True
         """
-        v = {k: 0 if self._field(k) is None else getattr(cfg, self._field(k)) for k in WIDTH_FIELDS}
-        H = v["H"] or 1
-        return Widths(**{**v, "H": H, "G": v["G"] or H, "hd": v["hd"] or v["D"] // H})
+        return read_widths(cfg, self.width_fields)
 
     def widen_kv_heads(self, cfg: Any, tp: int) -> Any:
         """``cfg`` with ``tp`` KV heads when ``tp`` divides the query heads but not the KV heads
