@@ -85,8 +85,14 @@ def _job_meta(job: Any, model, cfg, mesh) -> dict:
 
 def run(rank: int, world: int, job: Any) -> dict:
     """Train on this rank (process group already initialised when ``world > 1``)."""
+    import threading
 
     import torch
+    from tqdm import tqdm
+
+    # tqdm's default lock holds a multiprocessing semaphore: a rank killed while stopping a job
+    # would leave it for the resource tracker to report as leaked. One thread lock per rank.
+    tqdm.set_lock(threading.RLock())
 
     import fmoe
     from fmoe.models import get

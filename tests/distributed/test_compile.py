@@ -146,4 +146,5 @@ def test_compiled_step_equals_eager_on_four_ranks():
     for eager, compiled in on_ranks(_four_ranks, 4, timeout=600):
         _check_same(eager, compiled)
         # the only graph break: each compiled layer graph ends at its MoE block (run eagerly) and resumes after
-        assert list(compiled[3]) == ["Skip calling `torch.compiler.disable()`d function"], compiled[3]
+        assert [r.splitlines()[0] for r in compiled[3]] == ["Skip calling `torch.compiler.disable()`d function"], \
+            compiled[3]

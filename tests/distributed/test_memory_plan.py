@@ -36,7 +36,8 @@ def _measure(rank, world, preset, tp, ep, dpr, batch, seq, dtype):
     from fmoe.fsdp import _RECIPE, _root, data_parallel_plan, regather_in_backward
     from fmoe.training.grads import reduce_grads
     from fmoe.optim.adamw import init as adamw_init
-    from fmoe.training.step import _aux_terms, autocast, forward_with_aux
+    from fmoe.training import router_aux
+    from fmoe.training.step import autocast, forward_with_aux
     cfg = dataclasses.replace(qwen3_moe.MODEL.preset(preset, tp), output_router_logits=True)
     mesh = fmoe.Mesh(tp=tp, ep=ep, dp_replicate=dpr)
     full = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(True), qwen3_moe.init(cfg, seed=0))
@@ -57,7 +58,7 @@ def _measure(rank, world, preset, tp, ep, dpr, batch, seq, dtype):
     with regather_in_backward(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with autocast(dtype, x.device):
             logits, aux = forward_with_aux(qwen3_moe, params, x, cfg, mesh)
-        loss = fmoe.nn.cross_entropy(logits.float(), y) + mesh.num_batches * _aux_terms(aux)[0]
+        loss = fmoe.nn.cross_entropy(logits.float(), y) + mesh.num_batches * router_aux.losses(aux)[0]
     keys = [k for k, t in flat.items() if t.requires_grad]
     grads = torch.autograd.grad(loss, [flat[k] for k in keys])
     grads = reduce_grads(dict(zip(keys, grads)), {k: flat[k] for k in keys}, mesh, inplace=True)
