@@ -26,15 +26,16 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..collectives import sum_over_world
+from ..routing.global_stats import imbalance
 from ..routing.metrics import load_metrics
 
-__all__ = ["losses", "stats", "stat_metrics"]
+__all__ = ["losses", "stats", "stat_metrics", "step_metrics"]
 
 
 def _layers(aux: dict) -> list:
@@ -102,4 +103,34 @@ def stat_metrics(per_micro: Sequence[dict], prefix: str = "") -> dict:
     routed = out.get(prefix + "load_routed")
     if routed and all(v is not None for v in routed):
         out.update(load_metrics([torch.tensor(v) for v in routed], prefix, "_routed"))
+    return out
+
+
+def step_metrics(aux: dict, loads: Optional[list], per_micro: Sequence[dict], n_micro: int,
+                 taken: Collection[str] = ()) -> dict:
+    """A training step's routing entries of its log row: per MoE layer ``expert_load`` (routed
+    slots per expert over all batches), ``load_imbalance`` (max/mean) and the load metrics of
+    :func:`fmoe.routing.metrics.load_metrics` (MaxVio, percentiles, dead experts) when every
+    layer reports ``load``, then the routers' statistics (:func:`stat_metrics`).
+
+    Args:
+        aux: the aux of the step's last micro-batch (``{"moe": [per-layer dicts]}``).
+        loads: per layer, the ``load`` summed over the micro-batches (None without MoE layers).
+        per_micro: one :func:`stats` dict per micro-batch.
+        n_micro: the number of micro-batches (one: each layer's own ``imbalance`` entry).
+        taken: the step's other metric names, which no router statistic may reuse.
+    Returns:
+        the entries, in that order. Collective: every rank calls it.
+    """
+    layers, out = _layers(aux), {}
+    if layers and all("load" in layer for layer in layers):
+        out["expert_load"] = [load.round().long().tolist() for load in loads]
+        out["load_imbalance"] = ([float(layer["imbalance"]) for layer in layers] if n_micro == 1
+                                 else [float(imbalance(load)) for load in loads])
+        out.update(load_metrics(loads))
+    logged = stat_metrics(per_micro)
+    if set(logged) & (set(taken) | set(out)):
+        raise ValueError(f"train_step: router statistic(s) {sorted(set(logged) & (set(taken) | set(out)))} collide "
+                         "with the step's own metrics; rename them in the router's aux")
+    out.update(logged)
     return out

@@ -46,8 +46,6 @@ import torch.distributed as dist
 
 from ..nn import remat as _remat
 from .. import tree as _tree
-from ..routing.global_stats import imbalance
-from ..routing.metrics import load_metrics
 from ..sharding import gather, local_shard
 from . import global_balance as _global_balance
 from . import router_aux as _router_aux
@@ -186,11 +184,6 @@ def _world_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _moe_paths(flat: dict) -> list[str]:
-    """Dotted paths of the MoE param dicts of a flat parameter dict, in forward order (``layers.3.moe``)."""
-    return [p[: -len(".router")] for p in flat if p.endswith("moe.router")]
-
-
 def _unflatten_new(new: dict, old: dict, tree: Any) -> Any:
     """``tree`` itself when the optimizer left every leaf of its flat form ``old`` in place (a
     donated step), else the new leaves in ``tree``'s structure."""
@@ -283,11 +276,11 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
                      "v": _unflatten_new(new_v, flat_v, opt_state["v"])}
     else:
         stats = {"grad_norm": adamw.global_norm(grads), "skipped": True}
-    moe_layers = aux.get("moe", [])
-    biased = [p for p in _moe_paths(flat) if p + ".expert_bias" in flat]
+    moe_paths = [p[: -len(".router")] for p in flat if p.endswith("moe.router")]     # layers.3.moe, in order
+    biased = [p for p in moe_paths if p + ".expert_bias" in flat]
     if biased and step_cfg.bias_rate and not stats.get("skipped"):   # aux-loss-free balancing
         from ..routing import update_bias
-        by_path = {p: load for p, load in zip(_moe_paths(flat), loads) if p in biased}
+        by_path = {p: load for p, load in zip(moe_paths, loads) if p in biased}
         for p, load in by_path.items():
             flat[p + ".expert_bias"] = update_bias(flat[p + ".expert_bias"], load, step_cfg.bias_rate,
                                                    rule=step_cfg.bias_update)
@@ -297,18 +290,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     metrics = {"loss": float(mean_loss), "grad_norm": float(stats["grad_norm"]), "lr": lr,
                "tokens": n_tokens, "step_time": dt, "tokens_per_s": n_tokens / dt,
                "skipped": bool(stats.get("skipped", False))}
-    for k, v in aux_sums.items():
-        metrics[k] = float(_world_mean(v))
-    if moe_layers and all("load" in layer for layer in moe_layers):   # global routed load per layer
-        metrics["expert_load"] = [load.round().long().tolist() for load in loads]
-        metrics["load_imbalance"] = ([float(layer["imbalance"]) for layer in moe_layers] if n_micro == 1
-                                     else [float(imbalance(load)) for load in loads])
-        metrics.update(load_metrics(loads))             # maxvio per layer, percentiles, dead experts
-    logged = _router_aux.stat_metrics(router_stats)     # fmoe.training.router_aux (collective)
-    if set(logged) & set(metrics):
-        raise ValueError(f"train_step: router statistic(s) {sorted(set(logged) & set(metrics))} collide with the "
-                         "step's own metrics; rename them in the router's aux")
-    metrics.update(logged)
+    metrics.update({k: float(_world_mean(v)) for k, v in aux_sums.items()})
+    metrics.update(_router_aux.step_metrics(aux, loads, router_stats, n_micro, taken=metrics))   # collective
     if biased:
         full = gather({p: flat[p + ".expert_bias"].detach() for p in biased})     # fsdp-split biases
         metrics["expert_bias_absmax"] = [float(full[p].abs().max()) for p in biased]
