@@ -784,3 +784,34 @@ def test_import_fmoe_does_not_import_the_test_harness():
     old = ast.parse("from . import activations, testing, tree\nfrom .testing import spawn\n"
                     "def __getattr__(name):\n    from . import testing\n")
     assert eager_imports(old, "testing") == ["line 1", "line 2"]
+
+
+# ------------------------------------------------------------------------------- size
+TOP_LEVEL_MAX, LONG_LINES, LONG_MODULES_MAX = 24, 300, 3
+
+
+def top_level_entries(folder: pathlib.Path) -> list[str]:
+    """The files and folders at the top of ``folder`` (``__pycache__`` aside)."""
+    return sorted(p.name for p in folder.iterdir() if p.name != "__pycache__")
+
+
+def long_modules(texts: dict[str, str], limit: int = LONG_LINES) -> list[str]:
+    """``name (N lines)`` of every module whose source is over ``limit`` lines."""
+    return sorted(f"{n} ({len(t.splitlines())} lines)" for n, t in texts.items() if len(t.splitlines()) > limit)
+
+
+def test_fmoe_top_level_has_at_most_24_entries(tmp_path):
+    """A newcomer reads the top of ``fmoe/`` at a glance: each concept is one package or module."""
+    entries = top_level_entries(ROOT / "fmoe")
+    assert len(entries) <= TOP_LEVEL_MAX, (len(entries), entries)
+    for name in ["__pycache__", "a.py", *(f"p{i}" for i in range(TOP_LEVEL_MAX))]:   # the rule can fail
+        (tmp_path / name).mkdir()
+    assert len(top_level_entries(tmp_path)) == TOP_LEVEL_MAX + 1
+
+
+def test_at_most_three_modules_over_300_lines():
+    """Modules stay near 300 lines (the docstring explains one concept); at most three of fmoe/ and
+    models/ go over."""
+    long = long_modules({n: p.read_text() for n, p in MODULES.items()})
+    assert len(long) <= LONG_MODULES_MAX, long
+    assert long_modules({"a": "x\n" * 301, "b": "x\n" * 300}) == ["a (301 lines)"]
