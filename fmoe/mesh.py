@@ -1,6 +1,8 @@
-"""Rank layout: how ``tp``, ``fsdp``, ``dp_replicate`` and ``ep`` share the same processes.
+"""Rank layout: how ``pp``, ``tp``, ``fsdp``, ``dp_replicate`` and ``ep`` share the same processes.
 
-Two meshes are laid over the same ``world = dp_replicate * fsdp * tp`` ranks:
+``pp`` (pipeline stages) is the outermost axis: ``world = pp * dp_replicate * fsdp * tp`` and
+stage ``s`` is ranks ``[s * world / pp, (s + 1) * world / pp)``; every other axis lives inside
+one stage, where two meshes are laid over the same ``dp_replicate * fsdp * tp`` ranks:
 
 - the **dense** mesh ``(dp_replicate, fsdp, tp)``: ``tp`` consecutive ranks form a tensor-parallel
   group and hold the same batch; the batch a rank holds depends only on its fsdp (and replica)
@@ -21,8 +23,14 @@ memory plan). Eight ranks with ``tp=2``::
     ep=4     E0E1  E2E3  E4E5  E6E7  E0E1  E2E3  E4E5  E6E7    efsdp=2
     ep=8     E0    E1    E2    E3    E4    E5    E6    E7      efsdp=1
 
-Both meshes are torch ``DeviceMesh``es (when ``torch.distributed`` is initialised), so sharded
-parameters can be DTensors; :meth:`Mesh.group` hands out their process groups.
+Both meshes are torch ``DeviceMesh``es (when ``torch.distributed`` is initialised; with ``pp > 1``
+the stage's slices of one ``(pp, ...)`` mesh), so sharded parameters can be DTensors;
+:meth:`Mesh.group` hands out their process groups. The ranks at the same place in every stage
+form the ``pp`` group (:meth:`RankLayout.ranks`), which passes activations stage to stage.
+
+``sp`` (sequence parallelism, a way of using the ``tp`` axis, so it needs ``tp > 1``): between
+tensor-parallel blocks the residual stream is split over ``tp`` on the sequence dimension
+(:mod:`fmoe.nn`); it adds no processes.
 """
 
 from __future__ import annotations
@@ -35,21 +43,25 @@ __all__ = ["Mesh", "RankLayout", "Layout", "check_layout", "rank_coords", "DENSE
 
 DENSE_AXES = ("dp_replicate", "fsdp", "tp")
 EXPERT_AXES = ("dp_replicate", "efsdp", "ep")
-AXES = ("dp_replicate", "fsdp", "tp", "efsdp", "ep")
+AXES = ("dp_replicate", "fsdp", "tp", "efsdp", "ep", "pp")
 DATA_AXES = ("fsdp", "dp_replicate", "efsdp")   # axes whose ranks hold different batches
 
 
-def rank_coords(rank: int, *, tp: int, fsdp: int, dp_replicate: int, ep: int) -> dict[str, int]:
+def rank_coords(rank: int, *, tp: int, fsdp: int, dp_replicate: int, ep: int, pp: int = 1) -> dict[str, int]:
     """The coordinates of global ``rank`` on every axis of both meshes: the one rank layout
-    (dense ``(dp_replicate, fsdp, tp)`` and expert ``(dp_replicate, efsdp, ep)``, tp fastest).
+    (``pp`` outermost; inside a stage dense ``(dp_replicate, fsdp, tp)`` and expert
+    ``(dp_replicate, efsdp, ep)``, tp fastest).
 
     Example:
         >>> rank_coords(5, tp=2, fsdp=2, dp_replicate=2, ep=4)
-        {'tp': 1, 'fsdp': 0, 'dp_replicate': 1, 'ep': 1, 'efsdp': 0}
+        {'tp': 1, 'fsdp': 0, 'dp_replicate': 1, 'ep': 1, 'efsdp': 0, 'pp': 0}
+        >>> rank_coords(5, tp=2, fsdp=2, dp_replicate=1, ep=2, pp=2)["pp"]
+        1
     """
-    efsdp = fsdp * tp // ep
-    return {"tp": rank % tp, "fsdp": (rank // tp) % fsdp, "dp_replicate": rank // (tp * fsdp),
-            "ep": rank % ep, "efsdp": (rank // ep) % efsdp}
+    efsdp, stage = fsdp * tp // ep, dp_replicate * fsdp * tp
+    local = rank % stage
+    return {"tp": local % tp, "fsdp": (local // tp) % fsdp, "dp_replicate": local // (tp * fsdp),
+            "ep": local % ep, "efsdp": (local // ep) % efsdp, "pp": rank // stage}
 
 
 class Layout(NamedTuple):
@@ -60,6 +72,7 @@ class Layout(NamedTuple):
     ep: int
     fsdp: int
     dp_replicate: int
+    pp: int = 1
 
     @property
     def efsdp(self) -> int:
@@ -68,19 +81,20 @@ class Layout(NamedTuple):
 
 
 #: How :func:`check_layout` names each field in its errors unless told otherwise.
-FIELD_NAMES = {"world": "world_size", "tp": "tp", "ep": "ep", "fsdp": "fsdp", "dp_replicate": "dp_replicate"}
+FIELD_NAMES = {"world": "world_size", "tp": "tp", "ep": "ep", "fsdp": "fsdp", "dp_replicate": "dp_replicate",
+               "pp": "pp"}
 
 
 def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Optional[int] = None,
-                 dp_replicate: int = 1, names: Optional[Mapping[str, str]] = None) -> Layout:
+                 dp_replicate: int = 1, pp: int = 1, names: Optional[Mapping[str, str]] = None) -> Layout:
     """The layout rules of a mesh over ``world`` ranks, checked without any process: every size
-    an int >= 1, ``world = dp_replicate * fsdp * tp``, ``ep`` a multiple of ``tp`` dividing
+    an int >= 1, ``world = pp * dp_replicate * fsdp * tp``, ``ep`` a multiple of ``tp`` dividing
     ``fsdp * tp``. :class:`Mesh` checks with it, and so does a program before it starts ranks.
 
     Args:
         world: number of ranks.
-        tp, ep, fsdp, dp_replicate: the sizes (``ep`` default ``tp``; ``fsdp`` default
-            ``world // (tp * dp_replicate)``).
+        tp, ep, fsdp, dp_replicate, pp: the sizes (``ep`` default ``tp``; ``fsdp`` default
+            ``world // (pp * tp * dp_replicate)``).
         names: how the caller's user spells a field in errors, e.g. ``{"world": "--nproc",
             "tp": "--tp"}`` (default :data:`FIELD_NAMES`); a flag is quoted as ``--tp 2``, a keyword
             as ``tp=2``.
@@ -92,7 +106,7 @@ def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Opt
 
     Example:
         >>> check_layout(8, tp=2, ep=4)
-        Layout(world=8, tp=2, ep=4, fsdp=4, dp_replicate=1)
+        Layout(world=8, tp=2, ep=4, fsdp=4, dp_replicate=1, pp=1)
         >>> check_layout(8, tp=2, ep=3)
         Traceback (most recent call last):
         ...
@@ -104,12 +118,18 @@ def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Opt
         return f"{name[field]} {value}" if name[field].startswith("-") else f"{name[field]}={value}"
 
     ep = tp if ep is None else ep
-    sizes = [("world", world), ("tp", tp), ("ep", ep), ("dp_replicate", dp_replicate)]
+    sizes = [("world", world), ("tp", tp), ("ep", ep), ("dp_replicate", dp_replicate), ("pp", pp)]
     for field, value in sizes + ([] if fsdp is None else [("fsdp", fsdp)]):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name[field]} must be an int >= 1, got {value!r} ({type(value).__name__})")
         if value < 1:
             raise ValueError(f"{name[field]} must be >= 1, got {said(field, value)}")
+    if pp > 1 and world % pp:
+        raise ValueError(f"{said('world', world)} must be divisible by {said('pp', pp)} (pipeline stages of equal "
+                         f"size); valid {name['pp']}: {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}")
+    whole, world = world, world // pp           # the rest of the rules hold inside one stage
+    if pp > 1:                                  # errors below speak of one stage's ranks
+        name = {**name, "world": f"{name['world']} / {name['pp']}"}
     if fsdp is None:
         if world % (tp * dp_replicate):
             raise ValueError(
@@ -128,7 +148,7 @@ def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Opt
     if (fsdp * tp) % ep:
         raise ValueError(f"{said('ep', ep)} must divide fsdp * tp = {fsdp} * {tp} = {fsdp * tp} (the ranks of one "
                          f"data-parallel replica); valid {name['ep']}: {valid}")
-    return Layout(world, tp, ep, fsdp, dp_replicate)
+    return Layout(whole, tp, ep, fsdp, dp_replicate, pp)
 
 
 class RankLayout:
@@ -139,8 +159,9 @@ class RankLayout:
 
     Args:
         world: number of ranks; rank: this rank.
-        tp, ep, fsdp, dp_replicate: the sizes, as in :func:`check_layout`.
+        tp, ep, fsdp, dp_replicate, pp: the sizes, as in :func:`check_layout`.
         names: how errors spell the fields (:func:`check_layout`).
+        sp: sequence parallelism over ``tp`` (needs ``tp > 1``).
 
     Example:
         >>> m = RankLayout(8, 3, tp=2, ep=4)
@@ -149,17 +170,33 @@ class RankLayout:
     """
 
     def __init__(self, world: int, rank: int = 0, tp: int = 1, ep: Optional[int] = None,
-                 fsdp: Optional[int] = None, dp_replicate: int = 1, names: Optional[Mapping[str, str]] = None):
-        layout = check_layout(world, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, names=names)
+                 fsdp: Optional[int] = None, dp_replicate: int = 1, names: Optional[Mapping[str, str]] = None,
+                 pp: int = 1, sp: bool = False):
+        layout = check_layout(world, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, pp=pp, names=names)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
             raise ValueError(f"rank must be an int in [0, {world}) for {world} ranks, got {rank!r}")
+        if not isinstance(sp, bool) or (sp and layout.tp == 1):
+            said = {**FIELD_NAMES, **(names or {})}
+            raise ValueError(f"{said.get('sp', 'sp')} (sequence parallelism) splits the sequence over tp and needs "
+                             f"{said['tp']} > 1, got sp={sp!r} with tp={layout.tp}")
         self.world, self.rank = world, rank
         self.tp, self.ep, self.fsdp, self.dp_replicate = layout.tp, layout.ep, layout.fsdp, layout.dp_replicate
-        self.efsdp = layout.efsdp
-        self._coords = rank_coords(rank, tp=self.tp, fsdp=self.fsdp, dp_replicate=self.dp_replicate, ep=self.ep)
+        self.efsdp, self.pp, self.sp = layout.efsdp, layout.pp, sp
+        self._coords = rank_coords(rank, tp=self.tp, fsdp=self.fsdp, dp_replicate=self.dp_replicate, ep=self.ep,
+                                   pp=self.pp)
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return self._coords["pp"]
+
+    @property
+    def stage_world(self) -> int:
+        """Ranks in one pipeline stage (``world / pp``): the ranks every other axis lives on."""
+        return self.world // self.pp
 
     def size(self, axis: str) -> int:
-        """Size of a mesh axis (``"tp"``, ``"fsdp"``, ``"ep"``, ``"efsdp"``, ``"dp_replicate"``)."""
+        """Size of a mesh axis (``"tp"``, ``"fsdp"``, ``"ep"``, ``"efsdp"``, ``"dp_replicate"``, ``"pp"``)."""
         self._check_axis(axis)
         return getattr(self, axis)
 
@@ -172,7 +209,7 @@ class RankLayout:
         """Global ranks of this rank's group along ``axis``, in coordinate order."""
         self._check_axis(axis)
         stride = {"tp": 1, "fsdp": self.tp, "dp_replicate": self.tp * self.fsdp,
-                  "ep": 1, "efsdp": self.ep}[axis]
+                  "ep": 1, "efsdp": self.ep, "pp": self.stage_world}[axis]
         base = self.rank - self._coords[axis] * stride
         return [base + i * stride for i in range(self.size(axis))]
 
@@ -211,7 +248,8 @@ class RankLayout:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(world={self.world}, rank={self.rank}, dp_replicate={self.dp_replicate}, "
-            f"fsdp={self.fsdp}, tp={self.tp}, ep={self.ep}, efsdp={self.efsdp})"
+            f"fsdp={self.fsdp}, tp={self.tp}, ep={self.ep}, efsdp={self.efsdp}"
+            + (f", pp={self.pp}" if self.pp > 1 else "") + (", sp=True" if self.sp else "") + ")"
         )
 
 
@@ -224,7 +262,9 @@ class Mesh(RankLayout):
         ep: expert-parallel size (consecutive ranks holding one full expert set); default
             ``tp``, the smallest valid size (so a dense model only says ``Mesh(tp=2)``).
         fsdp: data-parallel shards; default ``world // (tp * dp_replicate)``.
-        dp_replicate: HSDP replicas (outermost).
+        dp_replicate: HSDP replicas (outermost inside a stage).
+        pp: pipeline stages (the outermost axis; :mod:`fmoe.training.pipeline`).
+        sp: sequence parallelism over ``tp`` (needs ``tp > 1``; :mod:`fmoe.nn`).
         device_type: device type of the DeviceMeshes (default ``"cuda"`` over NCCL, else
             ``"cpu"``); the dry run's fake process group names ``"cuda"`` to plan a GPU job.
 
@@ -240,21 +280,27 @@ class Mesh(RankLayout):
     """
 
     def __init__(self, tp: int = 1, ep: Optional[int] = None, fsdp: Optional[int] = None,
-                 dp_replicate: int = 1, device_type: Optional[str] = None):
+                 dp_replicate: int = 1, device_type: Optional[str] = None, pp: int = 1, sp: bool = False):
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
         try:
-            super().__init__(world, rank, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate)
+            super().__init__(world, rank, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, pp=pp, sp=sp)
         except (TypeError, ValueError) as e:
             raise type(e)(f"Mesh: {e}") from None
-        self.dense = self.expert = None
+        self.dense = self.expert = self.stages = None
         if initialized:
             device = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.dense = init_device_mesh(device, (self.dp_replicate, self.fsdp, self.tp), mesh_dim_names=DENSE_AXES)
-            self.expert = init_device_mesh(device, (self.dp_replicate, self.efsdp, self.ep), mesh_dim_names=EXPERT_AXES)
+            dense, expert = (self.dp_replicate, self.fsdp, self.tp), (self.dp_replicate, self.efsdp, self.ep)
+            if self.pp == 1:
+                self.dense = init_device_mesh(device, dense, mesh_dim_names=DENSE_AXES)
+                self.expert = init_device_mesh(device, expert, mesh_dim_names=EXPERT_AXES)
+            else:                       # this stage's slices of one (pp, ...) mesh per kind
+                full = init_device_mesh(device, (self.pp, *dense), mesh_dim_names=("pp", *DENSE_AXES))
+                self.stages, self.dense = full, full[DENSE_AXES]
+                self.expert = init_device_mesh(device, (self.pp, *expert), mesh_dim_names=("pp", *EXPERT_AXES))[EXPERT_AXES]
 
     # ----------------------------------------------------------------------------- process groups
     def group(self, axis: str) -> Optional[dist.ProcessGroup]:
@@ -264,8 +310,10 @@ class Mesh(RankLayout):
         return None if dm is None else dm.get_group(axis)
 
     def device_mesh(self, axis: str):
-        """The DeviceMesh (dense or expert) that holds ``axis``."""
+        """The DeviceMesh (dense or expert; for ``"pp"`` the whole ``(pp, ...)`` mesh) that holds ``axis``."""
         self._check_axis(axis)
+        if axis == "pp":
+            return self.stages
         return self.expert if axis in ("ep", "efsdp") else self.dense
 
     def __reduce__(self):  # meshes hold process groups: rebuild, never pickle them

@@ -101,8 +101,18 @@ class JobConfig:
                            "checkpoint's)", metavar="N")
     ep: Optional[int] = _f("mesh", ("int", 1, None), "expert-parallel size (default: same as --tp; with --resume "
                            "and no --tp: the checkpoint's)", metavar="N")
-    dp_replicate: Optional[int] = _f("mesh", ("int", 1, None), "data-parallel replicas (HSDP); fsdp = nproc / (tp * "
-                                     "dp_replicate) (default: 1; with --resume: the checkpoint's)", metavar="N")
+    dp_replicate: Optional[int] = _f("mesh", ("int", 1, None), "data-parallel replicas (HSDP); fsdp = nproc / (pp * tp "
+                                     "* dp_replicate) (default: 1; with --resume: the checkpoint's)", metavar="N")
+    pp: int = _f("mesh", ("int", 1, None), "pipeline stages (the outermost axis: stage s holds a contiguous block of "
+                 "the decoder layers, the first also the embedding, the last the norm, head and loss; "
+                 "fmoe.training.pipeline)", 1, "N")
+    microbatches: Optional[int] = _f("mesh", ("int", 1, None), "micro-batches of each --batch that run through the "
+                                     "pipeline (with --pp > 1; the same update as --grad-accum M) (default: --pp)",
+                                     metavar="M")
+    pp_schedule: str = _f("mesh", ("choice", ("1f1b", "gpipe")), "pipeline schedule: 1f1b (one forward, one backward: "
+                          "at most pp micro-batches in flight) or gpipe (all forwards, then all backwards)", "1f1b")
+    sp: bool = _f("mesh", ("bool",), "sequence parallelism: between tensor-parallel blocks the residual stream, norms "
+                  "and elementwise work are split over --tp on the sequence dimension (needs --tp > 1)", False)
     # data
     batch: Optional[int] = _f("data", ("int", 1, None), "sequences per data-parallel batch (default: 4)", metavar="N")
     seq: Optional[int] = _f("data", ("int", 1, None), "tokens per sequence (default: 64)", metavar="N")
@@ -136,6 +146,9 @@ class JobConfig:
     dp_batches: int = _f("optimization", ("int", 1, None), "one process reads exactly the batches of an N-rank "
                          "data-parallel run with the same other flags, each rank's batch as its own micro-batches, and "
                          "trains as that run does (--nproc 1 only; docs/routing-research.md)", 1, "N")
+    optim_in_backward: bool = _f("optimization", ("bool",), "update each layer's parameters as soon as their "
+                                 "gradients are reduced in backward, so full gradients never coexist "
+                                 "(fmoe.training.optim_backward)", False)
     loss_chunks: int = _f("optimization", ("int", 1, None), "compute the loss by N chunks of tokens, each "
                           "recomputed in backward (no whole fp32 [tokens, vocab] log-softmax; fmoe.nn.chunked_loss)",
                           1, "N")

@@ -106,7 +106,7 @@ def run(rank: int, world: int, job: Any) -> dict:
 
     torch.set_num_threads(threads_of(job))            # --threads (fmoe.training.threads)
     model = get(job.model)                            # the declared Model, from the registry
-    mesh = fmoe.Mesh(tp=job.tp, ep=job.ep, dp_replicate=job.dp_replicate)
+    mesh = fmoe.Mesh(tp=job.tp, ep=job.ep, dp_replicate=job.dp_replicate, pp=job.pp, sp=job.sp)
     device = options.resolve_device(job.device, int(os.environ.get("LOCAL_RANK", rank)))
     if job.init_hf and job.upcycle:    # a dense llama checkpoint, MLPs copied into experts
         from fmoe.training.upcycle import parse_upcycle, upcycle
