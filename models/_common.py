@@ -199,6 +199,18 @@ class Outputs:
     auxes: list = field(default_factory=list)
     entries: list = field(default_factory=list)
 
+    @staticmethod
+    def layers(params: dict) -> list[tuple[int, dict]]:
+        """``(i, layer)`` of every layer ``params`` holds: all of them, or on a pipeline stage its
+        own block (the other layers are None in its tree; :mod:`fmoe.training.pipeline`)."""
+        return [(i, layer) for i, layer in enumerate(params["layers"]) if layer is not None]
+
+    @staticmethod
+    def hands_on(params: dict) -> bool:
+        """Whether ``params`` are a pipeline stage before the last (no final ``norm``): its forward
+        returns the residual stream ``x [B, S, D]`` for the next stage instead of logits."""
+        return "norm" not in params
+
     def entry(self, i: int) -> Optional[dict]:
         """Layer ``i``'s cache entry (None without a cache)."""
         return None if self.cache is None else self.cache["layers"][i]
@@ -218,9 +230,10 @@ class Outputs:
 
 def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh] = None,
           cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None, *, rope_dim: Optional[int] = None,
-          impl: str = "auto", router: Any = None, act: Activation = swiglu) -> tuple[torch.Tensor, Context, Outputs]:
-    """A forward call's start: the checks, ``x = embed(tokens)``, the :class:`Context` its layers
-    share and the :class:`Outputs` they return into.
+          impl: str = "auto", router: Any = None, act: Activation = swiglu,
+          hidden: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Context, Outputs]:
+    """A forward call's start: the checks, ``x = embed(tokens)`` (or ``hidden``), the
+    :class:`Context` its layers share and the :class:`Outputs` they return into.
 
     Args:
         params: tree from the model's ``init`` / ``load_hf`` (plain, or sharded by a plan).
@@ -235,6 +248,9 @@ def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh
         impl: expert-parallel implementation of every ``fmoe.moe`` (``"auto"``, ``"all_to_all"``, ...).
         router: the router of every MoE block (any ``fmoe.routing`` router or ``router(logits) -> Routing``).
         act: the experts' activation.
+        hidden: a pipeline stage's input ``[B, S, D]`` (the previous stage's output), which
+            replaces the embedding: the stage's ``params`` hold no ``embed``
+            (:mod:`fmoe.training.pipeline`); ``tokens`` still give the positions.
     Returns:
         ``(x [B, S, D], ctx, out)``.
 
@@ -248,12 +264,16 @@ def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh
         raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
                          f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
     if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
-                            for layer in params["layers"] if "moe" in layer):
+                            for _, layer in Outputs.layers(params) if "moe" in layer):
         raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
     fmoe.transforms.refuse_compiled_transform(mesh)
     inv_freq, scaling = rope(cfg, rope_dim)
     step = nn.cache.begin(tokens, cache, positions)
-    x = nn.embedding(tokens, params["embed"])  # [B, S, D]
+    if (hidden is None) != ("embed" in params):
+        raise ValueError("forward: hidden= (the previous pipeline stage's output) is the input of a stage whose "
+                         f"params hold no embed, and only of one; got embed: {'embed' in params}, hidden: "
+                         f"{None if hidden is None else tuple(hidden.shape)}")
+    x = nn.embedding(tokens, params["embed"]) if hidden is None else hidden  # [B, S, D]
     cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, x.dtype)
     return x, Context(cfg, cos, sin, step, mesh, impl, router, act), Outputs(cache, step)
 

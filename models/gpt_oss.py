@@ -140,7 +140,8 @@ def default_router(cfg: Config, biased: bool = False):
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
-            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
+            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None,
+            hidden: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
     with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
     ``return_aux``. ``router`` replaces the top-k-then-softmax router of every MoE layer; the
@@ -153,9 +154,12 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     """
     router = _common.with_aux_loss(router or default_router(cfg), cfg)
     act = fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
-    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, act=act)
-    for i, layer in enumerate(params["layers"]):                         # x: [B, S, D]
+    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, act=act,
+                                hidden=hidden)  # x: [B, S, D]
+    for i, layer in out.layers(params):  # every layer (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
+    if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
+        return out.result(x, return_aux)
     logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
     return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 

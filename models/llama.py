@@ -113,7 +113,8 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Opt
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
-            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None) -> Any:
+            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None,
+            hidden: Optional[torch.Tensor] = None) -> Any:
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
     with a ``cache`` (:func:`init_cache`). Arguments as :func:`fmoe.models._common.start` takes
     them (``mesh`` for the common signature: placements travel with the parameters).
@@ -123,9 +124,11 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions)  # [B, S, D]
-    for i, layer in enumerate(params["layers"]):
+    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, hidden=hidden)  # [B, S, D]
+    for i, layer in out.layers(params):  # every layer (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
+    if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
+        return out.result(x)
     logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
     return out.result(logits)  # logits: [B, S, V], full on every rank
 
