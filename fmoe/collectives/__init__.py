@@ -17,7 +17,12 @@ all_gather         concat slices (uneven ok)  reduce-scatter: sum, keep own slic
 gather_slices      concat slices (uneven ok)  keep own slice (output used identically)
 reduce_scatter     sum, keep own slice        all-gather
 local_slice        keep own slice             all-gather of the slices' gradients
+send_forward       send to the next stage     receive the gradient from it
+recv_forward       receive from the previous  send the gradient to it
 =================  =========================  ==========================================
+
+``send_forward`` / ``recv_forward`` (:mod:`~fmoe.collectives.p2p`) are the pipeline stages'
+point-to-point pair; a :class:`~fmoe.collectives.p2p.Pipe` holds a step's pending sends.
 
 Not differentiable (bookkeeping and buffers that autograd never sees): ``all_gather_rows``,
 ``reduce_scatter_rows``, ``all_to_all_rows`` (one equal row per rank, e.g. split sizes),
@@ -27,8 +32,8 @@ Not differentiable (bookkeeping and buffers that autograd never sees): ``all_gat
 ``with counting() as sent:`` measures the bytes this rank's collectives send inside the block, by
 kind (:mod:`~fmoe.collectives.counting`); the job logs them per step as ``sent_bytes``.
 
-This package (:mod:`~fmoe.collectives.exchange` and :mod:`~fmoe.collectives.slices`: the
-differentiable ones; :mod:`~fmoe.collectives.buffers`: the rest) is the only place that calls ``torch.distributed`` collectives
+This package (:mod:`~fmoe.collectives.exchange`, :mod:`~fmoe.collectives.slices` and
+:mod:`~fmoe.collectives.p2p`: the differentiable ones; :mod:`~fmoe.collectives.buffers`: the rest) is the only place that calls ``torch.distributed`` collectives
 (``tests/unit/test_architecture.py`` checks it); process-group bookkeeping (``get_rank``,
 ``get_world_size``, ``new_group``) may live elsewhere.
 
@@ -45,9 +50,11 @@ from .buffers import (all_gather_objects, all_gather_rows, all_gather_sizes, all
                       barrier, broadcast_from, broadcast_object, group_size, reduce_scatter_rows, sum_over_world)
 from .counting import SentBytes, counting
 from .exchange import all_reduce, all_to_all, grad_sum
+from .p2p import Pipe, recv_forward, send_forward
 from .slices import all_gather, gather_slices, local_slice, reduce_scatter
 
 __all__ = ["all_to_all", "all_reduce", "grad_sum", "all_gather", "gather_slices",
            "reduce_scatter", "local_slice", "group_size", "all_gather_sizes", "all_reduce_coalesced",
            "all_gather_rows", "reduce_scatter_rows", "all_to_all_rows", "sum_over_world", "barrier",
-           "broadcast_object", "broadcast_from", "all_gather_objects", "counting", "SentBytes"]
+           "broadcast_object", "broadcast_from", "all_gather_objects", "counting", "SentBytes",
+           "Pipe", "send_forward", "recv_forward"]

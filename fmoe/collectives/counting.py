@@ -14,6 +14,7 @@ all_gather        this rank's piece            ``(n - 1) * B``
 reduce_scatter    the whole buffer             ``(n - 1) / n * B``
 all_reduce        the buffer                   ``2 * (n - 1) / n * B``
 broadcast         the buffer (source rank)     ``(n - 1) * B`` on the source, 0 elsewhere
+send              the tensor (pipeline stage)  ``B``
 ================  ===========================  ===================================
 
 Object collectives (settings, checkpoint bookkeeping) and barriers are not counted, nor a
@@ -44,7 +45,7 @@ __all__ = ["SentBytes", "counting", "count", "count_bytes", "KINDS"]
 #: kind -> bytes sent per payload byte, for a group of n ranks (the table above)
 _SHARE = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
           "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-          "broadcast": lambda n: n - 1}
+          "broadcast": lambda n: n - 1, "send": lambda n: 1}
 #: every kind a collective reports
 KINDS = tuple(sorted(_SHARE))
 

@@ -1,0 +1,174 @@
+"""Pipeline parallelism: the decoder layers split into stages, micro-batches run through them.
+
+A mesh with ``pp > 1`` (:class:`fmoe.Mesh`, the outermost axis) gives each rank a stage. Stage
+``s`` of ``pp`` holds the contiguous layers :func:`stage_layers` gives it (equal blocks), the
+first stage also the embedding, the last the final norm and the output head: its parameter tree
+is the model's with every other leaf left out (:func:`stage_tree`; the other layers are None),
+so the model's own ``forward`` runs a stage: ``forward(stage_params, tokens, cfg, mesh,
+hidden=x)`` starts from the previous stage's output instead of the embedding and, before the
+last stage, returns the residual stream instead of logits (:mod:`fmoe.models._common`). Every
+other axis (tp, fsdp, ep, dp_replicate) lives inside a stage, unchanged.
+
+A step splits each rank's batch into ``M`` micro-batches (``--microbatches``) and runs their
+forwards and backwards in the order of a schedule (:func:`schedule`):
+
+- ``"gpipe"``: every forward, then every backward (``M`` micro-batches' activations in flight);
+- ``"1f1b"``: ``pp - s - 1`` warm-up forwards, then one forward and one backward in turn, then
+  the remaining backwards: at most ``pp - s`` micro-batches in flight on stage ``s``.
+
+Backwards run in micro-batch order on every stage, so the gradients are summed in the same
+order as ``--grad-accum M`` sums them on one process: the same update. The stages exchange the
+residual stream with the differentiable pair of :mod:`fmoe.collectives.p2p` (sends never block;
+each micro-batch's backward receives its output's gradient first and sends its input's
+gradient last). Each stage's objective for a micro-batch is its MoE layers' aux losses (and on
+the last stage the language-model loss) divided by ``M``, plus the zero token of its send: one
+``torch.autograd.grad`` per micro-batch runs the stage's backward.
+
+Example:
+    >>> stage_layers(8, 4)
+    [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    >>> schedule("1f1b", stage=0, pp=2, microbatches=3)
+    [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..collectives import Pipe, recv_forward, send_forward
+from ..sharding import local_shard
+
+__all__ = ["SCHEDULES", "stage_layers", "stage_tree", "schedule", "StageOut", "Timeline", "run_schedule"]
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """The layers of each of ``pp`` stages: contiguous, equal blocks.
+
+    Raises:
+        ValueError: ``pp`` does not divide ``num_layers``.
+    """
+    if pp < 1 or num_layers % pp:
+        raise ValueError(f"pp={pp} must divide the model's {num_layers} decoder layers (stages of equal depth); "
+                         f"valid pp: {[d for d in range(1, num_layers + 1) if num_layers % d == 0]}")
+    n = num_layers // pp
+    return [range(s * n, (s + 1) * n) for s in range(pp)]
+
+
+def stage_tree(tree: dict, stage: int, pp: int) -> dict:
+    """Stage ``stage``'s part of a model tree (parameters, gradients, optimizer moments): its
+    layers (the others None), ``embed`` on the first stage, everything else outside ``layers``
+    (the final norm, the head) on the last. ``pp == 1``: ``tree`` itself.
+
+    Example:
+        >>> t = {"embed": 1, "layers": [2, 3], "norm": 4, "lm_head": 5}
+        >>> stage_tree(t, 0, 2), stage_tree(t, 1, 2)
+        ({'embed': 1, 'layers': [2, None]}, {'layers': [None, 3], 'norm': 4, 'lm_head': 5})
+    """
+    if pp == 1:
+        return tree
+    own = stage_layers(len(tree["layers"]), pp)[stage]
+    out: dict = {}
+    for key, value in tree.items():
+        if key == "layers":
+            out[key] = [layer if i in own else None for i, layer in enumerate(value)]
+        elif (key == "embed") == (stage == 0) and (key == "embed" or stage == pp - 1):
+            out[key] = value
+    return out
+
+
+def schedule(name: str, stage: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
+    """The order of stage ``stage``'s forwards ``("F", m)`` and backwards ``("B", m)``.
+
+    Example:
+        >>> schedule("gpipe", 1, 2, 2)
+        [('F', 0), ('F', 1), ('B', 0), ('B', 1)]
+        >>> schedule("1f1b", 1, 2, 3)
+        [('F', 0), ('B', 0), ('F', 1), ('B', 1), ('F', 2), ('B', 2)]
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {name!r}")
+    M = microbatches
+    if name == "gpipe":
+        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
+    warm = min(pp - stage - 1, M)
+    order = [("F", m) for m in range(warm)]
+    for m in range(warm, M):
+        order += [("F", m), ("B", m - warm)]
+    return order + [("B", m) for m in range(M - warm, M)]
+
+
+@dataclass
+class StageOut:
+    """One micro-batch's forward on a stage: ``out`` the residual stream for the next stage (None
+    on the last), ``objective`` the scalar whose gradient this stage runs (None: no loss term
+    here), and whatever the caller records (``record``: the loss, aux entries...)."""
+
+    out: Optional[torch.Tensor]
+    objective: Optional[torch.Tensor]
+    record: Any = None
+
+
+@dataclass
+class Timeline:
+    """Wall time of one stage's step, in seconds: ``total`` (the schedule from its first forward
+    to its last send), ``wait`` (of it, blocked on a peer: receives and the sends' completion);
+    ``idle`` is their ratio, the bubble this stage saw."""
+
+    total: float = 0.0
+    wait: float = 0.0
+
+    @property
+    def idle(self) -> float:
+        """Fraction of the schedule's time this stage waited for a peer."""
+        return self.wait / self.total if self.total > 0 else 0.0
+
+
+def run_schedule(forward: Callable[[int, Optional[torch.Tensor]], StageOut], leaves: Sequence[torch.Tensor],
+                 microbatches: int, mesh: Any, name: str, input_shape: tuple, dtype: torch.dtype,
+                 ) -> tuple[Optional[list], list, Timeline]:
+    """Run one step's micro-batches through this rank's stage.
+
+    Args:
+        forward: ``forward(m, hidden)`` runs micro-batch ``m`` on this stage (``hidden`` the
+            previous stage's output, None on the first stage).
+        leaves: the trainable leaves of this stage, whose gradients are summed.
+        microbatches: ``M``.
+        mesh: the :class:`fmoe.Mesh` (``pp``, ``stage``, ``stage_world``, ``rank``).
+        name: the schedule (:data:`SCHEDULES`).
+        input_shape, dtype: of the residual stream a stage receives for one micro-batch.
+    Returns:
+        ``(grads, records, timeline)``: the summed gradients (in ``leaves``' order; None without
+        leaves), each micro-batch's ``StageOut.record`` in micro-batch order, and the stage's
+        :class:`Timeline`.
+    """
+    stage, pp = mesh.stage, mesh.pp
+    prev, nxt = mesh.rank - mesh.stage_world, mesh.rank + mesh.stage_world
+    pipe, live, records = Pipe(), {}, [None] * microbatches
+    acc: Optional[list] = None
+    t0 = time.perf_counter()
+    for kind, m in schedule(name, stage, pp, microbatches):
+        if kind == "F":
+            hidden = recv_forward(input_shape, dtype, prev, m, pipe) if stage > 0 else None
+            res = forward(m, hidden)
+            objective = res.objective
+            if stage < pp - 1:
+                token = send_forward(res.out, nxt, m, pipe)
+                objective = token if objective is None else objective + token
+            live[m], records[m] = objective, res.record
+        else:
+            inputs = list(leaves) + ([pipe.anchor()] if stage > 0 else [])
+            grads = torch.autograd.grad(live.pop(m), inputs) if inputs else ()
+            grads = list(grads[:len(leaves)])
+            if acc is None:
+                acc = grads
+            else:
+                for a, g in zip(acc, grads):             # in place on the local shards
+                    local_shard(a).add_(local_shard(g))
+    pipe.wait()
+    return acc, records, Timeline(time.perf_counter() - t0, pipe.waited)
