@@ -35,15 +35,13 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
 from .. import tree as _tree
-from ..collectives import sum_over_world
-from ..precision import upcast
 from ..sharding import local_shard, placed_like
 from .kernels import adam, fusable, fused_adamw
+from .norm import clip_scale, global_norm, local_square_sum, norm_of
 
-__all__ = ["AdamWConfig", "init", "update", "step", "global_norm"]
+__all__ = ["AdamWConfig", "init", "update", "step", "step_flat", "apply_flat", "global_norm"]
 
 
 @dataclass(frozen=True)
@@ -80,50 +78,6 @@ def init(params: Any, dtype: Optional[torch.dtype] = None) -> dict:
     zeros = lambda _, p: placed_like(torch.zeros_like(local_shard(p), dtype=dtype), p)  # noqa: E731
     return {"step": torch.zeros((), dtype=torch.int64),
             "m": _tree.map_with_path(zeros, params), "v": _tree.map_with_path(zeros, params)}
-
-
-def _replicas(t: Any) -> int:
-    if not isinstance(t, DTensor):
-        return 1
-    n = 1
-    for size, pl in zip(t.device_mesh.shape, t.placements):
-        if isinstance(pl, Replicate):
-            n *= size
-    return n
-
-
-def _square_sum(t: torch.Tensor, row: int = 1024) -> torch.Tensor:
-    """``sum(t ** 2)`` in float64: dot products of ``row``-element rows in at least fp32 (one BLAS
-    pass, no temporary of ``t``'s size), summed in float64; ~1e-10 relative (an fp32 elementwise
-    square-and-sum is 6x slower and ~1e-7; torch's fp32 ``norm`` kernel is off by ~1e-4)."""
-    f = upcast(t).reshape(-1)
-    n = f.numel() // row * row
-    rows = f[:n].view(-1, 1, row)
-    return torch.bmm(rows, rows.transpose(1, 2)).sum(dtype=torch.float64) + f[n:].double().square().sum()
-
-
-def global_norm(tree: Any) -> torch.Tensor:
-    """The L2 norm of all leaves together, each element counted once across the world.
-
-    Args:
-        tree: gradients (DTensors or plain tensors); Partial placements must be reduced first.
-    Returns:
-        a scalar, equal on every rank: float32, or float64 when a leaf is float64.
-
-    Example:
-        >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}).item()
-        5.0
-    """
-    return _norm(_tree.leaves(tree))
-
-
-def _norm(leaves: list) -> torch.Tensor:
-    """:func:`global_norm` of a list of leaves (in the order given)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for leaf in leaves:
-        total = total + _square_sum(local_shard(leaf)) / _replicas(leaf)
-    out = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
-    return sum_over_world(total).sqrt().to(out)
 
 
 def _decays(path: str, p: Any, cfg: AdamWConfig) -> bool:
@@ -201,12 +155,34 @@ def step_flat(flat_g: dict, flat_m: dict, flat_v: dict, flat_p: dict, count: tor
     if missing:
         raise ValueError(f"adamw: no gradient for {missing[:5]} (freeze leaves with requires_grad=False, "
                          "fmoe.optim.partition or mask=)")
-    norm = _norm([flat_g[k] for k in sorted(flat_g)])      # the order of global_norm(flat_g)
+    leaves = [flat_g[k] for k in sorted(flat_g)]           # the order of global_norm(flat_g)
+    norm = norm_of(local_square_sum(leaves), leaves)
     finite = torch.isfinite(norm)
-    scale = torch.ones((), dtype=norm.dtype)
-    if cfg.max_grad_norm is not None:
-        scale = torch.clamp(cfg.max_grad_norm / (norm + 1e-6), max=1.0)
+    scale = clip_scale(norm, cfg)
     count = count + finite.to(count.dtype)                  # advances only when applied
+    new_p, new_m, new_v = apply_flat(flat_g, flat_m, flat_v, flat_p, count, lr, cfg, scale=scale, finite=finite,
+                                     rounding=rounding, donate=donate)
+    stats = {"grad_norm": norm, "clip_scale": torch.where(finite, scale, 0), "skipped": ~finite}
+    return new_p, new_m, new_v, count, stats
+
+
+def apply_flat(flat_g: dict, flat_m: dict, flat_v: dict, flat_p: dict, count: torch.Tensor,
+               lr: Union[float, torch.Tensor], cfg: AdamWConfig, *, scale: torch.Tensor, finite: torch.Tensor,
+               rounding: Optional[torch.Generator] = None, donate: bool = False) -> tuple[dict, dict, dict]:
+    """The AdamW update of the leaves of ``flat_p`` that have a gradient in ``flat_g``, with the
+    clip ``scale`` and the ``finite`` gate already known (:func:`step_flat` computes them from the
+    global norm; :mod:`fmoe.training.optim_backward` applies it to one layer at a time).
+
+    Args:
+        flat_g, flat_m, flat_v, flat_p: gradients (reduced), moments and parameters by path;
+            a parameter without a gradient is left as it is.
+        count: the step counter after this step (the bias corrections' ``t``).
+        lr, cfg, rounding, donate: as in :func:`step`.
+        scale: the gradient factor (:func:`clip_scale`); finite: a bool tensor, False: nothing written.
+    Returns:
+        ``(new_p, new_m, new_v)`` in ``flat_p``'s order (with ``donate`` an unchanged entry is
+        the given leaf itself).
+    """
     b1, b2 = cfg.betas
     t = count.to(torch.float64).clamp(min=1)
     bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
@@ -244,8 +220,7 @@ def step_flat(flat_g: dict, flat_m: dict, flat_v: dict, flat_p: dict, count: tor
                 new_p[path] = p if donate else placed_like(pl, p).requires_grad_(p.requires_grad)
                 new_m[path] = flat_m[path] if donate else placed_like(m, flat_m[path])
                 new_v[path] = flat_v[path] if donate else placed_like(v, flat_v[path])
-    stats = {"grad_norm": norm, "clip_scale": torch.where(finite, scale, 0), "skipped": ~finite}
-    return new_p, new_m, new_v, count, stats
+    return new_p, new_m, new_v
 
 
 def update(grads: Any, state: dict, params: Any, lr: Union[float, torch.Tensor], cfg: AdamWConfig = AdamWConfig(),

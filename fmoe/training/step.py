@@ -44,25 +44,21 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..nn import remat as _remat
 from .. import tree as _tree
 from ..sharding import gather, local_shard
 from . import global_balance as _global_balance
 from . import router_aux as _router_aux
 from ..mesh import Mesh
-from ..model import model_of
-from ..nn import cross_entropy
-from ..nn.chunked_loss import chunked_cross_entropy
-from ..collectives import sum_over_world
-from ..fsdp import cast_shards, regather_in_backward
+from ..nn import remat as _remat
+from ..fsdp import regather_in_backward
+from .forward import compute_params, forward_loss, forward_with_aux, world_mean
+from . import pipeline as _pipeline
 from .grads import reduce_flat
+from .optim_backward import InBackward
 from ..optim import AdamWConfig, adamw
-from ..precision import DTYPES, dtype_of, round_generator, upcast
+from ..precision import dtype_of, round_generator
 
-__all__ = ["StepConfig", "train_step", "forward_with_aux", "compute_params", "autocast", "KEEP_MASTER"]
-
-#: Leaves the compute copy keeps in their master dtype: the routing bias, added to fp32 scores.
-KEEP_MASTER = ("**.expert_bias",)
+__all__ = ["StepConfig", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +82,7 @@ class StepConfig:
             them up), so the update holds no second copy of them.
         loss_chunks: > 1 computes the loss by that many chunks of tokens, each recomputed in
             backward (:mod:`fmoe.nn.chunked_loss`): no whole fp32 ``[T, V]`` log-softmax.
+        optim_in_backward: update each layer in backward once reduced (:mod:`fmoe.training.optim_backward`).
         compile: ``torch.compile`` the step's forward and backward (True: Inductor; or a backend
             name such as ``"aot_eager"``). On one process forward + loss compile as one graph
             (backward by AOTAutograd); on a multi-rank mesh each decoder layer is compiled once
@@ -106,6 +103,7 @@ class StepConfig:
     donate: bool = False
     loss_chunks: int = 1
     compile: Union[bool, str] = False
+    optim_in_backward: bool = False
 
     def __post_init__(self):
         dtype_of(self.dtype, "StepConfig.dtype")                # the compute dtype's name (fmoe.precision)
@@ -127,44 +125,6 @@ class StepConfig:
                              f"({torch._dynamo.list_backends(exclude_tags=())}), got {self.compile!r}")
 
 
-def autocast(dtype: str, device: torch.device):
-    """``torch.autocast`` to ``dtype`` on ``device``'s type, or a no-op for fp32 (evaluation on
-    fp32 weights; the train step casts its weights once instead, :func:`compute_params`)."""
-    if dtype_of(dtype) == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype])
-
-
-def compute_params(params: Any, dtype: str) -> Any:
-    """The weights a step computes with: ``params`` itself for fp32, else every floating leaf
-    but :data:`KEEP_MASTER` cast to ``dtype`` on its local shard (:func:`fmoe.fsdp.cast_shards`;
-    differentiable, gradients arrive in fp32)."""
-    target = dtype_of(dtype)
-    return params if target == torch.float32 else cast_shards(params, target, skip=KEEP_MASTER)
-
-
-def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh],
-                     impl: str = "auto", router: Optional[Any] = None) -> tuple[torch.Tensor, dict]:
-    """Logits and the model's aux (``{"moe": [per-layer dicts]}``; empty for dense models)."""
-    declared = model_of(model)          # a routed model's forward takes impl, router, return_aux
-    if not declared.routed:
-        if router is not None:
-            raise ValueError(f"StepConfig.router: model {declared.name} has no router to replace")
-        return declared.forward(params, tokens, cfg, mesh), {}
-    kwargs = {} if router is None else {"router": router}
-    return declared.forward(params, tokens, cfg, mesh, impl=impl, return_aux=True, **kwargs)
-
-
-def forward_loss(model: Any, params: Any, tokens: torch.Tensor, targets: torch.Tensor, cfg: Any,
-                 mesh: Optional[Mesh], step_cfg: StepConfig) -> tuple[torch.Tensor, dict]:
-    """The mean next-token cross-entropy of ``tokens`` against ``targets`` and the model's aux:
-    the part of a step that ``StepConfig(compile=True)`` compiles whole on one process."""
-    logits, aux = forward_with_aux(model, params, tokens, cfg, mesh, step_cfg.impl, step_cfg.router)
-    loss = (cross_entropy(upcast(logits), targets) if step_cfg.loss_chunks == 1      # see fmoe.nn.chunked_loss
-            else chunked_cross_entropy(logits, targets, step_cfg.loss_chunks))
-    return loss, aux
-
-
 def _compiled(step_cfg: StepConfig, mesh: Mesh) -> tuple[Any, Any]:
     """``(forward_loss, region)``: with ``step_cfg.compile``, on one process the compiled
     :func:`forward_loss` and no region; on a multi-rank mesh eager :func:`forward_loss` inside
@@ -175,13 +135,6 @@ def _compiled(step_cfg: StepConfig, mesh: Mesh) -> tuple[Any, Any]:
     if mesh.world == 1:
         return torch.compile(forward_loss, backend=backend), contextlib.nullcontext()
     return forward_loss, _remat.compiled("layer", backend=backend)
-
-
-def _world_mean(x: torch.Tensor) -> torch.Tensor:
-    x = upcast(x.detach().clone())
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        x = sum_over_world(x) / dist.get_world_size()
-    return x
 
 
 def _unflatten_new(new: dict, old: dict, tree: Any) -> Any:
@@ -235,6 +188,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     weights = compute_params(params, step_cfg.dtype)      # once per step, before any gather
     run = lambda mt: forward_with_aux(model, weights, mt, cfg, mesh, step_cfg.impl, step_cfg.router)  # noqa: E731
     fwd_loss, region = _compiled(step_cfg, mesh)
+    oib = InBackward(flat, train_paths, opt_state, mesh, step_cfg, lr, world_mean) if step_cfg.optim_in_backward else None
     if step_cfg.global_balance:                     # the step's frequencies first (global_balance)
         with _remat.policy(step_cfg.remat):
             counts = _global_balance.step_counts(run, tokens.chunk(n_micro))
@@ -248,7 +202,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
                 share = _global_balance.share_of(aux, *counts, step_cfg.global_balance)
                 aux_named["global_balance_loss"] = share * n_micro      # averaged over micro-batches below
                 total = total + mesh.num_batches * share
-            grads = torch.autograd.grad(total, [flat[p] for p in train_paths])
+            grads = oib.backward(total, losses + [loss]) if oib else torch.autograd.grad(total, [flat[p] for p in train_paths])
         if acc is None:
             acc = list(grads)
         else:
@@ -263,10 +217,9 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         del grads
     weights = run = None                           # the compute copies are freed before the update
     loss = torch.stack(losses).mean()
-    # one flat working form per step: the flat dicts go to the reduction and the optimizer as they are
-    grads = reduce_flat(dict(zip(train_paths, acc)), flat, mesh, inplace=True)
-    mean_loss = _world_mean(loss)
-    if bool(torch.isfinite(mean_loss)):            # a non-finite loss or grad norm: no update at all
+    grads = None if oib else reduce_flat(dict(zip(train_paths, acc)), flat, mesh, inplace=True)
+    flat, opt_state, stats, mean_loss = oib.result() if oib else (flat, opt_state, None, world_mean(loss))
+    if stats is None and bool(torch.isfinite(mean_loss)):      # a non-finite loss or grad norm: no update at all
         rounding = None if step_cfg.round_seed is None else round_generator(   # bf16 weights: stochastic
             step_cfg.round_seed, int(opt_state["step"]) + 1, mesh.rank, tokens.device)
         flat_m, flat_v = _tree.flatten(opt_state["m"]), _tree.flatten(opt_state["v"])
@@ -274,7 +227,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
                                                            step_cfg.opt, rounding=rounding, donate=step_cfg.donate)
         opt_state = {"step": count, "m": _unflatten_new(new_m, flat_m, opt_state["m"]),
                      "v": _unflatten_new(new_v, flat_v, opt_state["v"])}
-    else:
+    elif stats is None:                            # (with oib: updated inside backward)
         stats = {"grad_norm": adamw.global_norm(grads), "skipped": True}
     moe_paths = [p[: -len(".router")] for p in flat if p.endswith("moe.router")]     # layers.3.moe, in order
     biased = [p for p in moe_paths if p + ".expert_bias" in flat]
@@ -290,7 +243,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     metrics = {"loss": float(mean_loss), "grad_norm": float(stats["grad_norm"]), "lr": lr,
                "tokens": n_tokens, "step_time": dt, "tokens_per_s": n_tokens / dt,
                "skipped": bool(stats.get("skipped", False))}
-    metrics.update({k: float(_world_mean(v)) for k, v in aux_sums.items()})
+    metrics.update({k: float(world_mean(v)) for k, v in aux_sums.items()})
     metrics.update(_router_aux.step_metrics(aux, loads, router_stats, n_micro, taken=metrics))   # collective
     if biased:
         full = gather({p: flat[p + ".expert_bias"].detach() for p in biased})     # fsdp-split biases
