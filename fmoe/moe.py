@@ -18,6 +18,12 @@ contract, the gradient semantics and the built-ins): ``"all_to_all"``, ``"all_re
 ``"auto"`` (all_reduce when the expert group shares one batch — ``ep == tp`` — and no gradient
 is needed, all_to_all otherwise) or any name given to ``fmoe.ep.register``.
 
+With sequence parallelism (``mesh.sp``: ``fmoe.Mesh(tp=n, sp=True)``) ``x`` is this rank's
+piece of the tokens, distinct on each rank of a tp group (the model's activations are split over
+tp on the sequence): the dispatch sends them as they are (no tp slicing, no gathering back), the
+router's gradient is ``Partial`` over tp, the statistics are summed over tp too, and the
+implementations that need a batch shared by the expert group (``all_reduce``) are refused.
+
 Routers may take keyword inputs besides the logits (:func:`fmoe.routing.call`): ``expert_bias``
 (from ``params["expert_bias"] [E]``, detached: selection-only state updated by
 ``fmoe.routing.update_bias``, never by gradients) and every entry of ``router_inputs`` (per-batch
@@ -52,6 +58,7 @@ from .routing.global_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .routing.core import as_stats
 from .nn.shared_experts import check_shared, shared_expert
+from .sharding import sequence_parallel
 from .transforms import peel, refuse_compiled_transform
 
 __all__ = ["moe"]
@@ -111,6 +118,9 @@ def _choose(impl: str, mesh, needs_grad: bool) -> str:
     if declared.shared_batch and not one_rank and mesh.ep != mesh.tp:
         raise ValueError(f"moe: impl={name!r} requires ep == tp (the expert group must share "
                          f"one batch), got ep={mesh.ep}, tp={mesh.tp}; use impl='auto'")
+    if declared.shared_batch and not one_rank and mesh.sp:
+        raise ValueError(f"moe: impl={name!r} requires the expert group to share one batch, but with "
+                         "sequence parallelism (mesh sp=True) each tp rank holds its own tokens; use impl='auto'")
     return declared.one_rank if one_rank and declared.one_rank is not None else name
 
 
@@ -163,7 +173,8 @@ def moe(
     Args:
         params: ``router [E, D]``, ``w_gate_up [E, 2I, D]``, ``w_down [E, D, I]`` (+ optional
             ``router_bias``, ``b_gate_up``, ``b_down``); plain or placed by ``fmoe.shard``.
-        x: ``[T, D]`` this rank's tokens (T may be 0).
+        x: ``[T, D]`` this rank's tokens (T may be 0); the same on every rank of a tp group,
+            or with ``mesh.sp`` this rank's own piece of them.
         router: ``router(logits[T, E]) -> Routing`` (e.g. ``fmoe.routing.topk(2)``).
         mesh: ``fmoe.Mesh`` or None for a single process.
         impl: ``"auto"``, ``"all_to_all"``, ``"all_reduce"`` or a registered name.
@@ -195,11 +206,17 @@ def moe(
     trained = [v for k, v in params.items() if k not in ("expert_bias", "shared")]
     trained += list(params.get("shared", {}).values())
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(v.requires_grad for v in trained))
+    sp = mesh is not None and mesh.sp
+    placed = isinstance(peel(params["router"]), DTensor)
+    if placed and sequence_parallel(params["router"]) != sp:
+        raise ValueError(f"moe: mesh has sp={sp} but params were sharded on a mesh with sp={not sp}; "
+                         "shard the params on the mesh you pass (fmoe.shard(params, plan, mesh))")
     name = _choose(impl, mesh, needs_grad)
-    router_w = unshard(params["router"], keep=())
+    partial = ("tp",) if sp else ()             # sequence parallel: the router saw this rank's tokens only
+    router_w = unshard(params["router"], keep=(), partial_grad=partial)
     logits = x @ router_w.t()                                                    # [T, E]
     if "router_bias" in params:
-        logits = logits + unshard(params["router_bias"], keep=())
+        logits = logits + unshard(params["router_bias"], keep=(), partial_grad=partial)
     routing = validate(call(router, logits, inputs), x.shape[0], E)
     experts = _local_experts(params, E, mesh, act, matmul)
     router_stats, router_keys = as_stats(routing.aux)     # losses unwrapped (fmoe.routing.core)

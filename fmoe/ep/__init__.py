@@ -138,7 +138,7 @@ def get(name: str) -> Impl:
 
 def auto(mesh, needs_grad: bool) -> str:
     """The name ``impl="auto"`` runs: ``"local"`` on one rank (``mesh`` None or ``ep == 1``);
-    ``"all_reduce"`` when the expert group shares one batch (``ep == tp``) and no gradient is
+    ``"all_reduce"`` when the expert group shares one batch (``ep == tp``, no ``sp``) and no gradient is
     needed (decoding: no host sync, no split sizes); ``"all_to_all"`` otherwise (training).
     Whatever is registered under the name runs.
 
@@ -148,7 +148,7 @@ def auto(mesh, needs_grad: bool) -> str:
     """
     if mesh is None or mesh.ep == 1:
         return "local"
-    return "all_reduce" if mesh.ep == mesh.tp and not needs_grad else "all_to_all"
+    return "all_reduce" if mesh.ep == mesh.tp and not mesh.sp and not needs_grad else "all_to_all"
 
 
 register("local", LOCAL)

@@ -17,7 +17,9 @@ the one host sync) and two backward. With ``efsdp == 1`` the expert group holds 
 all-to-alls, so gradients of the routing weights travel back to the token's rank. The TP slices
 are cut with ``local_slice`` (backward all-gathers the slices' gradients, half the bytes of a
 ``grad_sum``) and reassembled with ``gather_slices`` (backward keeps each rank's slice), so every
-TP rank ends with the full-batch gradient of ``x`` and the router.
+TP rank ends with the full-batch gradient of ``x`` and the router. With sequence parallelism
+(``mesh.sp``) each tp rank's tokens are its own piece of the sequence already: no slice, no
+gather, and the folded statistics sum over the whole expert group.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def _exchange_splits(sizes: torch.Tensor, stats: Optional[torch.Tensor], group, 
     else:
         send = torch.cat([sizes.to(torch.float64), stats.detach().expand(n, -1)], dim=1)   # [ep, 2+S]
         recv = all_to_all_rows(send, group)
-        batch_peers = set(mesh.ranks("fsdp"))                      # one rank per batch, my tp index
+        batch_peers = set(mesh.ranks("ep" if mesh.sp else "fsdp"))  # one rank per batch, my tp index (sp: all)
         rows = [j for j, r in enumerate(mesh.ranks("ep")) if r in batch_peers]
         total = recv[rows, 2:].sum(0) + (stats - stats.detach())   # ep-group order: the same bits everywhere
     if fake_splits.is_fake(recv):                                  # dry run: no values, the spread rule
@@ -104,8 +106,8 @@ def _spread_splits(mesh, spread: tuple[list, int]) -> tuple[list, list, int]:
     rows received from / sent to each expert rank and the slots received, for TP slices of
     ``spread[0]`` tokens and top-``spread[1]`` routing."""
     slices, k = spread
-    me, mine = mesh.rank_in("ep"), slices[mesh.rank_in("tp")]
-    out_s, slots = fake_splits.received([slices[r % mesh.tp] for r in range(mesh.ep)], k=k, me=me)
+    me, mine = mesh.rank_in("ep"), slices[mesh.rank_in("tp") % len(slices)]
+    out_s, slots = fake_splits.received([slices[r % len(slices)] for r in range(mesh.ep)], k=k, me=me)
     return out_s, [fake_splits.spread_rows(mine, k=k, ep=mesh.ep, dst=d) for d in range(mesh.ep)], slots
 
 
@@ -123,7 +125,7 @@ def _token_dispatch(x, weights, expert_ids, experts: LocalExperts, mesh, stats=N
     """This TP rank's slice of the tokens, once per (token, expert rank), with weights and ids."""
     T, D = x.shape
     ep_group, tp_group = mesh.group("ep"), mesh.group("tp")
-    ep, tp, me = mesh.ep, mesh.tp, mesh.rank_in("ep")
+    ep, tp, me = mesh.ep, 1 if mesh.sp else mesh.tp, mesh.rank_in("ep")   # sp: the tokens are this rank's own
     if ep > 1 and vmapping():       # every rank of the mesh is vmapping alike: all raise, none waits
         raise NotImplementedError(
             f"torch.func.vmap over fmoe.moe with expert parallelism (ep={ep}, impl 'all_to_all') is not "
@@ -133,7 +135,7 @@ def _token_dispatch(x, weights, expert_ids, experts: LocalExperts, mesh, stats=N
     e_local = experts.num_local
     # ---- this TP rank's disjoint slice of the rows
     sizes = [b - a for a, b in (tp_slice_bounds(T, tp, r) for r in range(tp))]
-    start, stop = tp_slice_bounds(T, tp, mesh.rank_in("tp"))
+    start, stop = tp_slice_bounds(T, tp, mesh.rank_in("tp") % tp)
     ids = expert_ids[start:stop]                                                # [Ts, K]
     Ts, K = ids.shape
     # ---- one row per token [x | K weights | K global ids], this TP rank's slice of them
@@ -166,6 +168,8 @@ def _token_combine(combined: torch.Tensor, d: Dispatch, mesh) -> torch.Tensor:
     st = d.state
     back = all_to_all(combined, st.in_s, st.out_s, mesh.group("ep"))            # [Pn, D]
     ys = back.new_zeros(st.Ts, combined.shape[1]).index_add(0, st.pair_tok, back)
+    if len(st.sizes) == 1:                                                       # sp: no tp slices
+        return ys
     return gather_slices(ys, mesh.group("tp"), dim=0, sizes=st.sizes)          # each rank keeps its slice's grad
 
 

@@ -1,8 +1,13 @@
 """Private helpers shared by the layer functions: which tensor-parallel group a parameter lives
-in, and how to cut this rank's part out of a replicated activation.
+in, how to cut this rank's part out of a replicated activation, and the sequence-parallel
+moves of an activation.
 
 A parameter's process groups come from the parameter itself (a DTensor knows its DeviceMesh),
-so layer functions never need a mesh argument: a plain tensor means "single process".
+so layer functions never need a mesh argument: a plain tensor means "single process". So does
+sequence parallelism: a leaf placed on a mesh with ``sp=True`` says so
+(:func:`fmoe.sharding.sequence_parallel`), and the activation it meets is then split over
+``tp`` on the sequence dim :data:`SEQ_DIM` (the dim before the features: ``S`` of
+``[B, S, D]``, ``T`` of the tokens ``[T, D]`` an MoE layer takes), in equal pieces.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ import torch.distributed as dist
 from einops import rearrange
 from torch.distributed.tensor import DTensor
 
-from ..collectives import group_size
-from ..sharding import chunk_range
+from ..collectives import all_gather, group_size, local_slice, reduce_scatter
+from ..sharding import chunk_range, sequence_parallel
 from ..transforms import peel
 
 
@@ -67,3 +72,33 @@ def tp_size_rank(t: torch.Tensor) -> tuple[Optional[dist.ProcessGroup], int, int
     """``(group, size, rank)`` of the tp group ``t`` lives on (``(None, 1, 0)`` when none)."""
     g = axis_group(t, "tp")
     return g, group_size(g), rank_of(g)
+
+
+#: The sequence dim of an activation ``[..., S, features]`` under sequence parallelism.
+SEQ_DIM = -2
+
+
+def sp_group(t: torch.Tensor) -> tuple[Optional[dist.ProcessGroup], int]:
+    """``(tp group, size)`` when ``t`` was placed on a sequence-parallel mesh, else ``(None, 1)``."""
+    if not sequence_parallel(t):
+        return None, 1
+    group, n, _ = tp_size_rank(t)
+    return (group, n) if n > 1 else (None, 1)
+
+
+def gather_seq(x: torch.Tensor, group: Optional[dist.ProcessGroup], n: int) -> torch.Tensor:
+    """The whole sequence ``[..., S, F]`` from each rank's piece ``[..., S / n, F]`` (all-gather);
+    backward: each rank's partial gradient summed and scattered back (reduce-scatter)."""
+    return all_gather(x, group, dim=SEQ_DIM, sizes=[x.shape[SEQ_DIM]] * n)
+
+
+def scatter_seq(y: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Partial sums ``[..., S, F]`` summed over the group, each rank keeping its piece
+    ``[..., S / n, F]`` (reduce-scatter); backward: the pieces' gradients all-gathered."""
+    return reduce_scatter(y, group, dim=SEQ_DIM)
+
+
+def own_seq(x: torch.Tensor, group: Optional[dist.ProcessGroup], n: int) -> torch.Tensor:
+    """This rank's piece ``[..., S / n, F]`` of a sequence replicated over the group; backward:
+    the pieces' gradients all-gathered, so every rank holds the full gradient."""
+    return local_slice(x, group, [x.shape[SEQ_DIM] // n] * n, dim=SEQ_DIM)

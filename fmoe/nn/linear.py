@@ -24,6 +24,16 @@ reduce-scattered back).
 ``embedding`` does the same for a lookup table ``[V, D]``: replicated, vocabulary-parallel
 ``P("tp", None)`` (each rank looks up the tokens in its row range, others give zeros, the
 partial lookups are all-reduced) or split on ``D`` (local lookup, features gathered).
+
+Sequence parallelism (a weight placed on ``fmoe.Mesh(tp=n, sp=True)``,
+:func:`fmoe.sharding.sequence_parallel`): between tensor-parallel layers the activations are
+split over tp on the sequence dim (``[..., S / n, F]``), so a colwise layer all-gathers its
+input along the sequence (backward: reduce-scatter, which also does the ``grad_sum``), a rowwise
+layer reduce-scatters its partial products along the sequence instead of all-reducing them, a
+replicated weight (and a rowwise layer's bias) works on this rank's piece of the sequence, so
+its gradient is marked ``Partial`` over tp, and the vocabulary-parallel embedding
+reduce-scatters its partial lookups along the sequence (a replicated or ``D``-split table keeps
+this rank's piece of its output). ``n`` must divide the sequence.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from ..collectives import all_reduce, grad_sum, gather_slices
 from ..fsdp import unshard
 from ..sharding import chunk_range, chunk_sizes, placement_of
 from ..transforms import data_checks_enabled
-from ._tp import check_tensor, own_part, tp_size_rank, unpack_gathered
+from ._tp import SEQ_DIM, check_tensor, gather_seq, own_part, own_seq, scatter_seq, sp_group, tp_size_rank, unpack_gathered
 
 __all__ = ["linear", "embedding"]
 
@@ -67,13 +77,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
     """``y = x @ w.T + b`` with the collectives that ``w``'s placement needs (see module doc).
 
     Args:
-        x: input ``[..., in]`` (or ``[..., in / tp]`` for a rowwise weight fed a local slice).
+        x: input ``[..., in]`` (or ``[..., in / tp]`` for a rowwise weight fed a local slice);
+            with sequence parallelism ``[..., S / tp, in]`` except for a rowwise weight.
         w: weight ``[out, in]``: plain tensor or DTensor from :func:`fmoe.shard`.
         b: optional bias ``[out]``.
         gather: for a colwise weight, gather the output to full width (True), keep the local
             slice (False), or do what the placement says (None: ``P(..., gather=True)``).
     Returns:
-        ``[..., out]``, or ``[..., out / tp]`` for a colwise weight that is not gathered.
+        ``[..., out]``, or ``[..., out / tp]`` for a colwise weight that is not gathered (with
+        sequence parallelism a colwise output has the whole sequence, a rowwise one ``S / tp``).
 
     Example:
         >>> linear(torch.ones(2, 3), torch.ones(4, 3), torch.zeros(4)).shape
@@ -88,19 +100,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
     p = placement_of(w)
     tp_dim = p.dim_of("tp")
     group, n, r = tp_size_rank(w)
-    wl = unshard(w, keep=("tp",))
+    sp = sp_group(w)[1] > 1                   # x (and a rowwise output) split over tp on the sequence
+    partial = ("tp",) if sp else ()           # a replicated weight on this rank's tokens only
+    wl = unshard(w, keep=("tp",), partial_grad=partial if tp_dim is None else ())
     if tp_dim is None or n == 1:
         if x.shape[-1] != wl.shape[1]:
             raise ValueError(f"linear: x has {x.shape[-1]} features but w {tuple(w.shape)} expects {wl.shape[1]}")
         if b is not None and placement_of(b).dim_of("tp") is not None and n > 1:
             raise ValueError(f"linear: b is split over tp ({placement_of(b)!r}) but w is not ({p!r})")
-        return F.linear(x, wl, None if b is None else unshard(b, keep=("tp",)))
+        return F.linear(x, wl, None if b is None else unshard(b, keep=("tp",), partial_grad=partial))
     if tp_dim == 0:  # colwise: [out/tp, in]
         if x.shape[-1] != wl.shape[1]:
             raise ValueError(f"linear: colwise w {tuple(w.shape)} needs the full input width "
                              f"{wl.shape[1]}, but x has {x.shape[-1]} features")
         bl = None if b is None else _colwise_bias(b, wl.shape[0], n, r, p.packed)
-        y = F.linear(grad_sum(x, group), wl, bl)
+        y = F.linear(gather_seq(x, group, n) if sp else grad_sum(x, group), wl, bl)
         if gather or (gather is None and p.gather):
             sizes = [y.shape[-1]] * n if p.packed > 1 else chunk_sizes(w.shape[0], n)  # uneven: torch.chunk
             y = gather_slices(y, group, dim=-1, sizes=sizes)
@@ -110,16 +124,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
     in_local = wl.shape[1]
     if x.shape[-1] == in_local:
         xl = x
-    elif x.shape[-1] == w.shape[1]:  # replicated input: own part; dx summed over tp in backward
+    elif x.shape[-1] == w.shape[1] and not sp:  # replicated input: own part; dx summed over tp in backward
         xl = own_part(grad_sum(x, group), n, r, p.packed)
     else:
         raise ValueError(f"linear: rowwise w {tuple(w.shape)} takes x with {in_local} (local slice) "
-                         f"or {w.shape[1]} (full) features, got {x.shape[-1]}")
-    y = all_reduce(F.linear(xl, wl), group)
+                         f"{'' if sp else f'or {w.shape[1]} (full) '}features, got {x.shape[-1]}"
+                         + (" (with sequence parallelism a rowwise layer takes a colwise layer's local features)"
+                            if sp else ""))
+    if sp and xl.shape[SEQ_DIM] % n:
+        raise ValueError(f"linear: sequence parallelism splits the sequence over tp={n}, but x has "
+                         f"{xl.shape[SEQ_DIM]} positions on dim {SEQ_DIM} (shape {tuple(x.shape)})")
+    y = scatter_seq(F.linear(xl, wl), group) if sp else all_reduce(F.linear(xl, wl), group)
     if b is not None:
         if placement_of(b).dim_of("tp") is not None:
             raise ValueError(f"linear: a rowwise layer's bias must be replicated over tp, got {placement_of(b)!r}")
-        y = y + unshard(b, keep=("tp",))
+        y = y + unshard(b, keep=("tp",), partial_grad=partial)
     return y
 
 
@@ -130,7 +149,8 @@ def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         tokens: integer ids ``[...]`` in ``[0, V)``.
         table: ``[V, D]``: plain, vocabulary-parallel ``P("tp", None)`` or ``P(None, "tp")``.
     Returns:
-        ``[..., D]``, identical on every rank of the tp group.
+        ``[..., D]``, identical on every rank of the tp group; with sequence parallelism this
+        rank's piece ``[..., S / tp, D]`` of the sequence (the last dim of ``tokens``).
 
     Example:
         >>> embedding(torch.tensor([[1, 0]]), torch.eye(3)).tolist()
@@ -146,13 +166,19 @@ def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
                          f"max {int(tokens.max())}")
     tp_dim = placement_of(table).dim_of("tp")
     group, n, r = tp_size_rank(table)
+    sp = sp_group(table)[1] > 1
+    if sp and (tokens.ndim < 1 or tokens.shape[-1] % n):
+        raise ValueError(f"embedding: sequence parallelism splits the sequence over tp={n}, so tp must divide "
+                         f"the sequence length, got tokens of shape {tuple(tokens.shape)}")
     tl = unshard(table, keep=("tp",))
     if tp_dim is None or n == 1:
-        return F.embedding(tokens, tl)
+        out = F.embedding(tokens, tl)
+        return own_seq(out, group, n) if sp else out
     if tp_dim == 1:  # features split: local lookup, gather the features
-        return gather_slices(F.embedding(tokens, tl), group, dim=-1, sizes=chunk_sizes(table.shape[1], n))
+        out = gather_slices(F.embedding(tokens, tl), group, dim=-1, sizes=chunk_sizes(table.shape[1], n))
+        return own_seq(out, group, n) if sp else out
     first, rows = chunk_range(vocab, n, r)  # vocabulary-parallel: rows [first, first + rows) (torch.chunk)
     local = tokens - first
     outside = (local < 0) | (local >= rows)
     out = F.embedding(local.masked_fill(outside, 0), tl).masked_fill(outside.unsqueeze(-1), 0.0)
-    return all_reduce(out, group)
+    return scatter_seq(out, group) if sp else all_reduce(out, group)

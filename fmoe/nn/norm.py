@@ -5,7 +5,10 @@ Both normalise in fp32 and scale by a learned weight, in exactly the order of tr
 
     y = w * (x * rsqrt(mean(x**2, -1) + eps))
 
-The weight is replicated over tp (its input is replicated too). A per-head norm (the q/k norms
+The weight is replicated over tp (its input is replicated too; with sequence parallelism, a
+weight placed on ``fmoe.Mesh(..., sp=True)``, the input is this rank's piece of the sequence,
+so ``rms_norm`` marks the weight's gradient ``Partial`` over tp: each rank saw other tokens).
+A per-head norm (the q/k norms
 of Qwen3 and friends) is the one subtle case: its weight ``[hd]`` is replicated, but when a plan
 shards attention heads over tp each rank normalises only its own heads, so its weight gradient
 is a *partial* sum over tp. ``head_rms_norm`` infers that from the number of heads it sees
@@ -21,7 +24,7 @@ import torch
 from ..precision import upcast
 from ..fsdp import unshard
 from ..sharding import placement_of
-from ._tp import check_tensor
+from ._tp import check_tensor, sp_group
 
 __all__ = ["rms_norm", "head_rms_norm"]
 
@@ -49,7 +52,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
     """RMS-normalise the last dim of ``x`` and scale by ``w``.
 
     Args:
-        x: ``[..., D]`` (replicated over tp).
+        x: ``[..., D]`` (replicated over tp; with sequence parallelism this rank's piece of the sequence).
         w: ``[D]``, replicated (or split over fsdp: gathered for the call).
         eps: added to the mean square.
     Returns:
@@ -60,7 +63,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
         tensor([[0.8485, 1.1314]])
     """
     _check("rms_norm", x, w, eps)
-    return _norm(x, unshard(w, keep=("tp",)), eps)
+    partial = ("tp",) if sp_group(w)[1] > 1 else ()   # sequence parallel: this rank's tokens only
+    return _norm(x, unshard(w, keep=("tp",), partial_grad=partial), eps)
 
 
 def head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, num_heads: int) -> torch.Tensor:

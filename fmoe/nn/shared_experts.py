@@ -11,7 +11,10 @@ models use (:func:`fmoe.nn.swiglu_mlp`), so the placements are the dense MLP's: 
 split over ``fsdp`` (gathered for the call, gradient reduce-scattered), or tensor-parallel with
 ``w_gate_up`` ``packed_colwise`` and ``w_down`` ``rowwise`` (partial outputs summed over ``tp``,
 the gradient of x summed over ``tp``). The gate is replicated. Every TP rank ends with the full
-output and the full-batch gradient of x, like the routed experts.
+output and the full-batch gradient of x, like the routed experts. With sequence parallelism
+(``fmoe.Mesh(..., sp=True)``) x is this rank's piece of the tokens, and so is the output; the
+linear layers gather and scatter the tokens (:mod:`fmoe.nn.linear`) and the gate's gradient is
+``Partial`` over tp.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from ..experts.activations import Activation, swiglu
 from ..fsdp import unshard
 from ..sharding import check_fused_gate_up, placement_of
+from ._tp import sp_group
 from .mlp import swiglu_mlp
 
 __all__ = ["shared_expert", "check_shared"]
@@ -81,5 +85,6 @@ def shared_expert(shared: dict, x: torch.Tensor, act: Activation = swiglu) -> to
     check_shared(shared, x.shape[-1], x.dtype)
     y = swiglu_mlp(x, shared["w_gate_up"], shared["w_down"], act=act)         # [T, D]; tp handled by linear
     if "gate" in shared:
-        y = torch.sigmoid(x @ unshard(shared["gate"], keep=()).t()) * y    # [T, 1] * [T, D]
+        partial = ("tp",) if sp_group(shared["gate"])[1] > 1 else ()   # sequence parallel: own tokens only
+        y = torch.sigmoid(x @ unshard(shared["gate"], keep=(), partial_grad=partial).t()) * y    # [T, 1] * [T, D]
     return y

@@ -66,10 +66,12 @@ class GlobalStat(NamedTuple):
 
 
 def _batch_groups(mesh, fsdp: bool = True) -> list:
-    """Groups whose reduction sums over the distinct batches (same tp index): fsdp, dp_replicate."""
-    if mesh is None or getattr(mesh, "num_batches", 1) == 1:
+    """Groups whose reduction sums over the distinct batches (same tp index): fsdp, dp_replicate;
+    and tp with sequence parallelism (each tp rank routes its own piece of the sequence)."""
+    sp = getattr(mesh, "sp", False)
+    if mesh is None or (getattr(mesh, "num_batches", 1) == 1 and not sp):
         return []
-    groups = [mesh.group("fsdp")] if fsdp else []
+    groups = ([mesh.group("fsdp")] + ([mesh.group("tp")] if sp else [])) if fsdp else []
     return [g for g in groups + [mesh.group("dp_replicate")] if group_size(g) > 1]
 
 

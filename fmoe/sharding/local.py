@@ -29,7 +29,7 @@ from ..mesh import DATA_AXES
 from ..transforms import apply, compiling, peel, without_jvp
 from .dtensor_rules import BATCHED_TANGENTS, NESTED, batched, check_levels
 from .dtensor_rules import install as _install_dtensor_rules
-from .shard import _GATHER_OUTPUT, _PACKED
+from .shard import _GATHER_OUTPUT, _PACKED, _SEQUENCE_PARALLEL
 
 _install_dtensor_rules()          # forward mode (jvp / jacfwd) over DTensor trees
 
@@ -80,7 +80,7 @@ def placed_like(local: torch.Tensor, ref: Any, spec: Optional[DTensorSpec] = Non
     else:
         out = DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
                                  shape=ref.shape, stride=ref.stride())
-    for attr in (_GATHER_OUTPUT, _PACKED):
+    for attr in (_GATHER_OUTPUT, _PACKED, _SEQUENCE_PARALLEL):
         if getattr(ref, attr, None):
             setattr(out, attr, getattr(ref, attr))
     return out

@@ -33,13 +33,19 @@ from ..transforms import compiling, peel
 from .placement import P, chunk_range
 from .plan import Plan, local_shape
 
-__all__ = ["shard", "gather", "placement_of", "local_shard", "dtensor_placements", "slice_for_rank", "rank_blocks",
-           "from_local_slice"]
+__all__ = ["shard", "gather", "placement_of", "sequence_parallel", "local_shard", "dtensor_placements", "slice_for_rank",
+           "rank_blocks", "from_local_slice"]
 
 #: The one layer option a DTensor spec cannot hold: ``P(..., gather=True)`` (a colwise layer
 #: gathers its output). Set by :func:`from_local_slice` / :func:`placed_like`, read by
 #: :func:`placement_of`; everything else about a placement is read from the DTensor's spec.
 _GATHER_OUTPUT = "_fmoe_gather_output"
+#: Sequence parallelism (``fmoe.Mesh(..., sp=True)``), a property of the mesh a leaf was placed
+#: on that the layer functions need but a DTensor spec cannot hold: set on every leaf by
+#: :func:`from_local_slice` when ``mesh.sp``, copied by :func:`placed_like`, read by
+#: :func:`sequence_parallel`. The layer functions without a mesh argument (``fmoe.nn``) learn
+#: sequence parallelism from it; ``fmoe.moe``, which takes the mesh, reads ``mesh.sp``.
+_SEQUENCE_PARALLEL = "_fmoe_sequence_parallel"
 #: A packed placement's part count, kept beside the spec's ``_StridedShard`` for
 #: :func:`placement_of` under ``torch.compile``: Dynamo cannot read ``_StridedShard.split_factor``
 #: (a C++ descriptor), so compiled code reads this attribute instead (eager reads the spec).
@@ -145,6 +151,8 @@ def from_local_slice(local: torch.Tensor, full_shape: Sequence[int], p: P, mesh:
         setattr(out, _GATHER_OUTPUT, True)
     if p.packed > 1:
         setattr(out, _PACKED, p.packed)
+    if mesh.sp:
+        setattr(out, _SEQUENCE_PARALLEL, True)
     return out
 
 
@@ -216,6 +224,18 @@ def local_shard(t: Any) -> torch.Tensor:
         tensor([1., 1.])
     """
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def sequence_parallel(t: Any) -> bool:
+    """Whether leaf ``t`` was placed on a sequence-parallel mesh (``fmoe.Mesh(tp=n, sp=True)``,
+    n > 1): the layer functions that use it then take and return activations split over ``tp``
+    on the sequence (the dim before the features; :mod:`fmoe.nn`). False for a plain tensor.
+
+    Example:
+        >>> sequence_parallel(torch.ones(2))
+        False
+    """
+    return bool(getattr(peel(t), _SEQUENCE_PARALLEL, False))
 
 
 def placement_of(t: Any) -> P:
