@@ -102,11 +102,12 @@ class _RecvForward(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         anchor, _, _, ctx.peer, ctx.tag, ctx.pipe = inputs
+        ctx.anchor = anchor.new_zeros(anchor.shape)
 
     @staticmethod
     def backward(ctx, dx):
         ctx.pipe.send(dx, ctx.peer, 2 * ctx.tag + 1)
-        return None, None, None, None, None, None
+        return ctx.anchor, None, None, None, None, None     # the (empty) anchor's gradient: reached
 
 
 def send_forward(y: torch.Tensor, peer: int, tag: int, pipe: Pipe) -> torch.Tensor:

@@ -125,9 +125,10 @@ def step_options(job: Any) -> dict:
     from ..routing.spec import from_spec
 
     return {"router": from_spec(job.router, "--router") if job.router else None, "dtype": job.dtype,
-            "remat": job.remat, "grad_accum": job.grad_accum * job.dp_batches,   # --dp-batches
+            "remat": job.remat, "pp_schedule": job.pp_schedule,     # --pp: the micro-batches are the accumulation
+            "grad_accum": (job.microbatches if job.pp > 1 else job.grad_accum) * job.dp_batches,   # --dp-batches
             "round_seed": job.seed if job.master_dtype == "bf16" else None, "donate": True,
-            "loss_chunks": job.loss_chunks, "compile": job.compile}
+            "loss_chunks": job.loss_chunks, "compile": job.compile, "optim_in_backward": job.optim_in_backward}
 
 
 def should_eval(job: Any, step: int) -> bool:

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from .. import tree as _tree
 from ..sharding import gather, local_shard
@@ -83,6 +82,8 @@ class StepConfig:
         loss_chunks: > 1 computes the loss by that many chunks of tokens, each recomputed in
             backward (:mod:`fmoe.nn.chunked_loss`): no whole fp32 ``[T, V]`` log-softmax.
         optim_in_backward: update each layer in backward once reduced (:mod:`fmoe.training.optim_backward`).
+        pp_schedule: with ``mesh.pp > 1``, the order of the ``grad_accum`` micro-batches' forwards
+            and backwards on each stage, ``"1f1b"`` or ``"gpipe"`` (:mod:`fmoe.training.pipeline`).
         compile: ``torch.compile`` the step's forward and backward (True: Inductor; or a backend
             name such as ``"aot_eager"``). On one process forward + loss compile as one graph
             (backward by AOTAutograd); on a multi-rank mesh each decoder layer is compiled once
@@ -104,6 +105,7 @@ class StepConfig:
     loss_chunks: int = 1
     compile: Union[bool, str] = False
     optim_in_backward: bool = False
+    pp_schedule: str = "1f1b"
 
     def __post_init__(self):
         dtype_of(self.dtype, "StepConfig.dtype")                # the compute dtype's name (fmoe.precision)
@@ -111,6 +113,8 @@ class StepConfig:
             raise ValueError(f"StepConfig.remat must be one of {_remat.POLICIES}, got {self.remat!r}")
         if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"StepConfig.grad_accum must be an int >= 1, got {self.grad_accum!r}")
+        if self.pp_schedule not in _pipeline.SCHEDULES:
+            raise ValueError(f"StepConfig.pp_schedule must be one of {_pipeline.SCHEDULES}, got {self.pp_schedule!r}")
         if self.bias_update not in ("sign", "proportional"):
             raise ValueError(f"StepConfig.bias_update must be 'sign' or 'proportional', got {self.bias_update!r}")
         for name in ("bias_rate", "global_balance"):
@@ -135,6 +139,47 @@ def _compiled(step_cfg: StepConfig, mesh: Mesh) -> tuple[Any, Any]:
     if mesh.world == 1:
         return torch.compile(forward_loss, backend=backend), contextlib.nullcontext()
     return forward_loss, _remat.compiled("layer", backend=backend)
+
+
+def _micro(model: Any, weights: Any, mt: torch.Tensor, my: torch.Tensor, cfg: Any, mesh: Mesh, step_cfg: StepConfig,
+           fwd_loss: Any, counts: Any, hidden: Optional[torch.Tensor] = None,
+           last: bool = True) -> _pipeline.StageOut:
+    """One micro-batch's forward: its objective (the LM loss on the last stage, plus
+    ``mesh.num_batches`` times its layers' aux losses, over ``grad_accum``) and its record
+    ``(loss, aux losses, per-layer loads, router statistics, aux)``, detached; before the last
+    pipeline stage the output for the next stage instead of the loss."""
+    n = step_cfg.grad_accum
+    out, aux = fwd_loss(model, weights, mt, my if last else None, cfg, mesh, step_cfg, hidden)
+    aux_total, aux_named = _router_aux.losses(aux)      # the routers' Loss entries
+    total = out if last else None
+    if aux_total is not None:
+        total = mesh.num_batches * aux_total if total is None else total + mesh.num_batches * aux_total
+    total = total / n if n > 1 and total is not None else total
+    if step_cfg.global_balance:                     # this micro-batch's share of the step's loss
+        share = _global_balance.share_of(aux, *counts, step_cfg.global_balance)
+        aux_named["global_balance_loss"] = share * n      # averaged over micro-batches by the caller
+        total = total + mesh.num_batches * share
+    layers = [{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in layer.items()}
+              for layer in aux.get("moe", [])]
+    record = (out.detach() if last else None, {k: v.detach() for k, v in aux_named.items()},
+              [layer["load"] for layer in layers if "load" in layer], _router_aux.stats(aux), {"moe": layers})
+    return _pipeline.StageOut(None if last else out, total, record)
+
+
+def _pipelined(micro: Any, leaves: list, tokens: torch.Tensor, mesh: Mesh, step_cfg: StepConfig, cfg: Any,
+               flat: dict) -> tuple:
+    """This stage's part of the step's micro-batches (:func:`fmoe.training.pipeline.run_schedule`):
+    ``(summed gradients, records, timeline)``."""
+    if step_cfg.global_balance or step_cfg.optim_in_backward:
+        raise ValueError("train_step: pipeline parallelism (mesh.pp > 1) runs without StepConfig.global_balance "
+                         "and optim_in_backward")
+    n = step_cfg.grad_accum
+    seq = tokens.shape[1] // mesh.tp if mesh.sp else tokens.shape[1]          # sp: the stream's sequence shard
+    dtype = (dtype_of(step_cfg.dtype) if dtype_of(step_cfg.dtype) != torch.float32 else
+             next(t.dtype for p, t in flat.items() if t.is_floating_point() and not p.endswith("expert_bias")))
+    last = mesh.stage == mesh.pp - 1
+    return _pipeline.run_schedule(lambda m, hidden: micro(m, hidden, last), leaves, n, mesh, step_cfg.pp_schedule,
+                                  (tokens.shape[0] // n, seq, cfg.hidden_size), dtype)
 
 
 def _unflatten_new(new: dict, old: dict, tree: Any) -> Any:
@@ -189,36 +234,41 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     run = lambda mt: forward_with_aux(model, weights, mt, cfg, mesh, step_cfg.impl, step_cfg.router)  # noqa: E731
     fwd_loss, region = _compiled(step_cfg, mesh)
     oib = InBackward(flat, train_paths, opt_state, mesh, step_cfg, lr, world_mean) if step_cfg.optim_in_backward else None
+    counts = None
     if step_cfg.global_balance:                     # the step's frequencies first (global_balance)
         with _remat.policy(step_cfg.remat):
             counts = _global_balance.step_counts(run, tokens.chunk(n_micro))
-    for mt, my in zip(tokens.chunk(n_micro), targets.chunk(n_micro)):
+    chunks = list(zip(tokens.chunk(n_micro), targets.chunk(n_micro)))
+    micro = lambda m, hidden=None, last=True: _micro(  # noqa: E731
+        model, weights, *chunks[m], cfg, mesh, step_cfg, fwd_loss, counts, hidden, last)
+    records, leaves = [], [flat[p] for p in train_paths]
+    if mesh.pp > 1:                                 # this rank's stage of a pipeline (fmoe.training.pipeline)
         with regather_in_backward(), _remat.policy(step_cfg.remat), region:
-            loss, aux = fwd_loss(model, weights, mt, my, cfg, mesh, step_cfg)
-            aux_total, aux_named = _router_aux.losses(aux)      # the routers' Loss entries
-            total = loss if aux_total is None else loss + mesh.num_batches * aux_total
-            total = total / n_micro if n_micro > 1 else total
-            if step_cfg.global_balance:             # this micro-batch's share of the step's loss
-                share = _global_balance.share_of(aux, *counts, step_cfg.global_balance)
-                aux_named["global_balance_loss"] = share * n_micro      # averaged over micro-batches below
-                total = total + mesh.num_batches * share
-            grads = oib.backward(total, losses + [loss]) if oib else torch.autograd.grad(total, [flat[p] for p in train_paths])
+            acc, records, _ = _pipelined(micro, leaves, tokens, mesh, step_cfg, cfg, flat)
+    for m in range(0 if mesh.pp > 1 else n_micro):
+        with regather_in_backward(), _remat.policy(step_cfg.remat), region:
+            res = micro(m)
+            grads = oib.backward(res.objective, losses + [res.record[0]]) if oib else torch.autograd.grad(
+                res.objective, leaves)
         if acc is None:
             acc = list(grads)
         else:
             for a, g in zip(acc, grads):                 # in place on the local shards
                 local_shard(a).add_(local_shard(g))
-        losses.append(loss.detach())
+        losses.append(res.record[0])
+        records.append(res.record)
+        del grads, res
+    losses = [r[0] for r in records if r[0] is not None]
+    for _, aux_named, layer_loads, stats_m, aux in records:
         for k, v in aux_named.items():
-            aux_sums[k] = aux_sums.get(k, 0.0) + v.detach() / n_micro
-        layer_loads = [layer["load"] for layer in aux.get("moe", []) if "load" in layer]
+            aux_sums[k] = aux_sums.get(k, 0.0) + v / n_micro
         loads = layer_loads if loads is None else [a + b for a, b in zip(loads, layer_loads)]
-        router_stats.append(_router_aux.stats(aux))      # the routers' statistics (drop_rate, ...)
-        del grads
-    weights = run = None                           # the compute copies are freed before the update
-    loss = torch.stack(losses).mean()
+        router_stats.append(stats_m)                 # the routers' statistics (drop_rate, ...)
+    weights = run = micro = None                   # the compute copies are freed before the update
+    loss = torch.stack(losses).mean() if losses else torch.zeros(())    # pp: the last stage's loss
+
     grads = None if oib else reduce_flat(dict(zip(train_paths, acc)), flat, mesh, inplace=True)
-    flat, opt_state, stats, mean_loss = oib.result() if oib else (flat, opt_state, None, world_mean(loss))
+    flat, opt_state, stats, mean_loss = oib.result() if oib else (flat, opt_state, None, world_mean(loss, mesh))
     if stats is None and bool(torch.isfinite(mean_loss)):      # a non-finite loss or grad norm: no update at all
         rounding = None if step_cfg.round_seed is None else round_generator(   # bf16 weights: stochastic
             step_cfg.round_seed, int(opt_state["step"]) + 1, mesh.rank, tokens.device)
@@ -243,9 +293,12 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     metrics = {"loss": float(mean_loss), "grad_norm": float(stats["grad_norm"]), "lr": lr,
                "tokens": n_tokens, "step_time": dt, "tokens_per_s": n_tokens / dt,
                "skipped": bool(stats.get("skipped", False))}
-    metrics.update({k: float(world_mean(v)) for k, v in aux_sums.items()})
-    metrics.update(_router_aux.step_metrics(aux, loads, router_stats, n_micro, taken=metrics))   # collective
+    metrics.update(_pipeline.sum_stages(aux_sums, mesh) if mesh.pp > 1 else
+                   {k: float(world_mean(v)) for k, v in aux_sums.items()})
+    routing = _router_aux.step_metrics(aux, loads, router_stats, n_micro, taken=metrics,   # collective
+                                       group=mesh.stage_group)
     if biased:
         full = gather({p: flat[p + ".expert_bias"].detach() for p in biased})     # fsdp-split biases
-        metrics["expert_bias_absmax"] = [float(full[p].abs().max()) for p in biased]
+        routing["expert_bias_absmax"] = [float(full[p].abs().max()) for p in biased]
+    metrics.update(_pipeline.join_stages(routing, mesh))        # pp: every stage's layers, in order
     return params, opt_state, metrics
