@@ -6,7 +6,9 @@
   ``params`` and ``optimizer`` are the trees handed to the step (tagged before it runs),
   ``grads`` every parameter's gradient as autograd produces it (a hook per leaf),
   ``activations`` what the forward allocates and ``temporaries`` everything allocated in
-  backward (recomputation included) or after it (gradient reduction, optimizer math).
+  backward (recomputation included) or after it (gradient reduction, optimizer math);
+  ``max_grads_bytes``, the most gradient bytes alive at any moment of the step (what
+  ``--optim-in-backward`` lowers).
 - :class:`CollectiveBytes`: bytes handed to each collective (the input tensors of every
   ``c10d`` op), per op name.
 - :class:`HostReads`: the fake-mode rule for a host read (``int(t)``, ``bool(t)``, ``float(t)``
@@ -70,6 +72,15 @@ class StepTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._mod_tracker = _Phases()
+        self.max_grads_bytes = 0        # the most gradient bytes alive at once (not only at the peak)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        self._note_grads()
+
+    def _note_grads(self) -> None:
+        live = sum(int(snap.get(_MemRefType.GRAD, 0)) for snap in self._curr_mem_snap.values())
+        self.max_grads_bytes = max(self.max_grads_bytes, live)
 
     _REF = {"params": _MemRefType.PARAM, "optimizer": _MemRefType.OPT, "grads": _MemRefType.GRAD}
 
@@ -96,6 +107,7 @@ class StepTracker(MemTracker):
 
     def _grad_hook(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+        self._note_grads()
 
     def peak(self) -> dict:
         """``{"peak_bytes", "<category>_bytes"...}`` at the moment of the peak (one device)."""

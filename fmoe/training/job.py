@@ -137,8 +137,8 @@ class JobConfig:
     warmup: Optional[int] = _f("optimization", ("int", 0, None), "warmup steps (default: 5)", metavar="N")
     weight_decay: Optional[float] = _f("optimization", ("float", 0.0, False), "AdamW decoupled weight decay "
                                        "(default: 0.1)", metavar="X")
-    clip: Optional[float] = _f("optimization", ("float", 0.0, True), "global gradient-norm clip (default: 1.0)",
-                               metavar="X")
+    clip: Optional[float] = _f("optimization", ("float", 0.0, False), "global gradient-norm clip (default: 1.0; 0: "
+                               "no clipping)", metavar="X")
     skip_nonfinite: int = _f("optimization", ("int", 0, None), "skip up to N steps whose loss or gradient norm is "
                              "NaN/Inf (no update); one more stops the job. 0: the first one stops the job", 0, "N")
     grad_accum: Optional[int] = _f("optimization", ("int", 1, None), "micro-batches per step (each --batch rows) "

@@ -147,7 +147,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     if job.resume_path:
         start = ckpt.load(job.resume_path, params, opt_state, packed, progress=rank == 0 and not job.quiet)["step"]
     step_cfg = job.step_config or StepConfig(   # fmoe.training.run(cfg, step_config=...) replaces it
-        opt=AdamWConfig(weight_decay=job.weight_decay, max_grad_norm=job.clip),
+        opt=AdamWConfig(weight_decay=job.weight_decay, max_grad_norm=job.clip or None),
         impl=job.impl, **balancing.step_options(job, cfg, options.step_options(job), model))
     step_cfg, write_record = balancing.with_recording(job, step_cfg, rank)     # --record-routing
     rank0 = rank == 0

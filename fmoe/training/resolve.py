@@ -184,6 +184,16 @@ def _check_resume(job: Job, path: str, meta: dict) -> None:
 def _check_parallel_options(job: Job) -> None:
     """``--sp``, ``--pp``, ``--microbatches``, ``--pp-schedule`` and ``--optim-in-backward`` against
     the other flags (the layer count is :func:`_check_stages`')."""
+    if job.optim_in_backward:
+        from .optim_backward import check
+
+        if job.pp > 1:
+            _error(f"--optim-in-backward with --pp {job.pp}: the pipeline's stages run several micro-batches' "
+                   "backward before their one update, which the in-backward update does not schedule; drop one of them")
+        try:
+            check(job.grad_accum * job.dp_batches, job.clip or None)
+        except ValueError as e:
+            _error(str(e))
     if job.sp and job.tp == 1:
         _error("--sp (sequence parallelism) splits the sequence over the tensor-parallel ranks; it needs --tp > 1, "
                "got --tp 1")
