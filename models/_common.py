@@ -4,23 +4,21 @@ plan and its checkpoint name map (read by :mod:`._hf`).
 
 Every model here is the same pre-norm decoder; each model's ``forward`` spells it::
 
-    x, ctx, out = start(params, tokens, cfg, mesh, ...)  # checks; x = embed(tokens) [B, S, D]; rope, cache step
-    for i, layer in enumerate(params["layers"]):         # block: FSDP-gathered inside (remat kind "layer")
+    x, ctx, out = start(params, tokens, cfg, mesh, ...)  # checks; x = embed(tokens) [B, S, D] (or hidden=)
+    for i, layer in out.layers(params["layers"]):       # all (a pipeline stage: its own); remat kind "layer"
         x = out.keep(*remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
-            # block: h = x + attention(attn_norm(x)); x = h + (moe or mlp)(mlp_norm(h))
+            # block (FSDP-gathered inside): h = x + attention(attn_norm(x)); x = h + (moe or mlp)(mlp_norm(h))
+    if out.hands_on(params): return out.result(x, ...)  # a pipeline stage before the last hands x on
     logits = lm_head(norm(x))                            # [B, S, V], full on every rank
     return out.result(logits, return_aux)                # (logits, cache, aux) as asked
 
 A model's ``attention(a, x, i, ctx, entry) -> (y, entry)`` reads what the call shares from a
-:class:`Context` (config, rotary tables, cache step; mesh, implementation, router and expert
-activation for :func:`moe`), so ``mesh`` travels in one object, not through every function.
-
-Around it: the config checks read from the field annotations (:func:`check_config`; the
-``Config`` base class, presets and ``config.json`` are :class:`fmoe.models._hf.ModelConfig`), parameters from
-one shape table (:func:`decoder_shapes`, :func:`init_params`), the KV cache and the router-loss
-switch (:func:`with_aux_loss`). ``load_hf``, ``save_hf``, ``shard``, ``check_plan`` (and a
-default ``init_cache``) are :class:`fmoe.model.Model` methods, which a model module offers through
-its PEP 562 ``__getattr__`` (:meth:`fmoe.model.Model.attribute`).
+:class:`Context` (config, rotary tables, cache step; mesh, impl, router, expert activation), so
+``mesh`` travels in one object. Around it: config checks from the field annotations
+(:func:`check_config`; the ``Config`` base, presets, ``config.json``: :class:`fmoe.models._hf.ModelConfig`),
+parameters from one shape table (:func:`decoder_shapes`, :func:`init_params`), the KV cache, the
+router-loss switch (:func:`with_aux_loss`); ``load_hf``, ``save_hf``, ``shard``, ``check_plan``, a
+default ``init_cache`` are :class:`fmoe.model.Model` methods (:meth:`fmoe.model.Model.attribute`).
 """
 
 from __future__ import annotations
@@ -173,8 +171,7 @@ class Context:
     compiled once by ``fmoe.nn.remat.compiled`` serves them all).
 
     Attributes:
-        cfg: the config.
-        cos, sin: rotary tables of the new tokens' positions.
+        cfg, cos, sin: the config; rotary tables of the new tokens' positions.
         step: the cache step (:class:`fmoe.nn.cache.Step`: start slot, key mask).
         mesh, impl, router, act: passed to every ``fmoe.moe`` block (:func:`moe`).
     """
@@ -191,8 +188,7 @@ class Context:
 
 @dataclass
 class Outputs:
-    """What the layers of one forward call return, kept outside their remat blocks: per layer its
-    MoE block's aux (None for a dense layer) and its cache entry."""
+    """What one forward's layers return, kept outside their remat blocks: per layer aux and cache entry."""
 
     cache: Optional[dict]
     step: nn.cache.Step
@@ -200,15 +196,13 @@ class Outputs:
     entries: list = field(default_factory=list)
 
     @staticmethod
-    def layers(params: dict) -> list[tuple[int, dict]]:
-        """``(i, layer)`` of every layer ``params`` holds: all of them, or on a pipeline stage its
-        own block (the other layers are None in its tree; :mod:`fmoe.training.pipeline`)."""
-        return [(i, layer) for i, layer in enumerate(params["layers"]) if layer is not None]
+    def layers(layers: list) -> list[tuple[int, dict]]:
+        """``(i, layer)`` of the layers a tree holds (a pipeline stage's: the others are None)."""
+        return [(i, layer) for i, layer in enumerate(layers) if layer is not None]
 
     @staticmethod
     def hands_on(params: dict) -> bool:
-        """Whether ``params`` are a pipeline stage before the last (no final ``norm``): its forward
-        returns the residual stream ``x [B, S, D]`` for the next stage instead of logits."""
+        """``params`` are a pipeline stage before the last (no final ``norm``): it returns ``x``."""
         return "norm" not in params
 
     def entry(self, i: int) -> Optional[dict]:
@@ -230,27 +224,23 @@ class Outputs:
 
 def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh] = None,
           cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None, *, rope_dim: Optional[int] = None,
-          impl: str = "auto", router: Any = None, act: Activation = swiglu,
-          hidden: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Context, Outputs]:
-    """A forward call's start: the checks, ``x = embed(tokens)`` (or ``hidden``), the
-    :class:`Context` its layers share and the :class:`Outputs` they return into.
+          impl: str = "auto", router: Any = None, act: Activation = swiglu, hidden: Optional[torch.Tensor] = None,
+          ) -> tuple[torch.Tensor, Context, Outputs]:
+    """A forward call's start: checks, ``x = embed(tokens)`` (or ``hidden``), the :class:`Context` and :class:`Outputs`.
 
     Args:
         params: tree from the model's ``init`` / ``load_hf`` (plain, or sharded by a plan).
         tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
         cfg: the model's config.
-        mesh: the :class:`fmoe.Mesh` the params are sharded on (required when experts are on ep;
-            dense layers read their placements from the parameters).
+        mesh: the :class:`fmoe.Mesh` of the params (needed for experts on ep; placements travel with them).
         cache: a cache from the model's ``init_cache`` to decode with (:mod:`fmoe.nn.cache`).
-        positions: ``[S]`` or ``[B, S]`` rotary positions of the tokens, ``-1`` for left padding;
-            default: right after the cached tokens.
+        positions: ``[S]`` / ``[B, S]`` rotary positions, ``-1`` for left padding (default: after the cache).
         rope_dim: rotary features (default ``cfg.head_dim``).
         impl: expert-parallel implementation of every ``fmoe.moe`` (``"auto"``, ``"all_to_all"``, ...).
         router: the router of every MoE block (any ``fmoe.routing`` router or ``router(logits) -> Routing``).
         act: the experts' activation.
-        hidden: a pipeline stage's input ``[B, S, D]`` (the previous stage's output), which
-            replaces the embedding: the stage's ``params`` hold no ``embed``
-            (:mod:`fmoe.training.pipeline`); ``tokens`` still give the positions.
+        hidden: a pipeline stage's input ``[B, S, D]`` instead of the embedding (its ``params``
+            hold no ``embed``; :mod:`fmoe.training.pipeline`); ``tokens`` give the positions.
     Returns:
         ``(x [B, S, D], ctx, out)``.
 
@@ -264,15 +254,14 @@ def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[fmoe.Mesh
         raise ValueError(f"forward: tokens must be a non-empty [B, S] integer tensor, got "
                          f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
     if mesh is None and any(fmoe.placement_of(layer["moe"]["w_gate_up"]).dim_of("ep") is not None
-                            for _, layer in Outputs.layers(params) if "moe" in layer):
+                            for _, layer in Outputs.layers(params["layers"]) if "moe" in layer):
         raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
     fmoe.transforms.refuse_compiled_transform(mesh)
     inv_freq, scaling = rope(cfg, rope_dim)
     step = nn.cache.begin(tokens, cache, positions)
-    if (hidden is None) != ("embed" in params):
-        raise ValueError("forward: hidden= (the previous pipeline stage's output) is the input of a stage whose "
-                         f"params hold no embed, and only of one; got embed: {'embed' in params}, hidden: "
-                         f"{None if hidden is None else tuple(hidden.shape)}")
+    if (hidden is None) != ("embed" in params):     # a pipeline stage: hidden= exactly when no embed
+        raise ValueError(f"forward: hidden= is the input of a pipeline stage whose params hold no embed, and only "
+                         f"of one; got embed: {'embed' in params}, hidden: {hidden is not None}")
     x = nn.embedding(tokens, params["embed"]) if hidden is None else hidden  # [B, S, D]
     cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, x.dtype)
     return x, Context(cfg, cos, sin, step, mesh, impl, router, act), Outputs(cache, step)

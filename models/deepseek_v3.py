@@ -200,16 +200,15 @@ def default_router(cfg: Config, biased: bool = True):
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
-            impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
-            cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None,
-            hidden: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
+            impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None, cache: Optional[dict] = None,
+            positions: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
     with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
     ``return_aux``. ``router`` replaces the ``noaux_tc`` router of every MoE layer (it receives
     ``expert_bias``); the other arguments as :func:`fmoe.models._common.start` takes them."""
     x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, rope_dim=cfg.qk_rope_head_dim, impl=impl,
                            router=router or default_router(cfg), hidden=hidden)  # x: [B, S, D]
-    for i, layer in out.layers(params):  # every layer (a pipeline stage: its own)
+    for i, layer in out.layers(params["layers"]):  # all (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
         return out.result(x, return_aux)

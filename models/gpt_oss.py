@@ -1,12 +1,10 @@
 """gpt-oss: attention sinks, biases everywhere and clamped-SwiGLU experts, as pure functions.
 
-Numerics follow transformers' ``GptOssForCausalLM`` op for op: q/k/v/o projections with biases,
-YaRN RoPE, one learned sink logit per query head in the softmax denominator, sliding-window and
-full attention alternating by ``layer_types``, a router with a bias doing top-k on the logits
-then softmax over the k kept, experts with biases and the clamped SwiGLU ``(clamp(up) + 1) *
-gate * sigmoid(alpha * gate)`` (gate clamped above at ``limit``). Shapes: B batch, S tokens,
-D hidden, H query heads, G KV heads, hd head dim, E experts, I expert hidden, V vocab. MXFP4
-checkpoints (``*_blocks`` / ``*_scales`` keys) must be dequantized first.
+As transformers' ``GptOssForCausalLM`` op for op: q/k/v/o with biases, YaRN RoPE, a learned sink
+logit per query head in the softmax denominator, sliding-window / full attention by ``layer_types``,
+a biased router (top-k on the logits, softmax over the k), experts with biases and the clamped
+SwiGLU ``(clamp(up) + 1) * gate * sigmoid(alpha * gate)`` (gate clamped above at ``limit``). Shapes:
+B, S, D, H / G heads, hd, E, I, V (MXFP4 ``*_blocks`` / ``*_scales`` keys: dequantize first).
 """
 
 from __future__ import annotations
@@ -142,10 +140,9 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
             impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
             cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None,
             hidden: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
-    """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
-    with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
-    ``return_aux``. ``router`` replaces the top-k-then-softmax router of every MoE layer; the
-    other arguments as :func:`fmoe.models._common.start` takes them.
+    """Logits ``[B, S, V]``, full on every rank (``(logits, cache)`` with a ``cache``; ``{"moe": [aux
+    of each MoE layer]}`` last with ``return_aux``); ``router`` replaces every MoE layer's top-k
+    then softmax; the other arguments as :func:`fmoe.models._common.start` takes them.
 
     Example:
         >>> cfg = Config.tiny()
@@ -155,8 +152,8 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     router = _common.with_aux_loss(router or default_router(cfg), cfg)
     act = fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
     x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, act=act,
-                                hidden=hidden)  # x: [B, S, D]
-    for i, layer in out.layers(params):  # every layer (a pipeline stage: its own)
+                                hidden=hidden)
+    for i, layer in out.layers(params["layers"]):  # x: [B, S, D]; all layers (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
         return out.result(x, return_aux)

@@ -125,7 +125,7 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         torch.Size([2, 5, 128])
     """
     x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, hidden=hidden)  # [B, S, D]
-    for i, layer in out.layers(params):  # every layer (a pipeline stage: its own)
+    for i, layer in out.layers(params["layers"]):  # all (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
         return out.result(x)

@@ -3,9 +3,9 @@
 Numerics follow transformers' ``Qwen3MoeForCausalLM`` op for op: per-head RMSNorm on q and k
 before RoPE, no attention bias, softmax-top-k routing (renormalised when ``norm_topk_prob``),
 SwiGLU experts; layers in ``mlp_only_layers`` or skipped by ``decoder_sparse_step`` are dense
-SwiGLU MLPs. Shapes: B batch, S tokens, D hidden, H query heads, G KV heads, hd head dim,
-E experts, I expert hidden, Id dense hidden, V vocab. Parallelism lives in :func:`plan` alone:
-the same :func:`forward` runs on one process or many and returns the full logits on every rank.
+SwiGLU MLPs. Shapes: B batch, S tokens, D hidden, H query / G KV heads, hd head dim, E experts,
+I expert / Id dense hidden, V vocab. Parallelism lives in :func:`plan` alone: the same forward
+runs on one process or many.
 """
 
 from __future__ import annotations
@@ -140,10 +140,9 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
             impl: str = "auto", return_aux: bool = False, router: Optional[Any] = None,
             cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None,
             hidden: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
-    """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
-    with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
-    ``return_aux``. ``router`` replaces the softmax top-k router of every MoE layer; the other
-    arguments as :func:`fmoe.models._common.start` takes them.
+    """Logits ``[B, S, V]``, full on every rank (``(logits, cache)`` with a ``cache``; ``{"moe": [aux
+    of each MoE layer]}`` last with ``return_aux``); ``router`` replaces every MoE layer's softmax
+    top-k; the other arguments as :func:`fmoe.models._common.start` takes them.
 
     Example:
         >>> cfg = Config.tiny()
@@ -151,9 +150,8 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         torch.Size([2, 5, 128])
     """
     router = _common.with_aux_loss(router or default_router(cfg), cfg)
-    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router,
-                                hidden=hidden)  # [B, S, D]
-    for i, layer in out.layers(params):  # every layer (a pipeline stage: its own)
+    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, hidden=hidden)
+    for i, layer in out.layers(params["layers"]):  # x: [B, S, D]; all layers (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
         return out.result(x, return_aux)
@@ -162,9 +160,8 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
 
 
 def plan(cfg: Config) -> Plan:
-    """Default plan (non-strict; unnamed leaves replicated): q/k/v colwise, o rowwise, q/k norms
-    replicated, experts on ``ep``, router replicated, dense MLPs packed colwise / rowwise,
-    embedding vocab-parallel, lm_head colwise with gathered output.
+    """Default plan (non-strict; others replicated): q/k/v colwise, o rowwise, experts on ``ep``,
+    dense MLPs packed colwise / rowwise, embedding vocab-parallel, lm_head colwise gathered.
 
     Example:
         >>> plan(Config.tiny()).match("layers.1.moe.w_down")

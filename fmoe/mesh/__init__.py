@@ -35,222 +35,13 @@ tensor-parallel blocks the residual stream is split over ``tp`` on the sequence 
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
+from .layout import AXES, DATA_AXES, DENSE_AXES, EXPERT_AXES, Layout, RankLayout, check_layout, rank_coords
+
 __all__ = ["Mesh", "RankLayout", "Layout", "check_layout", "rank_coords", "DENSE_AXES", "EXPERT_AXES", "AXES", "DATA_AXES"]
-
-DENSE_AXES = ("dp_replicate", "fsdp", "tp")
-EXPERT_AXES = ("dp_replicate", "efsdp", "ep")
-AXES = ("dp_replicate", "fsdp", "tp", "efsdp", "ep", "pp")
-DATA_AXES = ("fsdp", "dp_replicate", "efsdp")   # axes whose ranks hold different batches
-
-
-def rank_coords(rank: int, *, tp: int, fsdp: int, dp_replicate: int, ep: int, pp: int = 1) -> dict[str, int]:
-    """The coordinates of global ``rank`` on every axis of both meshes: the one rank layout
-    (``pp`` outermost; inside a stage dense ``(dp_replicate, fsdp, tp)`` and expert
-    ``(dp_replicate, efsdp, ep)``, tp fastest).
-
-    Example:
-        >>> rank_coords(5, tp=2, fsdp=2, dp_replicate=2, ep=4)
-        {'tp': 1, 'fsdp': 0, 'dp_replicate': 1, 'ep': 1, 'efsdp': 0, 'pp': 0}
-        >>> rank_coords(5, tp=2, fsdp=2, dp_replicate=1, ep=2, pp=2)["pp"]
-        1
-    """
-    efsdp, stage = fsdp * tp // ep, dp_replicate * fsdp * tp
-    local = rank % stage
-    return {"tp": local % tp, "fsdp": (local // tp) % fsdp, "dp_replicate": local // (tp * fsdp),
-            "ep": local % ep, "efsdp": (local // ep) % efsdp, "pp": rank // stage}
-
-
-class Layout(NamedTuple):
-    """The sizes of one valid rank layout (see :func:`check_layout`)."""
-
-    world: int
-    tp: int
-    ep: int
-    fsdp: int
-    dp_replicate: int
-    pp: int = 1
-
-    @property
-    def efsdp(self) -> int:
-        """Copies of one full expert set: ``fsdp * tp / ep``."""
-        return self.fsdp * self.tp // self.ep
-
-
-#: How :func:`check_layout` names each field in its errors unless told otherwise.
-FIELD_NAMES = {"world": "world_size", "tp": "tp", "ep": "ep", "fsdp": "fsdp", "dp_replicate": "dp_replicate",
-               "pp": "pp"}
-
-
-def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Optional[int] = None,
-                 dp_replicate: int = 1, pp: int = 1, names: Optional[Mapping[str, str]] = None) -> Layout:
-    """The layout rules of a mesh over ``world`` ranks, checked without any process: every size
-    an int >= 1, ``world = pp * dp_replicate * fsdp * tp``, ``ep`` a multiple of ``tp`` dividing
-    ``fsdp * tp``. :class:`Mesh` checks with it, and so does a program before it starts ranks.
-
-    Args:
-        world: number of ranks.
-        tp, ep, fsdp, dp_replicate, pp: the sizes (``ep`` default ``tp``; ``fsdp`` default
-            ``world // (pp * tp * dp_replicate)``).
-        names: how the caller's user spells a field in errors, e.g. ``{"world": "--nproc",
-            "tp": "--tp"}`` (default :data:`FIELD_NAMES`); a flag is quoted as ``--tp 2``, a keyword
-            as ``tp=2``.
-    Returns:
-        the checked :class:`Layout`.
-    Raises:
-        TypeError: a size that is not an int.
-        ValueError: a size below 1 or a rule broken, naming the field, its value and what is valid.
-
-    Example:
-        >>> check_layout(8, tp=2, ep=4)
-        Layout(world=8, tp=2, ep=4, fsdp=4, dp_replicate=1, pp=1)
-        >>> check_layout(8, tp=2, ep=3)
-        Traceback (most recent call last):
-        ...
-        ValueError: ep=3 must be a multiple of tp=2 (a tensor-parallel group never straddles two expert groups); valid ep: 2, 4, 8
-    """
-    name = {**FIELD_NAMES, **(names or {})}
-
-    def said(field: str, value: int) -> str:
-        return f"{name[field]} {value}" if name[field].startswith("-") else f"{name[field]}={value}"
-
-    ep = tp if ep is None else ep
-    sizes = [("world", world), ("tp", tp), ("ep", ep), ("dp_replicate", dp_replicate), ("pp", pp)]
-    for field, value in sizes + ([] if fsdp is None else [("fsdp", fsdp)]):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name[field]} must be an int >= 1, got {value!r} ({type(value).__name__})")
-        if value < 1:
-            raise ValueError(f"{name[field]} must be >= 1, got {said(field, value)}")
-    if pp > 1 and world % pp:
-        raise ValueError(f"{said('world', world)} must be divisible by {said('pp', pp)} (pipeline stages of equal "
-                         f"size); valid {name['pp']}: {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}")
-    whole, world = world, world // pp           # the rest of the rules hold inside one stage
-    if pp > 1:                                  # errors below speak of one stage's ranks
-        name = {**name, "world": f"{name['world']} / {name['pp']}"}
-    if fsdp is None:
-        if world % (tp * dp_replicate):
-            raise ValueError(
-                f"{said('world', world)} must be divisible by {name['tp']} * {name['dp_replicate']} = "
-                f"{tp * dp_replicate} ({said('tp', tp)}, {said('dp_replicate', dp_replicate)}): fsdp = "
-                f"{name['world']} / ({name['tp']} * {name['dp_replicate']}) must be a whole number")
-        fsdp = world // (tp * dp_replicate)
-    if dp_replicate * fsdp * tp != world:
-        raise ValueError(
-            f"the parallel mesh requires {name['dp_replicate']} * {name['fsdp']} * {name['tp']} = {dp_replicate} * "
-            f"{fsdp} * {tp} = {dp_replicate * fsdp * tp} processes, but {name['world']} is {world}")
-    valid = ", ".join(str(e) for e in range(tp, fsdp * tp + 1, tp) if (fsdp * tp) % e == 0)
-    if ep % tp:
-        raise ValueError(f"{said('ep', ep)} must be a multiple of {said('tp', tp)} (a tensor-parallel group never "
-                         f"straddles two expert groups); valid {name['ep']}: {valid}")
-    if (fsdp * tp) % ep:
-        raise ValueError(f"{said('ep', ep)} must divide fsdp * tp = {fsdp} * {tp} = {fsdp * tp} (the ranks of one "
-                         f"data-parallel replica); valid {name['ep']}: {valid}")
-    return Layout(whole, tp, ep, fsdp, dp_replicate, pp)
-
-
-class RankLayout:
-    """One rank's place in a valid layout: sizes and coordinates on every axis, no processes.
-
-    The pure half of :class:`Mesh` (which adds the process groups); programs that plan a run
-    without starting ranks use it directly (the memory plan). Errors are :func:`check_layout`'s.
-
-    Args:
-        world: number of ranks; rank: this rank.
-        tp, ep, fsdp, dp_replicate, pp: the sizes, as in :func:`check_layout`.
-        names: how errors spell the fields (:func:`check_layout`).
-        sp: sequence parallelism over ``tp`` (needs ``tp > 1``).
-
-    Example:
-        >>> m = RankLayout(8, 3, tp=2, ep=4)
-        >>> m.fsdp, m.efsdp, m.rank_in("tp"), m.rank_in("ep"), m.batch_index, m.ranks("ep")
-        (4, 2, 1, 3, 1, [0, 1, 2, 3])
-    """
-
-    def __init__(self, world: int, rank: int = 0, tp: int = 1, ep: Optional[int] = None,
-                 fsdp: Optional[int] = None, dp_replicate: int = 1, names: Optional[Mapping[str, str]] = None,
-                 pp: int = 1, sp: bool = False):
-        layout = check_layout(world, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, pp=pp, names=names)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-            raise ValueError(f"rank must be an int in [0, {world}) for {world} ranks, got {rank!r}")
-        if not isinstance(sp, bool) or (sp and layout.tp == 1):
-            said = {**FIELD_NAMES, **(names or {})}
-            raise ValueError(f"{said.get('sp', 'sp')} (sequence parallelism) splits the sequence over tp and needs "
-                             f"{said['tp']} > 1, got sp={sp!r} with tp={layout.tp}")
-        self.world, self.rank = world, rank
-        self.tp, self.ep, self.fsdp, self.dp_replicate = layout.tp, layout.ep, layout.fsdp, layout.dp_replicate
-        self.efsdp, self.pp, self.sp = layout.efsdp, layout.pp, sp
-        self._coords = rank_coords(rank, tp=self.tp, fsdp=self.fsdp, dp_replicate=self.dp_replicate, ep=self.ep,
-                                   pp=self.pp)
-
-    @property
-    def stage(self) -> int:
-        """This rank's pipeline stage (0 without pipeline parallelism)."""
-        return self._coords["pp"]
-
-    @property
-    def stage_world(self) -> int:
-        """Ranks in one pipeline stage (``world / pp``): the ranks every other axis lives on."""
-        return self.world // self.pp
-
-    def size(self, axis: str) -> int:
-        """Size of a mesh axis (``"tp"``, ``"fsdp"``, ``"ep"``, ``"efsdp"``, ``"dp_replicate"``, ``"pp"``)."""
-        self._check_axis(axis)
-        return getattr(self, axis)
-
-    def rank_in(self, axis: str) -> int:
-        """This rank's coordinate along ``axis``."""
-        self._check_axis(axis)
-        return self._coords[axis]
-
-    def ranks(self, axis: str) -> list[int]:
-        """Global ranks of this rank's group along ``axis``, in coordinate order."""
-        self._check_axis(axis)
-        stride = {"tp": 1, "fsdp": self.tp, "dp_replicate": self.tp * self.fsdp,
-                  "ep": 1, "efsdp": self.ep, "pp": self.stage_world}[axis]
-        base = self.rank - self._coords[axis] * stride
-        return [base + i * stride for i in range(self.size(axis))]
-
-    @property
-    def batch_index(self) -> int:
-        """Index of the data-parallel batch this rank holds (same for a whole TP group)."""
-        return self._coords["dp_replicate"] * self.fsdp + self._coords["fsdp"]
-
-    @property
-    def num_batches(self) -> int:
-        """Number of distinct data-parallel batches (``dp_replicate * fsdp``)."""
-        return self.dp_replicate * self.fsdp
-
-    def expert_range(self, num_experts: int) -> range:
-        """Global ids of the experts this rank owns: a contiguous block of ``E / ep``.
-
-        Example:
-            >>> RankLayout(4, 1, ep=4).expert_range(8)
-            range(2, 4)
-        """
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"expert_range: num_experts must be an int >= 1, got {num_experts!r}")
-        if num_experts % self.ep:
-            raise ValueError(
-                f"Cannot evenly shard {num_experts} experts across {self.ep} expert-parallel "
-                f"ranks (num_experts must be a multiple of ep={self.ep})"
-            )
-        n = num_experts // self.ep
-        start = self._coords["ep"] * n
-        return range(start, start + n)
-
-    def _check_axis(self, axis: str) -> None:
-        if axis not in AXES:
-            raise ValueError(f"unknown mesh axis {axis!r}; valid axes are {list(AXES)}")
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(world={self.world}, rank={self.rank}, dp_replicate={self.dp_replicate}, "
-            f"fsdp={self.fsdp}, tp={self.tp}, ep={self.ep}, efsdp={self.efsdp}"
-            + (f", pp={self.pp}" if self.pp > 1 else "") + (", sp=True" if self.sp else "") + ")"
-        )
 
 
 class Mesh(RankLayout):
@@ -288,7 +79,7 @@ class Mesh(RankLayout):
             super().__init__(world, rank, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, pp=pp, sp=sp)
         except (TypeError, ValueError) as e:
             raise type(e)(f"Mesh: {e}") from None
-        self.dense = self.expert = self.stages = None
+        self.dense = self.expert = self.stages = self.stage_group = None
         if initialized:
             device = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
             from torch.distributed.device_mesh import init_device_mesh
@@ -301,6 +92,9 @@ class Mesh(RankLayout):
                 full = init_device_mesh(device, (self.pp, *dense), mesh_dim_names=("pp", *DENSE_AXES))
                 self.stages, self.dense = full, full[DENSE_AXES]
                 self.expert = init_device_mesh(device, (self.pp, *expert), mesh_dim_names=("pp", *EXPERT_AXES))[EXPERT_AXES]
+                n = self.stage_world                # every rank makes every stage's group, in order
+                groups = [dist.new_group(list(range(s * n, (s + 1) * n))) for s in range(self.pp)]
+                self.stage_group = groups[self.stage]   # the step's metrics reduce over one stage
 
     # ----------------------------------------------------------------------------- process groups
     def group(self, axis: str) -> Optional[dist.ProcessGroup]:

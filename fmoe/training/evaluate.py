@@ -30,7 +30,7 @@ from ..mesh import Mesh
 from ..nn import cross_entropy
 from ..routing.metrics import load_metrics
 from . import router_aux
-from .step import _world_mean, autocast, forward_with_aux
+from .forward import autocast, forward_with_aux, world_mean
 
 __all__ = ["evaluate", "held_out_batch", "EVAL_SEED"]
 
@@ -116,6 +116,6 @@ def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batc
                 now = [layer["load"].cpu() for layer in layers]
                 loads = now if loads is None else [a + b for a, b in zip(loads, now)]
             stats.append(router_aux.stats(aux))                       # drop_rate, load_routed, ...
-    loss = float(_world_mean(total / len(pieces)))
+    loss = float(world_mean(total / len(pieces)))
     out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), **load_metrics(loads or [], "eval_")}
     return {**out, **router_aux.stat_metrics(stats, "eval_")}

@@ -80,7 +80,7 @@ def _job_meta(job: Any, model, cfg, mesh) -> dict:
             "clip": job.clip, "aux_weight": job.aux_weight, "param_dtype": str(dtype_of(job.master_dtype))[6:],
             "schedule": resume.schedule_record(job),
             "mesh": {"tp": mesh.tp, "ep": mesh.ep, "fsdp": mesh.fsdp, "dp_replicate": mesh.dp_replicate,
-                     "world": mesh.world, "num_batches": mesh.num_batches}}
+                     "world": mesh.world, "num_batches": mesh.num_batches, "pp": mesh.pp}}
 
 
 def run(rank: int, world: int, job: Any) -> dict:
@@ -103,6 +103,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     from fmoe.optim.adamw import init as adamw_init
     from .outdir import append_row, check_room
     from fmoe.training.step import StepConfig, train_step
+    from fmoe.training.pipeline import stage_tree
 
     torch.set_num_threads(threads_of(job))            # --threads (fmoe.training.threads)
     model = get(job.model)                            # the declared Model, from the registry
@@ -134,6 +135,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     hf_cfg = model.with_aux_loss(cfg, job.aux_weight if job.balance == "aux" else 0.0)
     cfg = model.with_aux_loss(cfg, 0.0)                # declared switch, no probing
     full = balancing.with_expert_bias(full, job)      # --balance bias on any MoE model
+    full = stage_tree(full, mesh.stage, mesh.pp)       # --pp: this stage's leaves only (fmoe.training.pipeline)
     model_plan = model.build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model.build_plan(cfg, model_plan, mesh, full, data_parallel=True)
     packed = ckpt.packed_layout(plan, full)

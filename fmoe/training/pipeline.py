@@ -39,10 +39,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..collectives import Pipe, recv_forward, send_forward
+from ..collectives import Pipe, all_gather_objects, recv_forward, send_forward
+from ..routing.metrics import load_metrics
 from ..sharding import local_shard
 
-__all__ = ["SCHEDULES", "stage_layers", "stage_tree", "schedule", "StageOut", "Timeline", "run_schedule"]
+__all__ = ["SCHEDULES", "stage_layers", "stage_tree", "schedule", "StageOut", "Timeline", "run_schedule",
+           "join_stages", "sum_stages"]
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -172,3 +174,40 @@ def run_schedule(forward: Callable[[int, Optional[torch.Tensor]], StageOut], lea
                     local_shard(a).add_(local_shard(g))
     pipe.wait()
     return acc, records, Timeline(time.perf_counter() - t0, pipe.waited)
+
+
+def join_stages(metrics: dict, mesh: Any) -> dict:
+    """One step's log entries of the whole model from each stage's own (each computed over its
+    stage's ranks): per-layer lists joined in stage order, and the load metrics over all layers
+    (:func:`fmoe.routing.metrics.load_metrics`) computed again from the joined loads. Collective
+    over every rank; ``pp == 1``: ``metrics`` itself.
+
+    Args:
+        metrics: this rank's entries (lists are per MoE layer of its stage).
+        mesh: the :class:`fmoe.Mesh`.
+    Returns:
+        the entries of the whole model, equal on every rank.
+    """
+    if mesh.pp == 1:
+        return metrics
+    every = all_gather_objects(metrics)
+    leads = [every[s * mesh.stage_world] for s in range(mesh.pp)]       # stage s's first rank
+    out: dict = {}
+    for key in dict.fromkeys(k for d in leads for k in d):
+        parts = [d[key] for d in leads if key in d]
+        out[key] = [x for p in parts for x in p] if all(isinstance(p, list) for p in parts) else parts[-1]
+    for loads, suffix in (("expert_load", ""), ("load_routed", "_routed")):
+        if out.get(loads) and all(v is not None for v in out[loads]):
+            out.update(load_metrics([torch.tensor(v, dtype=torch.float64) for v in out[loads]], "", suffix))
+    return out
+
+
+def sum_stages(values: dict, mesh: Any) -> dict:
+    """``{name: float}``: each value summed over the stages that hold it and averaged over the
+    ranks of a stage (a step's aux losses: every stage adds its layers'). Collective over
+    every rank."""
+    totals: dict = {}
+    for d in all_gather_objects({k: float(v) for k, v in values.items()}):
+        for k, v in d.items():
+            totals[k] = totals.get(k, 0.0) + v
+    return {k: v / mesh.stage_world for k, v in totals.items()}

@@ -194,12 +194,9 @@ def _check_parallel_options(job: Job) -> None:
             check(job.grad_accum * job.dp_batches, job.clip or None)
         except ValueError as e:
             _error(str(e))
-    if job.sp and job.tp == 1:
+    if job.sp and (job.tp == 1 or job.seq % job.tp):
         _error("--sp (sequence parallelism) splits the sequence over the tensor-parallel ranks; it needs --tp > 1, "
-               "got --tp 1")
-    if job.sp and job.seq % job.tp:
-        _error(f"--sp: --tp {job.tp} must divide --seq {job.seq} (each tensor-parallel rank holds seq / tp tokens "
-               "of every sequence between blocks)")
+               f"got --tp {job.tp}" + (f" (it must also divide --seq {job.seq})" if job.tp > 1 else ""))
     if job.pp == 1:
         if job.microbatches is not None:
             _error(f"--microbatches {job.microbatches} splits the batch of a pipeline; it needs --pp > 1 (without a "

@@ -31,7 +31,7 @@ from typing import Any, Collection, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..collectives import sum_over_world
+from ..collectives import all_reduce_coalesced, group_size, sum_over_world
 from ..routing.global_stats import imbalance
 from ..routing.metrics import load_metrics
 
@@ -68,10 +68,13 @@ def stats(aux: dict) -> dict:
     return {k: [layer[k].detach() if k in layer.get("router_keys", {}) else None for layer in layers] for k in keys}
 
 
-def _world_means(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's mean over all ranks, in one all-reduce (float64)."""
+def _world_means(tensors: Sequence[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
+    """Each tensor's mean over all ranks (over ``group``'s when given: one pipeline stage), in
+    one all-reduce (float64)."""
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]) if tensors else torch.zeros(0)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and flat.numel():
+    if group is not None:
+        flat = all_reduce_coalesced([flat], group)[0] / group_size(group) if flat.numel() else flat
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and flat.numel():
         flat = sum_over_world(flat) / dist.get_world_size()
     out, start = [], 0
     for t in tensors:
@@ -80,12 +83,13 @@ def _world_means(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def stat_metrics(per_micro: Sequence[dict], prefix: str = "") -> dict:
+def stat_metrics(per_micro: Sequence[dict], prefix: str = "", group: Any = None) -> dict:
     """Log-row entries of the statistics of one step's micro-batches (each :func:`stats`).
 
     Args:
         per_micro: one :func:`stats` dict per micro-batch (the same keys and layers in each).
         prefix: prepended to every key (``"eval_"``).
+        group: the ranks to average over (default: every rank; a pipeline stage's group).
     Returns:
         ``{key: [per-layer number or list or None]}``, plus the ``_routed`` load metrics when
         every layer reports ``load_routed``. Empty without statistics. Collective: every rank
@@ -96,7 +100,7 @@ def stat_metrics(per_micro: Sequence[dict], prefix: str = "") -> dict:
     first = per_micro[0]
     slots = [(k, i) for k, values in first.items() for i, v in enumerate(values) if v is not None]
     means = [torch.stack([m[k][i].to(torch.float64) for m in per_micro]).mean(0) for k, i in slots]
-    reduced = dict(zip(slots, _world_means(means)))
+    reduced = dict(zip(slots, _world_means(means, group)))
     out: dict[str, Any] = {}
     for k, values in first.items():
         out[prefix + k] = [reduced[(k, i)].tolist() if (k, i) in reduced else None for i in range(len(values))]
@@ -107,7 +111,7 @@ def stat_metrics(per_micro: Sequence[dict], prefix: str = "") -> dict:
 
 
 def step_metrics(aux: dict, loads: Optional[list], per_micro: Sequence[dict], n_micro: int,
-                 taken: Collection[str] = ()) -> dict:
+                 taken: Collection[str] = (), group: Any = None) -> dict:
     """A training step's routing entries of its log row: per MoE layer ``expert_load`` (routed
     slots per expert over all batches), ``load_imbalance`` (max/mean) and the load metrics of
     :func:`fmoe.routing.metrics.load_metrics` (MaxVio, percentiles, dead experts) when every
@@ -119,6 +123,8 @@ def step_metrics(aux: dict, loads: Optional[list], per_micro: Sequence[dict], n_
         per_micro: one :func:`stats` dict per micro-batch.
         n_micro: the number of micro-batches (one: each layer's own ``imbalance`` entry).
         taken: the step's other metric names, which no router statistic may reuse.
+        group: the ranks whose statistics to average (default: every rank; with pipeline
+            parallelism the stage's group, then :func:`fmoe.training.pipeline.join_stages`).
     Returns:
         the entries, in that order. Collective: every rank calls it.
     """
@@ -128,7 +134,7 @@ def step_metrics(aux: dict, loads: Optional[list], per_micro: Sequence[dict], n_
         out["load_imbalance"] = ([float(layer["imbalance"]) for layer in layers] if n_micro == 1
                                  else [float(imbalance(load)) for load in loads])
         out.update(load_metrics(loads))
-    logged = stat_metrics(per_micro)
+    logged = stat_metrics(per_micro, group=group)
     if set(logged) & (set(taken) | set(out)):
         raise ValueError(f"train_step: router statistic(s) {sorted(set(logged) & (set(taken) | set(out)))} collide "
                          "with the step's own metrics; rename them in the router's aux")

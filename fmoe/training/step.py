@@ -144,10 +144,9 @@ def _compiled(step_cfg: StepConfig, mesh: Mesh) -> tuple[Any, Any]:
 def _micro(model: Any, weights: Any, mt: torch.Tensor, my: torch.Tensor, cfg: Any, mesh: Mesh, step_cfg: StepConfig,
            fwd_loss: Any, counts: Any, hidden: Optional[torch.Tensor] = None,
            last: bool = True) -> _pipeline.StageOut:
-    """One micro-batch's forward: its objective (the LM loss on the last stage, plus
-    ``mesh.num_batches`` times its layers' aux losses, over ``grad_accum``) and its record
-    ``(loss, aux losses, per-layer loads, router statistics, aux)``, detached; before the last
-    pipeline stage the output for the next stage instead of the loss."""
+    """One micro-batch's forward: its objective (LM loss on the last stage + ``num_batches`` x aux
+    losses, / ``grad_accum``), its output before the last stage, and its detached record
+    ``(loss, aux losses, per-layer loads, router statistics, aux)``."""
     n = step_cfg.grad_accum
     out, aux = fwd_loss(model, weights, mt, my if last else None, cfg, mesh, step_cfg, hidden)
     aux_total, aux_named = _router_aux.losses(aux)      # the routers' Loss entries
@@ -168,8 +167,7 @@ def _micro(model: Any, weights: Any, mt: torch.Tensor, my: torch.Tensor, cfg: An
 
 def _pipelined(micro: Any, leaves: list, tokens: torch.Tensor, mesh: Mesh, step_cfg: StepConfig, cfg: Any,
                flat: dict) -> tuple:
-    """This stage's part of the step's micro-batches (:func:`fmoe.training.pipeline.run_schedule`):
-    ``(summed gradients, records, timeline)``."""
+    """This stage's micro-batches (:func:`fmoe.training.pipeline.run_schedule`): ``(grads, records, timeline)``."""
     if step_cfg.global_balance or step_cfg.optim_in_backward:
         raise ValueError("train_step: pipeline parallelism (mesh.pp > 1) runs without StepConfig.global_balance "
                          "and optim_in_backward")
@@ -229,12 +227,11 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         raise ValueError(f"train_step: grad_accum={n_micro} must divide the batch's {tokens.shape[0]} rows")
     flat = _tree.flatten(params)
     train_paths = [p for p, t in flat.items() if t.requires_grad]
-    acc, losses, aux_sums, loads, router_stats = None, [], {}, None, []
+    acc, losses, aux_sums, loads, router_stats, counts = None, [], {}, None, [], None
     weights = compute_params(params, step_cfg.dtype)      # once per step, before any gather
     run = lambda mt: forward_with_aux(model, weights, mt, cfg, mesh, step_cfg.impl, step_cfg.router)  # noqa: E731
     fwd_loss, region = _compiled(step_cfg, mesh)
     oib = InBackward(flat, train_paths, opt_state, mesh, step_cfg, lr, world_mean) if step_cfg.optim_in_backward else None
-    counts = None
     if step_cfg.global_balance:                     # the step's frequencies first (global_balance)
         with _remat.policy(step_cfg.remat):
             counts = _global_balance.step_counts(run, tokens.chunk(n_micro))
@@ -248,15 +245,14 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     for m in range(0 if mesh.pp > 1 else n_micro):
         with regather_in_backward(), _remat.policy(step_cfg.remat), region:
             res = micro(m)
-            grads = oib.backward(res.objective, losses + [res.record[0]]) if oib else torch.autograd.grad(
-                res.objective, leaves)
+            records.append(res.record)
+            losses = [r[0] for r in records]
+            grads = oib.backward(res.objective, losses) if oib else torch.autograd.grad(res.objective, leaves)
         if acc is None:
             acc = list(grads)
         else:
             for a, g in zip(acc, grads):                 # in place on the local shards
                 local_shard(a).add_(local_shard(g))
-        losses.append(res.record[0])
-        records.append(res.record)
         del grads, res
     losses = [r[0] for r in records if r[0] is not None]
     for _, aux_named, layer_loads, stats_m, aux in records:
