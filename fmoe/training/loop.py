@@ -103,7 +103,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     from fmoe.optim.adamw import init as adamw_init
     from .outdir import append_row, check_room
     from fmoe.training.step import StepConfig, train_step
-    from fmoe.training.pipeline import stage_tree
+    from fmoe.training.pipeline import stage_plan, stage_tree
 
     torch.set_num_threads(threads_of(job))            # --threads (fmoe.training.threads)
     model = get(job.model)                            # the declared Model, from the registry
@@ -135,9 +135,9 @@ def run(rank: int, world: int, job: Any) -> dict:
     hf_cfg = model.with_aux_loss(cfg, job.aux_weight if job.balance == "aux" else 0.0)
     cfg = model.with_aux_loss(cfg, 0.0)                # declared switch, no probing
     full = balancing.with_expert_bias(full, job)      # --balance bias on any MoE model
-    full = stage_tree(full, mesh.stage, mesh.pp)       # --pp: this stage's leaves only (fmoe.training.pipeline)
     model_plan = model.build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model.build_plan(cfg, model_plan, mesh, full, data_parallel=True)
+    plan, full = stage_plan(plan, full, mesh.stage, mesh.pp), stage_tree(full, mesh.stage, mesh.pp)   # --pp
     packed = ckpt.packed_layout(plan, full)
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(full))   # params + 2 moments
     ckpt.on_rank0(lambda: check_room(job.out, need), f"checking --out {job.out}")

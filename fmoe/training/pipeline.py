@@ -39,12 +39,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .. import tree as _tree
 from ..collectives import Pipe, all_gather_objects, recv_forward, send_forward
+from ..precision import dtype_of
 from ..routing.metrics import load_metrics
-from ..sharding import local_shard
+from ..sharding import Plan, local_shard
 
-__all__ = ["SCHEDULES", "stage_layers", "stage_tree", "schedule", "StageOut", "Timeline", "run_schedule",
-           "join_stages", "sum_stages"]
+__all__ = ["SCHEDULES", "stage_layers", "stage_tree", "stage_plan", "schedule", "StageOut", "Timeline", "run_schedule",
+           "run_stage", "join_stages", "sum_stages"]
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -82,6 +84,16 @@ def stage_tree(tree: dict, stage: int, pp: int) -> dict:
         elif (key == "embed") == (stage == 0) and (key == "embed" or stage == pp - 1):
             out[key] = value
     return out
+
+
+def stage_plan(plan: Plan, tree: dict, stage: int, pp: int) -> Plan:
+    """A plan of the whole model ``tree`` (e.g. :func:`fmoe.fsdp.data_parallel_plan`, resolved
+    there, so its rules are checked against every leaf) restricted to stage ``stage``'s leaves:
+    one exact rule per leaf of :func:`stage_tree`. ``pp == 1``: ``plan`` itself."""
+    if pp == 1:
+        return plan
+    own = _tree.flatten(stage_tree(tree, stage, pp))
+    return Plan([(path, p) for path, p in _tree.flatten(plan.resolve(tree)).items() if path in own])
 
 
 def schedule(name: str, stage: int, pp: int, microbatches: int) -> list[tuple[str, int]]:
@@ -174,6 +186,35 @@ def run_schedule(forward: Callable[[int, Optional[torch.Tensor]], StageOut], lea
                     local_shard(a).add_(local_shard(g))
     pipe.wait()
     return acc, records, Timeline(time.perf_counter() - t0, pipe.waited)
+
+
+def run_stage(micro: Callable[[int, Optional[torch.Tensor], bool], StageOut], leaves: Sequence[torch.Tensor],
+              tokens: torch.Tensor, mesh: Any, step_cfg: Any, hidden_size: int, flat: dict) -> tuple:
+    """This rank's stage of one training step: :func:`run_schedule` of ``step_cfg.grad_accum``
+    micro-batches of ``tokens [B, S]`` in ``step_cfg.pp_schedule`` order, the residual stream
+    ``[B / M, S (/ tp with sp), hidden_size]`` in the compute dtype (``step_cfg.dtype``, else the
+    weights' own: the first floating leaf of ``flat`` but expert biases).
+
+    Args:
+        micro: ``micro(m, hidden, last)`` runs micro-batch ``m`` (the step's forward).
+        leaves: the stage's trainable leaves.
+        tokens: this rank's batch.
+        mesh, step_cfg: the step's :class:`fmoe.Mesh` and :class:`fmoe.training.StepConfig`.
+        hidden_size: ``D``.
+        flat: the stage's flat parameters.
+    Returns:
+        :func:`run_schedule`'s ``(grads, records, timeline)``.
+    """
+    if step_cfg.global_balance or step_cfg.optim_in_backward:
+        raise ValueError("train_step: pipeline parallelism (mesh.pp > 1) runs without StepConfig.global_balance "
+                         "and optim_in_backward")
+    n = step_cfg.grad_accum
+    seq = tokens.shape[1] // mesh.tp if mesh.sp else tokens.shape[1]          # sp: the stream's sequence shard
+    dtype = (dtype_of(step_cfg.dtype) if dtype_of(step_cfg.dtype) != torch.float32 else
+             next(t.dtype for p, t in flat.items() if t.is_floating_point() and not p.endswith("expert_bias")))
+    last = mesh.stage == mesh.pp - 1
+    return run_schedule(lambda m, hidden: micro(m, hidden, last), leaves, n, mesh, step_cfg.pp_schedule,
+                        (tokens.shape[0] // n, seq, hidden_size), dtype)
 
 
 def join_stages(metrics: dict, mesh: Any) -> dict:

@@ -165,21 +165,6 @@ def _micro(model: Any, weights: Any, mt: torch.Tensor, my: torch.Tensor, cfg: An
     return _pipeline.StageOut(None if last else out, total, record)
 
 
-def _pipelined(micro: Any, leaves: list, tokens: torch.Tensor, mesh: Mesh, step_cfg: StepConfig, cfg: Any,
-               flat: dict) -> tuple:
-    """This stage's micro-batches (:func:`fmoe.training.pipeline.run_schedule`): ``(grads, records, timeline)``."""
-    if step_cfg.global_balance or step_cfg.optim_in_backward:
-        raise ValueError("train_step: pipeline parallelism (mesh.pp > 1) runs without StepConfig.global_balance "
-                         "and optim_in_backward")
-    n = step_cfg.grad_accum
-    seq = tokens.shape[1] // mesh.tp if mesh.sp else tokens.shape[1]          # sp: the stream's sequence shard
-    dtype = (dtype_of(step_cfg.dtype) if dtype_of(step_cfg.dtype) != torch.float32 else
-             next(t.dtype for p, t in flat.items() if t.is_floating_point() and not p.endswith("expert_bias")))
-    last = mesh.stage == mesh.pp - 1
-    return _pipeline.run_schedule(lambda m, hidden: micro(m, hidden, last), leaves, n, mesh, step_cfg.pp_schedule,
-                                  (tokens.shape[0] // n, seq, cfg.hidden_size), dtype)
-
-
 def _unflatten_new(new: dict, old: dict, tree: Any) -> Any:
     """``tree`` itself when the optimizer left every leaf of its flat form ``old`` in place (a
     donated step), else the new leaves in ``tree``'s structure."""
@@ -241,7 +226,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     records, leaves = [], [flat[p] for p in train_paths]
     if mesh.pp > 1:                                 # this rank's stage of a pipeline (fmoe.training.pipeline)
         with regather_in_backward(), _remat.policy(step_cfg.remat), region:
-            acc, records, _ = _pipelined(micro, leaves, tokens, mesh, step_cfg, cfg, flat)
+            acc, records, timeline = _pipeline.run_stage(micro, leaves, tokens, mesh, step_cfg, cfg.hidden_size, flat)
     for m in range(0 if mesh.pp > 1 else n_micro):
         with regather_in_backward(), _remat.policy(step_cfg.remat), region:
             res = micro(m)
@@ -293,6 +278,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
                    {k: float(world_mean(v)) for k, v in aux_sums.items()})
     routing = _router_aux.step_metrics(aux, loads, router_stats, n_micro, taken=metrics,   # collective
                                        group=mesh.stage_group)
+    if mesh.pp > 1:                                # each stage's share of the schedule spent waiting
+        routing["pp_idle"] = [timeline.idle]
     if biased:
         full = gather({p: flat[p + ".expert_bias"].detach() for p in biased})     # fsdp-split biases
         routing["expert_bias_absmax"] = [float(full[p].abs().max()) for p in biased]
