@@ -161,8 +161,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         torch.Size([1, 3, 2, 4])
     """
     if x.ndim != 4 or cos.shape != sin.shape or cos.shape[-1] != x.shape[-1] or cos.shape[-2] != x.shape[1]:
+        piece = x.ndim == 4 and 0 < x.shape[1] < cos.shape[-2] and cos.shape[-2] % x.shape[1] == 0
         raise ValueError(f"apply_rope: x must be [B, S, H, hd] with cos/sin [(B,) S, hd]; got x "
-                         f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+                         f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+                         + ("; with sequence parallelism (a mesh with sp=True) x holds a piece of the sequence "
+                            "unless a colwise projection gathered it: rotate the output of a colwise layer (a rope "
+                            "key from a replicated projection, as in DeepSeek-V3's MLA, is not supported with sp)"
+                            if piece else ""))
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -14,7 +14,8 @@ vocabulary-parallel embedding, and ``fmoe.moe`` routes the rank's own tokens. Sh
   data-parallel splits, against one process over both batches;
 - the job: ``--tp 2 --sp`` losses step by step equal ``--tp 2``;
 - bad input: ``--sp`` without tp and ``Mesh(sp=True)`` with tp=1, a sequence tp does not divide,
-  ``impl="all_reduce"`` and params sharded for another mesh: clear errors before any collective.
+  ``impl="all_reduce"`` and params sharded for another mesh: clear errors before any collective;
+  DeepSeek-V3 (MLA rotates a key computed on the sequence piece): a clear error on every rank.
 
 The comparisons use :func:`helpers.close` (rtol from the dtype, 1e-5 in fp32) with an atol of
 2e-6 of each tensor's scale: the tp ranks' partial sums add in another order than one process.
@@ -26,7 +27,7 @@ import torch
 import fmoe
 import fmoe.nn as nn
 import fmoe.training
-from fmoe.models import gpt_oss, llama, qwen3_moe
+from fmoe.models import deepseek_v3, gpt_oss, llama, qwen3_moe
 from fmoe.training import JobConfig
 from helpers import close, on_ranks
 from train_cases import read_log
@@ -147,6 +148,10 @@ def _bad_inputs(rank: int, world: int) -> list:
         fmoe.moe(moe_params, x, router=fmoe.routing.topk(2), mesh=mesh, impl="all_reduce")
     with pytest.raises(ValueError, match="mesh has sp=False but params were sharded on a mesh with sp=True"):
         fmoe.moe(moe_params, x, router=fmoe.routing.topk(2), mesh=tp_mesh)
+    ds = deepseek_v3.Config.tiny()      # MLA's rope key comes from a replicated projection: refused, every rank alike
+    with pytest.raises(ValueError, match="as in DeepSeek-V3's MLA, is not supported with sp"):
+        deepseek_v3.forward(deepseek_v3.shard(deepseek_v3.init(ds, 0), ds, mesh), torch.zeros(2, 8, dtype=torch.long),
+                            ds, mesh)
     with torch.no_grad():   # inference under sp: "auto" takes the token dispatch, not all_reduce
         y, _ = fmoe.moe(moe_params, torch.randn(4, cfg.hidden_size), router=fmoe.routing.topk(2), mesh=mesh)
     errors.append(tuple(y.shape))
