@@ -75,7 +75,7 @@ def _job_meta(job: Any, model, cfg, mesh) -> dict:
     from . import resume
 
     return {"model": job.model, "preset": None if job.init_hf else job.preset, "init_hf": job.init_hf,
-            "config": _config_dict(cfg), "hf_config": cfg.to_hf(), "seed": job.seed, "batch": job.batch,
+            "config": _config_dict(cfg), "hf_config": cfg.to_hf(), "seed": job.seed, "batch": job.batch // (job.microbatches if job.pp > 1 else 1),  # as --grad-accum
             "seq": job.seq, "lr": job.lr, "warmup": job.warmup, "weight_decay": job.weight_decay,
             "clip": job.clip, "aux_weight": job.aux_weight, "param_dtype": str(dtype_of(job.master_dtype))[6:],
             "schedule": resume.schedule_record(job),

@@ -113,7 +113,8 @@ def fit_vocab(cfg: Any, tokenizer: Any, tp: int) -> Any:
 def run_meta(job: Any, tokenizer: Any, device: torch.device) -> dict:
     """What ``meta.json`` records about these flags (the router spec as given)."""
     return {"router": job.router, "dtype": job.dtype, "master_dtype": job.master_dtype,
-            "optim_dtype": job.optim_dtype, "remat": job.remat, "grad_accum": job.grad_accum,
+            "optim_dtype": job.optim_dtype, "remat": job.remat,
+            "grad_accum": job.microbatches if job.pp > 1 else job.grad_accum,    # --pp: as --grad-accum M
             "dp_batches": job.dp_batches,
             "data": job.data, "tokenizer_flag": job.tokenizer, "tokenizer": tokenizer.name,
             "tokenizer_digest": tokenizer.digest,
@@ -148,7 +149,9 @@ def print_memory_plan(job: Any, model: Any, cfg: Any, model_plan: Any, world: in
     plan = memory_plan(model, cfg, nproc=world, tp=job.tp, ep=job.ep, dp_replicate=job.dp_replicate,
                        batch=job.batch, seq=job.seq, dtype=job.dtype, remat=job.remat,
                        grad_accum=job.grad_accum, model_plan=model_plan, master_dtype=job.master_dtype,
-                       optim_dtype=job.optim_dtype, loss_chunks=job.loss_chunks)
+                       optim_dtype=job.optim_dtype, loss_chunks=job.loss_chunks,
+                       optim_in_backward=job.optim_in_backward, clip=job.clip, sp=job.sp, pp=job.pp,
+                       microbatches=job.microbatches, pp_schedule=job.pp_schedule)
     text = format_plan(plan, job.memory_gb)
     if job.quiet:
         text = "\n".join(line for line in text.splitlines() if line.startswith("WARNING"))

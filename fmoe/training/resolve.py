@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from ..mesh import check_layout
 from ..models import NAMES, get
-from . import balancing, resume
+from . import balancing, parallel, resume
 from .job import FIELDS, JobConfig, JobConfigError
 
 FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate", "pp": "--pp"}   # mesh fields as flags
@@ -85,7 +85,6 @@ def resolve(cfg: JobConfig) -> Job:
         _error(f"--dp-batches {job.dp_batches}: one process reads the batches of {job.dp_batches} ranks; it runs "
                f"with --nproc 1 only (this job has {job.world} ranks)")
     check_options(job, _error)
-    _check_parallel_options(job)
     job.ep = ep
     job.schedule_total = job.steps
     job.resume_path = job.resume_meta = None
@@ -93,9 +92,10 @@ def resolve(cfg: JobConfig) -> Job:
         _check_resume(job, *found)
     else:
         _check_sizes(job, 256)
+    parallel.check_options(job, _error, found is not None)
     balancing.resolve(job, _error, {n: get(n) for n in NAMES})   # after a resume filled in the kept settings
     _check_upcycle(job)
-    _check_stages(job, found)
+    parallel.check_stages(job, _error, found)
     _check_out(job)
     return job
 
@@ -179,66 +179,6 @@ def _check_resume(job: Job, path: str, meta: dict) -> None:
     if "out" not in job.explicit:                      # continue in the run's own directory
         job.out = os.path.dirname(os.path.abspath(path))
     job.resume_path, job.resume_meta = path, meta
-
-
-def _check_parallel_options(job: Job) -> None:
-    """``--sp``, ``--pp``, ``--microbatches``, ``--pp-schedule`` and ``--optim-in-backward`` against
-    the other flags (the layer count is :func:`_check_stages`')."""
-    if job.optim_in_backward:
-        from .optim_backward import check
-
-        if job.pp > 1:
-            _error(f"--optim-in-backward with --pp {job.pp}: the pipeline's stages run several micro-batches' "
-                   "backward before their one update, which the in-backward update does not schedule; drop one of them")
-        try:
-            check(job.grad_accum * job.dp_batches, job.clip or None)
-        except ValueError as e:
-            _error(str(e))
-    if job.sp and (job.tp == 1 or job.seq % job.tp):
-        _error("--sp (sequence parallelism) splits the sequence over the tensor-parallel ranks; it needs --tp > 1, "
-               f"got --tp {job.tp}" + (f" (it must also divide --seq {job.seq})" if job.tp > 1 else ""))
-    if job.pp == 1:
-        if job.microbatches is not None:
-            _error(f"--microbatches {job.microbatches} splits the batch of a pipeline; it needs --pp > 1 (without a "
-                   "pipeline, --grad-accum N runs micro-batches)")
-        return
-    given = job.microbatches is not None
-    job.microbatches = job.microbatches if given else job.pp
-    if job.grad_accum > 1:
-        _error(f"--grad-accum {job.grad_accum} with --pp {job.pp}: the pipeline's micro-batches are the "
-               f"accumulation; give --microbatches M (each --batch split into M) instead")
-    if job.dp_batches > 1:
-        _error("--dp-batches runs one process; it cannot be combined with --pp")
-    if job.batch % job.microbatches:
-        _error(f"--microbatches {job.microbatches}{'' if given else ' (the default: --pp)'} must divide --batch "
-               f"{job.batch} (each micro-batch is "
-               f"--batch / M rows); valid: {', '.join(str(d) for d in range(1, job.batch + 1) if job.batch % d == 0)}")
-
-
-def _check_stages(job: Job, found: Optional[tuple]) -> None:
-    """``--pp`` divides the model's decoder layers into stages of at least one layer each."""
-    if job.pp == 1:
-        return
-    from ..checkpoint.config_check import config_from_dict, read_config
-
-    model = get(job.model)
-    try:
-        if found is not None:
-            cfg = config_from_dict(model, found[1].get("hf_config"), "meta.json", fits=True)
-        elif job.init_hf:
-            cfg = read_config(model, os.path.join(job.init_hf, "config.json"), fits=True)
-        else:
-            cfg = model.preset(job.preset, job.tp)
-    except ValueError as e:
-        _error(str(e))
-    layers = cfg.num_hidden_layers
-    if layers % job.pp:
-        _error(f"--pp {job.pp} must divide model {job.model}'s {layers} decoder layers (stages of equal depth); "
-               f"valid --pp: {', '.join(str(d) for d in range(1, layers + 1) if layers % d == 0)}")
-    if cfg.tie_word_embeddings:
-        _error(f"--pp {job.pp}: model {job.model}'s config ties the output head to the embedding "
-               "(tie_word_embeddings), which would live on the first and the last stage; pipeline parallelism "
-               "needs untied embeddings")
 
 
 def _check_upcycle(job: Job) -> None:

@@ -173,12 +173,11 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
     mesh = meta.get("mesh")
     if not isinstance(mesh, dict):
         error(f"--resume: {file}: 'mesh' is {mesh!r}, not the mesh record fmoe train writes")
-    batches = job.world // job.tp
+    batches = job.world // (job.tp * job.pp)
     if mesh.get("num_batches") != batches:
         error(f"--resume {where} was trained with {mesh.get('num_batches')} data-parallel batches per step "
-              f"(mesh {mesh}); this mesh (world {job.world}, --tp {job.tp}) has {batches}: every step "
-              "would see other data. Choose --nproc/--tp with world / tp = "
-              f"{mesh.get('num_batches')}")
+              f"(mesh {mesh}); this mesh (world {job.world}, --tp {job.tp}, --pp {job.pp}) has {batches}: every "
+              f"step would see other data. Choose --nproc/--tp/--pp with world / (tp * pp) = {mesh.get('num_batches')}")
     schedule = meta.get("schedule")
     total = schedule.get("total") if isinstance(schedule, dict) else None
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:

@@ -1,0 +1,84 @@
+"""What the parallelism flags need of each other and of the model, checked before any rank
+starts (called by :func:`fmoe.training.resolve.resolve`; ``error`` raises its
+:class:`~fmoe.training.job.JobConfigError`): ``--sp`` needs ``--tp > 1`` dividing ``--seq``;
+``--microbatches`` needs ``--pp > 1`` and divides ``--batch``; ``--pp`` divides the model's
+decoder layers, never with ``--grad-accum`` (its micro-batches are the accumulation),
+``--dp-batches``, tied embeddings or ``--optim-in-backward``; the in-backward update's own rules
+(:func:`fmoe.training.optim_backward.check`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+from ..models import get
+
+__all__ = ["check_options", "check_stages"]
+
+
+def check_options(job: Any, error: Callable[[str], Any], resumed: bool = False) -> None:
+    """``--sp``, ``--pp``, ``--microbatches``, ``--pp-schedule`` and ``--optim-in-backward`` against
+    the other flags (the layer count is :func:`check_stages`'). A checkpoint records a pipeline's
+    ``--batch B --microbatches M`` as the ``--batch B/M --grad-accum M`` that reads the same rows
+    the same way; resumed with ``--pp`` such a kept pair becomes ``--batch B --microbatches M``."""
+    if resumed and job.pp > 1 and job.grad_accum > 1 and "grad_accum" not in job.explicit:
+        if job.microbatches not in (None, job.grad_accum):
+            error(f"--microbatches {job.microbatches}: the checkpoint's steps ran {job.grad_accum} micro-batches of "
+                   f"{job.batch} rows; a resumed run keeps them (drop --microbatches)")
+        job.batch, job.microbatches, job.grad_accum = job.batch * job.grad_accum, job.grad_accum, 1
+    if job.optim_in_backward:
+        from .optim_backward import check
+
+        if job.pp > 1:
+            error(f"--optim-in-backward with --pp {job.pp}: the pipeline's stages run several micro-batches' "
+                   "backward before their one update, which the in-backward update does not schedule; drop one of them")
+        try:
+            check(job.grad_accum * job.dp_batches, job.clip or None)
+        except ValueError as e:
+            error(str(e))
+    if job.sp and (job.tp == 1 or job.seq % job.tp):
+        error("--sp (sequence parallelism) splits the sequence over the tensor-parallel ranks; it needs --tp > 1, "
+               f"got --tp {job.tp}" + (f" (it must also divide --seq {job.seq})" if job.tp > 1 else ""))
+    if job.pp == 1:
+        if job.microbatches is not None:
+            error(f"--microbatches {job.microbatches} splits the batch of a pipeline; it needs --pp > 1 (without a "
+                   "pipeline, --grad-accum N runs micro-batches)")
+        return
+    given = job.microbatches is not None
+    job.microbatches = job.microbatches if given else job.pp
+    if job.grad_accum > 1:
+        error(f"--grad-accum {job.grad_accum} with --pp {job.pp}: the pipeline's micro-batches are the "
+               f"accumulation; give --microbatches M (each --batch split into M) instead")
+    if job.dp_batches > 1:
+        error("--dp-batches runs one process; it cannot be combined with --pp")
+    if job.batch % job.microbatches:
+        error(f"--microbatches {job.microbatches}{'' if given else ' (the default: --pp)'} must divide --batch "
+               f"{job.batch} (each micro-batch is "
+               f"--batch / M rows); valid: {', '.join(str(d) for d in range(1, job.batch + 1) if job.batch % d == 0)}")
+
+
+def check_stages(job: Any, error: Callable[[str], Any], found: Optional[tuple]) -> None:
+    """``--pp`` divides the model's decoder layers into stages of at least one layer each."""
+    if job.pp == 1:
+        return
+    from ..checkpoint.config_check import config_from_dict, read_config
+
+    model = get(job.model)
+    try:
+        if found is not None:
+            cfg = config_from_dict(model, found[1].get("hf_config"), "meta.json", fits=True)
+        elif job.init_hf:
+            cfg = read_config(model, os.path.join(job.init_hf, "config.json"), fits=True)
+        else:
+            cfg = model.preset(job.preset, job.tp)
+    except ValueError as e:
+        error(str(e))
+    layers = cfg.num_hidden_layers
+    if layers % job.pp:
+        error(f"--pp {job.pp} must divide model {job.model}'s {layers} decoder layers (stages of equal depth); "
+               f"valid --pp: {', '.join(str(d) for d in range(1, layers + 1) if layers % d == 0)}")
+    if cfg.tie_word_embeddings:
+        error(f"--pp {job.pp}: model {job.model}'s config ties the output head to the embedding "
+               "(tie_word_embeddings), which would live on the first and the last stage; pipeline parallelism "
+               "needs untied embeddings")
