@@ -33,6 +33,9 @@ from .counting import count_bytes
 
 __all__ = ["Pipe", "send_forward", "recv_forward"]
 
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]    # what a stage's output may be
+_MAX_DIMS = 6
+
 
 class Pipe:
     """The pending sends of one step's pipeline exchanges (wait for them before the step ends).
@@ -70,6 +73,20 @@ class Pipe:
             work.wait()
         self.pending.clear()
         self.waited += time.perf_counter() - t0
+
+    def send_tensor(self, x: torch.Tensor, peer: int, tag: int) -> None:
+        """Send ``x`` with its dtype and shape (a fixed-size header first) to a receiver that does
+        not know them (:meth:`recv_tensor`: evaluation under autocast)."""
+        if x.ndim > _MAX_DIMS:
+            raise ValueError(f"Pipe.send_tensor: at most {_MAX_DIMS} dims, got {tuple(x.shape)}")
+        shape = list(x.shape) + [0] * (_MAX_DIMS - x.ndim)
+        self.send(torch.tensor([_DTYPES.index(x.dtype), x.ndim, *shape], dtype=torch.int64, device=x.device), peer, tag)
+        self.send(x, peer, tag)
+
+    def recv_tensor(self, device: torch.device, peer: int, tag: int) -> torch.Tensor:
+        """Receive what :meth:`send_tensor` sent."""
+        head = self.recv((2 + _MAX_DIMS,), torch.int64, device, peer, tag).tolist()
+        return self.recv(tuple(head[2:2 + head[1]]), _DTYPES[head[0]], device, peer, tag)
 
     def anchor(self) -> torch.Tensor:
         """The empty tensor that requires grad every :func:`recv_forward` of this pipe hangs off."""

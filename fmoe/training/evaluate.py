@@ -31,6 +31,7 @@ from ..nn import cross_entropy
 from ..routing.metrics import load_metrics
 from . import router_aux
 from .forward import autocast, forward_with_aux, world_mean
+from .pipeline import forward_stage, gather_layers, join_stages
 
 __all__ = ["evaluate", "held_out_batch", "EVAL_SEED"]
 
@@ -108,14 +109,18 @@ def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batc
             x, y = held_out_batch(stream, i, batch, seq, seed, mesh.batch_index * dp_batches + b, n)
             if device is not None:
                 x, y = x.to(device), y.to(device)
-            with autocast(dtype, x.device):
-                logits, aux = forward_with_aux(model, params, x, cfg, mesh, impl, router)
-            total += cross_entropy(logits.float(), y).double().cpu()
+            with autocast(dtype, x.device):             # pp: this rank's stage (fmoe.training.pipeline)
+                logits, aux = (forward_with_aux(model, params, x, cfg, mesh, impl, router) if mesh.pp == 1 else
+                               forward_stage(lambda h: forward_with_aux(model, params, x, cfg, mesh, impl, router, h),
+                                             mesh, x.device, len(stats)))
+            if logits is not None:                      # (the last stage's, with pp)
+                total += cross_entropy(logits.float(), y).double().cpu()
             layers = aux.get("moe", [])
             if layers and all("load" in layer for layer in layers):      # global over the batches
                 now = [layer["load"].cpu() for layer in layers]
                 loads = now if loads is None else [a + b for a, b in zip(loads, now)]
             stats.append(router_aux.stats(aux))                       # drop_rate, load_routed, ...
-    loss = float(world_mean(total / len(pieces)))
-    out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), **load_metrics(loads or [], "eval_")}
-    return {**out, **router_aux.stat_metrics(stats, "eval_")}
+    loss = float(world_mean(total / len(pieces), mesh))
+    out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
+           **load_metrics(gather_layers(loads or [], mesh), "eval_")}
+    return {**out, **join_stages(router_aux.stat_metrics(stats, "eval_", group=mesh.stage_group), mesh, "eval_")}

@@ -171,7 +171,8 @@ def run(rank: int, world: int, job: Any) -> dict:
             params, opt_state, m = train_step(model, cfg, params, opt_state, tuple(t.to(device) for t in batch),
                                               mesh=mesh, step_cfg=step_cfg, lr=lr)
         if options.should_eval(job, step):
-            m.update(evaluate(model, cfg, params, held_out, mesh=mesh, batches=job.eval_batches, batch=job.batch,
+            rows = job.batch // (job.microbatches if job.pp > 1 else 1)     # --pp: as its --grad-accum twin
+            m.update(evaluate(model, cfg, params, held_out, mesh=mesh, batches=job.eval_batches, batch=rows,
                               seq=job.seq, seed=job.eval_seed, impl=job.impl, router=step_cfg.router,
                               dtype=job.dtype, device=device, dp_batches=job.dp_batches))
         last = {"step": step, **m, **watch.rank_lists()}

@@ -46,7 +46,7 @@ from ..routing.metrics import load_metrics
 from ..sharding import Plan, local_shard
 
 __all__ = ["SCHEDULES", "stage_layers", "stage_tree", "stage_plan", "schedule", "StageOut", "Timeline", "run_schedule",
-           "run_stage", "join_stages", "sum_stages"]
+           "run_stage", "forward_stage", "gather_layers", "join_stages", "sum_stages"]
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -217,7 +217,31 @@ def run_stage(micro: Callable[[int, Optional[torch.Tensor], bool], StageOut], le
                         (tokens.shape[0] // n, seq, hidden_size), dtype)
 
 
-def join_stages(metrics: dict, mesh: Any) -> dict:
+def forward_stage(forward: Callable[[Optional[torch.Tensor]], tuple], mesh: Any, device: torch.device,
+                  tag: int) -> tuple[Optional[torch.Tensor], dict]:
+    """One batch through this rank's stage without gradients (evaluation): ``forward(hidden)``
+    on the previous stage's output (None on the first stage), whose output goes to the next
+    stage. Returns ``(logits or None before the last stage, aux)``."""
+    stage, pipe = mesh.stage, Pipe()
+    hidden = pipe.recv_tensor(device, mesh.rank - mesh.stage_world, tag) if stage > 0 else None
+    out, aux = forward(hidden)
+    if stage < mesh.pp - 1:
+        pipe.send_tensor(out, mesh.rank + mesh.stage_world, tag)
+        out = None
+    pipe.wait()
+    return out, aux
+
+
+def gather_layers(values: list, mesh: Any) -> list:
+    """Every stage's per-layer list (e.g. the held-out loads), joined in stage order on every
+    rank; ``pp == 1``: ``values``. Collective over every rank."""
+    if mesh.pp == 1:
+        return values
+    every = all_gather_objects(values)
+    return [v for s in range(mesh.pp) for v in every[s * mesh.stage_world]]
+
+
+def join_stages(metrics: dict, mesh: Any, prefix: str = "") -> dict:
     """One step's log entries of the whole model from each stage's own (each computed over its
     stage's ranks): per-layer lists joined in stage order, and the load metrics over all layers
     (:func:`fmoe.routing.metrics.load_metrics`) computed again from the joined loads. Collective
@@ -226,6 +250,7 @@ def join_stages(metrics: dict, mesh: Any) -> dict:
     Args:
         metrics: this rank's entries (lists are per MoE layer of its stage).
         mesh: the :class:`fmoe.Mesh`.
+        prefix: of every key (``"eval_"``).
     Returns:
         the entries of the whole model, equal on every rank.
     """
@@ -238,8 +263,8 @@ def join_stages(metrics: dict, mesh: Any) -> dict:
         parts = [d[key] for d in leads if key in d]
         out[key] = [x for p in parts for x in p] if all(isinstance(p, list) for p in parts) else parts[-1]
     for loads, suffix in (("expert_load", ""), ("load_routed", "_routed")):
-        if out.get(loads) and all(v is not None for v in out[loads]):
-            out.update(load_metrics([torch.tensor(v, dtype=torch.float64) for v in out[loads]], "", suffix))
+        if out.get(prefix + loads) and all(v is not None for v in out[prefix + loads]):
+            out.update(load_metrics([torch.tensor(v, dtype=torch.float64) for v in out[prefix + loads]], prefix, suffix))
     return out
 
 
