@@ -75,7 +75,7 @@ def _tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
 
 
 def export_hf(model: Any, params: Any, cfg: Any, path: str, *, model_name: str, router: Optional[str],
-              tokenizer: Any, step: int, overwrite: bool = False, progress: bool = False) -> None:
+              tokenizer: Any, step: int, overwrite: bool = False, progress: bool = False, mesh: Any = None) -> None:
     """Write the export (see the module docstring); call on every rank.
 
     Args:
@@ -88,6 +88,8 @@ def export_hf(model: Any, params: Any, cfg: Any, path: str, *, model_name: str, 
         step: the step the weights are at.
         overwrite: as ``--overwrite``.
         progress: a bar on stderr (rank 0 without ``--quiet``).
+        mesh: the training mesh; with ``pp > 1`` each stage's leaves are gathered and joined
+            into the whole model first (every stage's first rank sends its part).
     """
     from ..checkpoint.hf import save_hf
     from ..model import model_of
@@ -97,5 +99,13 @@ def export_hf(model: Any, params: Any, cfg: Any, path: str, *, model_name: str, 
               "router_in_hf_config": fields is not None, "tokenizer": tokenizer.name,
               "tokenizer_digest": tokenizer.digest, "step": step}
     files = {**_tokenizer_files(tokenizer), FMOE_RECORD: (json.dumps(record, indent=2) + "\n").encode()}
+    if mesh is not None and mesh.pp > 1:                # every stage's part, joined (fmoe.training.pipeline)
+        from .. import tree as _tree
+        from ..collectives import all_gather_objects
+        from ..sharding import gather
+
+        part = {k: v.detach().cpu() for k, v in _tree.flatten(gather(params)).items()}
+        lead = mesh.rank % mesh.stage_world == 0
+        params = _tree.unflatten({k: v for d in all_gather_objects(part if lead else {}) for k, v in d.items()})
     save_hf(model_of(model), params, cfg, path, overwrite=overwrite, files=files,
             config_update={**(fields or {}), "fmoe_router": router}, progress=progress)

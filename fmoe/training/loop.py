@@ -204,5 +204,5 @@ def run(rank: int, world: int, job: Any) -> dict:
 
         export_hf(model, params, hf_cfg, job.export_hf, model_name=job.model, router=job.router,
                   tokenizer=tokenizer, step=max(start, last.get("step", start)), overwrite=job.overwrite,
-                  progress=rank0 and not job.quiet)
+                  progress=rank0 and not job.quiet, mesh=mesh)
     return last
