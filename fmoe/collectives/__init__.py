@@ -17,6 +17,7 @@ all_gather         concat slices (uneven ok)  reduce-scatter: sum, keep own slic
 gather_slices      concat slices (uneven ok)  keep own slice (output used identically)
 reduce_scatter     sum, keep own slice        all-gather
 local_slice        keep own slice             all-gather of the slices' gradients
+gathered_linear    all-gather, then a linear  dx reduce-scattered; x gathered again for dw
 send_forward       send to the next stage     receive the gradient from it
 recv_forward       receive from the previous  send the gradient to it
 =================  =========================  ==========================================
@@ -51,10 +52,10 @@ from .buffers import (all_gather_objects, all_gather_rows, all_gather_sizes, all
 from .counting import SentBytes, counting
 from .exchange import all_reduce, all_to_all, grad_sum
 from .p2p import Pipe, recv_forward, send_forward
-from .slices import all_gather, gather_slices, local_slice, reduce_scatter
+from .slices import all_gather, gather_slices, gathered_linear, local_slice, reduce_scatter
 
 __all__ = ["all_to_all", "all_reduce", "grad_sum", "all_gather", "gather_slices",
-           "reduce_scatter", "local_slice", "group_size", "all_gather_sizes", "all_reduce_coalesced",
+           "reduce_scatter", "local_slice", "gathered_linear", "group_size", "all_gather_sizes", "all_reduce_coalesced",
            "all_gather_rows", "reduce_scatter_rows", "all_to_all_rows", "sum_over_world", "barrier",
            "broadcast_object", "broadcast_from", "all_gather_objects", "counting", "SentBytes",
            "Pipe", "send_forward", "recv_forward"]

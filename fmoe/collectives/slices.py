@@ -2,7 +2,9 @@
 slices, uneven ones too), ``reduce_scatter`` (sum, keep the own slice) and ``local_slice`` (keep
 the own slice of a replicated input), as new-style ``torch.autograd.Function``s whose backward is
 the adjoint exchange (the table in :mod:`fmoe.collectives`). The vmap rules move the batch dim
-first and gather once for the whole batch.
+first and gather once for the whole batch. ``gathered_linear`` is ``all_gather`` fused with the
+linear layer that consumes it (a sequence-parallel colwise layer): it keeps this rank's slice for
+backward, not the gathered tensor, and gathers it again there.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..transforms import apply, without_jvp
 from .buffers import all_gather_rows, all_gather_sizes, group_size
 from .counting import count
 
-__all__ = ["all_gather", "gather_slices", "reduce_scatter", "local_slice"]
+__all__ = ["all_gather", "gather_slices", "reduce_scatter", "local_slice", "gathered_linear"]
 
 
 def _batch_first(x: torch.Tensor, bdim: int, dim: int) -> tuple[torch.Tensor, int]:
@@ -212,3 +215,82 @@ def local_slice(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: Sequ
     if len(sizes) != group_size(group):
         raise ValueError(f"local_slice: sizes {sizes} must have one entry per rank of the group ({group_size(group)})")
     return apply(_LocalSlice, _LocalSliceTraced, x, dim, sizes, group)
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """``y = all_gather(x) @ w.T + b`` saving ``x`` (this rank's slice), not the gathered input:
+    backward gathers ``x`` again for ``dw`` and reduce-scatters ``dx`` (the adjoint of the gather:
+    each rank's ``dx`` is partial, from its own output features). Backward is made of
+    differentiable pieces, so higher derivatives work."""
+
+    @staticmethod
+    def forward(x, w, b, dim, sizes, group):
+        return F.linear(_gather(x, dim, sizes, group), w, b)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, b, ctx.dim, ctx.sizes, ctx.group = inputs
+        ctx.save_for_backward(x, w)
+        ctx.save_for_forward(x, w)
+        ctx.has_bias = b is not None
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _ReduceScatter.apply(g.matmul(w), ctx.dim, ctx.sizes, ctx.group)     # [..., S / n, in]
+        if ctx.needs_input_grad[1]:
+            xf = _AllGather.apply(x, ctx.dim, ctx.sizes, ctx.group, False)           # [..., S, in] again
+            dw = g.reshape(-1, g.shape[-1]).t().matmul(xf.reshape(-1, xf.shape[-1]))  # [out, in]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.reshape(-1, g.shape[-1]).sum(0)
+        return dx, dw, db, None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, dw, db, *_):
+        x, w = ctx.saved_tensors
+        out = None
+        for t in (None if dx is None else F.linear(_gather(dx, ctx.dim, ctx.sizes, ctx.group), w),
+                  None if dw is None else F.linear(_gather(x, ctx.dim, ctx.sizes, ctx.group), dw), db):
+            if t is not None:
+                out = t if out is None else out + t
+        return out
+
+    @staticmethod
+    def vmap(info, in_dims, x, w, b, dim, sizes, group):
+        if in_dims[1] is None and in_dims[2] is None:   # one gather for the whole batch of inputs
+            if in_dims[0] is None:
+                return _GatheredLinear.apply(x, w, b, dim, sizes, group), None
+            xb, d = _batch_first(x, in_dims[0], dim)
+            return _GatheredLinear.apply(xb, w, b, d, sizes, group), 0
+        outs = [_GatheredLinear.apply(*[t if d is None else t.select(d, i) for t, d in zip((x, w, b), in_dims[:3])],
+                                      dim, sizes, group) for i in range(info.batch_size)]
+        return torch.stack(outs), 0                     # per-example weights: one call per example
+
+
+_GatheredLinearTraced = without_jvp(_GatheredLinear)
+
+
+def gathered_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], group: Optional[dist.ProcessGroup],
+                    dim: int = 0) -> torch.Tensor:
+    """``F.linear(all_gather(x, group, dim), w, b)`` with every rank's slice of ``dim`` equal,
+    keeping only ``x`` for backward (the gathered input is gathered again there): a
+    sequence-parallel colwise layer (:func:`fmoe.nn.linear`). Backward: ``dx`` reduce-scattered,
+    ``dw`` and ``db`` from the whole gathered input.
+
+    Args:
+        x: this rank's slice ``[..., in]`` (``dim`` not the last).
+        w: ``[out, in]``; b: ``[out]`` or None.
+        group: process group (None: single process, a plain ``F.linear``).
+        dim: the gathered dim.
+    Returns:
+        ``[..., out]`` with ``dim`` ``group size`` times longer.
+
+    Example:
+        >>> gathered_linear(torch.ones(2, 3), torch.ones(4, 3), None, None).shape
+        torch.Size([2, 4])
+    """
+    if group_size(group) == 1:
+        return F.linear(x, w, b)
+    return apply(_GatheredLinear, _GatheredLinearTraced, x, w, b, dim, [x.shape[dim]] * group_size(group), group)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from einops import rearrange
 from torch.distributed.tensor import DTensor
 
-from ..collectives import all_gather, group_size, local_slice, reduce_scatter
+from ..collectives import group_size, local_slice, reduce_scatter
 from ..sharding import chunk_range, sequence_parallel
 from ..transforms import peel
 
@@ -84,12 +84,6 @@ def sp_group(t: torch.Tensor) -> tuple[Optional[dist.ProcessGroup], int]:
         return None, 1
     group, n, _ = tp_size_rank(t)
     return (group, n) if n > 1 else (None, 1)
-
-
-def gather_seq(x: torch.Tensor, group: Optional[dist.ProcessGroup], n: int) -> torch.Tensor:
-    """The whole sequence ``[..., S, F]`` from each rank's piece ``[..., S / n, F]`` (all-gather);
-    backward: each rank's partial gradient summed and scattered back (reduce-scatter)."""
-    return all_gather(x, group, dim=SEQ_DIM, sizes=[x.shape[SEQ_DIM]] * n)
 
 
 def scatter_seq(y: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:

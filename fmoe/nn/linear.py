@@ -28,9 +28,10 @@ partial lookups are all-reduced) or split on ``D`` (local lookup, features gathe
 Sequence parallelism (a weight placed on ``fmoe.Mesh(tp=n, sp=True)``,
 :func:`fmoe.sharding.sequence_parallel`): between tensor-parallel layers the activations are
 split over tp on the sequence dim (``[..., S / n, F]``), so a colwise layer all-gathers its
-input along the sequence (backward: reduce-scatter, which also does the ``grad_sum``), a rowwise
-layer reduce-scatters its partial products along the sequence instead of all-reducing them, a
-replicated weight (and a rowwise layer's bias) works on this rank's piece of the sequence, so
+input along the sequence (backward: reduce-scatter, which also does the ``grad_sum``; it keeps
+only this rank's piece for backward and gathers it again there: ``collectives.gathered_linear``),
+a rowwise layer reduce-scatters its partial products along the sequence instead of all-reducing
+them, a replicated weight (and a rowwise layer's bias) works on this rank's piece of the sequence, so
 its gradient is marked ``Partial`` over tp, and the vocabulary-parallel embedding
 reduce-scatters its partial lookups along the sequence (a replicated or ``D``-split table keeps
 this rank's piece of its output). ``n`` must divide the sequence.
@@ -43,11 +44,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..collectives import all_reduce, grad_sum, gather_slices
+from ..collectives import all_reduce, grad_sum, gather_slices, gathered_linear
 from ..fsdp import unshard
 from ..sharding import chunk_range, chunk_sizes, placement_of
 from ..transforms import data_checks_enabled
-from ._tp import SEQ_DIM, check_tensor, gather_seq, own_part, own_seq, scatter_seq, sp_group, tp_size_rank, unpack_gathered
+from ._tp import SEQ_DIM, check_tensor, own_part, own_seq, scatter_seq, sp_group, tp_size_rank, unpack_gathered
 
 __all__ = ["linear", "embedding"]
 
@@ -114,7 +115,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
             raise ValueError(f"linear: colwise w {tuple(w.shape)} needs the full input width "
                              f"{wl.shape[1]}, but x has {x.shape[-1]} features")
         bl = None if b is None else _colwise_bias(b, wl.shape[0], n, r, p.packed)
-        y = F.linear(gather_seq(x, group, n) if sp else grad_sum(x, group), wl, bl)
+        if sp:   # the whole sequence for this rank's features; x's piece (not the gathered x) kept for backward
+            y = gathered_linear(x, wl, bl, group, dim=SEQ_DIM)
+        else:
+            y = F.linear(grad_sum(x, group), wl, bl)
         if gather or (gather is None and p.gather):
             sizes = [y.shape[-1]] * n if p.packed > 1 else chunk_sizes(w.shape[0], n)  # uneven: torch.chunk
             y = gather_slices(y, group, dim=-1, sizes=sizes)

@@ -183,3 +183,33 @@ def test_job_tp2_sp_losses_equal_tp2(tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert b["load_balance_loss"] == pytest.approx(a["load_balance_loss"], rel=1e-5)
         assert b["expert_load"] == a["expert_load"]
+
+
+def _gathered_linear_transforms(rank: int, world: int) -> list:
+    """``gathered_linear`` (x's slice kept, gathered again in backward) against the composite
+    ``F.linear(all_gather(x), w, b)`` under backward, double backward, jvp and vmap."""
+    from torch.func import jvp, vmap
+    from fmoe.collectives import all_gather, gathered_linear
+
+    group = torch.distributed.new_group([0, 1])
+    g = torch.Generator().manual_seed(rank)
+    x, w, b = torch.randn(2, 3, 5, generator=g), torch.randn(4, 5, generator=g), torch.randn(4, generator=g)
+    fused = lambda x, w, b: gathered_linear(x, w, b, group, dim=-2)                     # noqa: E731
+    plain = lambda x, w, b: torch.nn.functional.linear(all_gather(x, group, dim=-2), w, b)  # noqa: E731
+    out = []
+    for f in (fused, plain):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        y = f(xs, ws, bs)
+        grads = torch.autograd.grad((y ** 3).sum(), (xs, ws, bs), create_graph=True)
+        second = torch.autograd.grad(sum((gr ** 2).sum() for gr in grads), (xs, ws, bs))   # double backward
+        tangent = jvp(f, (x, w, b), (torch.ones_like(x), torch.full_like(w, 0.5), torch.ones_like(b)))[1]
+        batched = vmap(f, in_dims=(0, None, None))(torch.stack([x, 2 * x]), w, b)
+        per_weight = vmap(f, in_dims=(None, 0, None))(x, torch.stack([w, -w]), b)
+        out.append([y.detach(), *[t.detach() for t in grads], *second, tangent, batched, per_weight])
+    return out
+
+
+def test_gathered_linear_under_transforms():
+    for rank, (fused, plain) in enumerate(on_ranks(_gathered_linear_transforms, 2)):
+        for i, (a, b) in enumerate(zip(fused, plain)):
+            close(a, b, f"rank {rank} output {i}")
