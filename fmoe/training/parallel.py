@@ -59,10 +59,16 @@ def check_options(job: Any, error: Callable[[str], Any], resumed: bool = False) 
 
 
 def check_stages(job: Any, error: Callable[[str], Any], found: Optional[tuple]) -> None:
-    """``--pp`` divides the model's decoder layers into stages of at least one layer each."""
+    """``--pp`` divides the model's decoder layers into stages of equal depth (after the balancing
+    methods are resolved: ``global_aux`` needs the whole step's routing before its forward)."""
     if job.pp == 1:
         return
     from ..checkpoint.config_check import config_from_dict, read_config
+    from .balancing import parse_methods
+
+    if "global_aux" in parse_methods(job.balance or "none") and job.aux_weight:
+        error(f"--balance {job.balance} with --pp {job.pp}: global_aux counts the whole step's routing in a forward "
+              "before the step's own, which a pipeline's stages cannot run; use aux or seq_aux")
 
     model = get(job.model)
     try:
