@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the weights the optimizer updates (and their gradients)")
     g.add_argument("--optim-dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of AdamW's moments")
     g.add_argument("--loss-chunks", type=int, default=1, help="compute the loss by N chunks of tokens")
+    g.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: none; with "
+                   "--optim-in-backward a clip takes a second backward pass)")
+    g.add_argument("--optim-in-backward", action="store_true", help="update each layer inside backward")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism over --tp")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--microbatches", type=int, default=None, help="micro-batches of a pipeline (default: --pp)")
+    g.add_argument("--pp-schedule", choices=("1f1b", "gpipe"), default="1f1b")
     g.add_argument("--dry-run", action="store_true",
                    help="also run the real train step of each rank role on fake tensors and report measured bytes")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -84,7 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ``--memory-gb``."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    for name in ("nproc", "tp", "ep", "dp_replicate", "batch", "seq", "grad_accum", "loss_chunks", "memory_gb"):
+    for name in ("nproc", "tp", "ep", "dp_replicate", "batch", "seq", "grad_accum", "loss_chunks", "memory_gb", "clip",
+                 "pp", "microbatches"):
         if getattr(args, name) is not None:
             try:                                          # the job's own checks of the same flags
                 check_value(name, getattr(args, name))
@@ -96,7 +104,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan = memory_plan(model, cfg, nproc=args.nproc, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
                            batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,
                            grad_accum=args.grad_accum, master_dtype=args.master_dtype,
-                           optim_dtype=args.optim_dtype, loss_chunks=args.loss_chunks)
+                           optim_dtype=args.optim_dtype, loss_chunks=args.loss_chunks,
+                           optim_in_backward=args.optim_in_backward, clip=args.clip, sp=args.sp, pp=args.pp,
+                           microbatches=args.microbatches, pp_schedule=args.pp_schedule)
         if args.dry_run:
             result = dry_run_report(plan, model, cfg, device=args.device, memory_gb=args.memory_gb)
     except (ValueError, TypeError, OSError) as e:

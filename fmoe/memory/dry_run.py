@@ -66,18 +66,20 @@ def check_device(device: str) -> torch.device:
 
 
 def _placements(model: Any, cfg: Any, mesh) -> tuple[dict, dict]:
-    """Full meta shapes and this rank's placements (the trainer's plan, data-parallel splits)."""
+    """Full meta shapes of this rank's pipeline stage and its placements (the trainer's plan,
+    data-parallel splits)."""
     from ..model import model_of
+    from ..training.pipeline import stage_tree
 
     with torch.device("meta"):
-        full = model.init(cfg)
+        full = stage_tree(model.init(cfg), mesh.stage, mesh.pp)
     m = model_of(model)
     plan = m.build_plan(cfg, m.build_plan(cfg, mesh=mesh), mesh, full, data_parallel=True)
     return _tree.flatten(full), _tree.flatten(plan.resolve(full, mesh))
 
 
 def rank_roles(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] = None,
-               dp_replicate: int = 1, tokens: int = 1) -> list[list[int]]:
+               dp_replicate: int = 1, tokens: int = 1, pp: int = 1, sp: bool = False) -> list[list[int]]:
     """Ranks grouped by role: equal local shapes of every leaf and equal token slice (the TP
     slice a rank dispatches) measure the same, so the dry run runs the first of each group.
 
@@ -90,10 +92,10 @@ def rank_roles(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[in
 
     roles: dict[tuple, list[int]] = {}
     for r in range(nproc):
-        mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate)
+        mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate, pp, sp)
         full, placed = _placements(model, cfg, mesh)
         a, b = tp_slice_bounds(tokens, tp, mesh.rank_in("tp"))
-        key = (b - a,) + tuple(local_shape(tuple(t.shape), placed[p], mesh) for p, t in full.items())
+        key = (b - a, mesh.stage) + tuple(local_shape(tuple(t.shape), placed[p], mesh) for p, t in full.items())
         roles.setdefault(key, []).append(r)
     return list(roles.values())
 
@@ -112,7 +114,7 @@ def _fake_params(model: Any, cfg: Any, mesh, dtype: torch.dtype, device: torch.d
 
 
 def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq, precision: Precision,
-              remat, grad_accum, device, aux_weight, loss_chunks) -> dict:
+              remat, grad_accum, device, aux_weight, loss_chunks, parallel: dict) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -126,11 +128,13 @@ def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq,
         raise RuntimeError("dry run: a process group is already initialised in this process")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nproc)
     try:
-        mesh = Mesh(tp=tp, ep=ep, dp_replicate=dp_replicate, device_type=device.type)
+        mesh = Mesh(tp=tp, ep=ep, dp_replicate=dp_replicate, device_type=device.type, pp=parallel["pp"],
+                    sp=parallel["sp"])
         cfg = model_of(model).with_aux_loss(cfg, aux_weight)
-        step_cfg = StepConfig(opt=AdamWConfig(), dtype=precision.compute, remat=remat, grad_accum=grad_accum,
+        step_cfg = StepConfig(opt=AdamWConfig(max_grad_norm=parallel["clip"] or None), dtype=precision.compute,
+                              remat=remat, grad_accum=grad_accum, pp_schedule=parallel["pp_schedule"],
                               round_seed=0 if precision.master == "bf16" else None, donate=True,
-                              loss_chunks=loss_chunks)
+                              loss_chunks=loss_chunks, optim_in_backward=parallel["optim_in_backward"])
         t0 = time.perf_counter()
         with FakeTensorMode(), HostReads():
             params = _fake_params(model, cfg, mesh, precision.master_dtype, device)
@@ -141,7 +145,7 @@ def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq,
             tracker.tag(opt_state, "optimizer")
             with tracker, comm:
                 train_step(model, cfg, params, opt_state, (tokens, tokens), mesh=mesh, step_cfg=step_cfg, lr=1e-4)
-        measured = {**tracker.peak(), "collective_bytes": sum(comm.bytes.values()), "collectives": comm.bytes}
+        measured = {**tracker.peak(), "max_grads_bytes": tracker.max_grads_bytes, "collective_bytes": sum(comm.bytes.values()), "collectives": comm.bytes}
         return {"rank": rank, "measured": measured, "seconds": round(time.perf_counter() - t0, 2)}
     finally:
         dist.destroy_process_group()
@@ -150,30 +154,40 @@ def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq,
 def dry_run(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1,
             batch: int = 1, seq: int = 64, dtype: str = "fp32", master_dtype: str = "fp32",
             optim_dtype: str = "fp32", remat: str = "none", grad_accum: int = 1, loss_chunks: int = 1,
-            device: str = "cpu", aux_weight: float = 0.01) -> dict:
+            device: str = "cpu", aux_weight: float = 0.01, optim_in_backward: bool = False,
+            clip: Optional[float] = 1.0, sp: bool = False, pp: int = 1, microbatches: Optional[int] = None,
+            pp_schedule: str = "1f1b") -> dict:
     """Measure one train step of every rank role on fake tensors (module docstring).
 
     Args:
         model, cfg: a model module of :mod:`fmoe.models` and its Config (any size: no weights).
         nproc, tp, ep, dp_replicate: the mesh, as the job's flags.
-        batch, seq, dtype, master_dtype, optim_dtype, remat, grad_accum, loss_chunks: the job's flags.
+        batch, seq, dtype, master_dtype, optim_dtype, remat, grad_accum, loss_chunks, optim_in_backward,
+            clip, sp, pp, microbatches, pp_schedule: the job's flags (``batch``: rows per data-parallel
+            batch; with ``pp`` split into ``microbatches`` (default ``pp``), without it each of the
+            ``grad_accum`` micro-batches has ``batch`` rows).
         device: ``"cpu"`` or ``"cuda"`` (see :func:`check_device`).
         aux_weight: the router loss weight, as ``--aux-weight``.
     Returns:
         ``{"roles": [[ranks]], "ranks": [{"rank", "role", "measured": {"peak_bytes",
         "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-        "temporaries_bytes", "collective_bytes", "collectives": {op: bytes}}, "seconds"}]}``,
+        "temporaries_bytes", "max_grads_bytes", "collective_bytes", "collectives": {op: bytes}},
+        "seconds"}]}`` (``max_grads_bytes``: the most gradient bytes alive at any moment),
         every rank listed (a rank reports its role's measurement).
     """
     precision = Precision(dtype, master_dtype, optim_dtype)
     dev = check_device(device)
-    VirtualMesh(nproc, 0, tp, ep, dp_replicate)                      # mesh errors before any work
-    roles = rank_roles(model, cfg, nproc=nproc, tp=tp, ep=ep, dp_replicate=dp_replicate, tokens=batch * seq)
+    VirtualMesh(nproc, 0, tp, ep, dp_replicate, pp, sp)              # mesh errors before any work
+    M = (microbatches or pp) if pp > 1 else 1
+    parallel = {"pp": pp, "sp": sp, "microbatches": M, "pp_schedule": pp_schedule, "clip": clip,
+                "optim_in_backward": optim_in_backward}
+    roles = rank_roles(model, cfg, nproc=nproc, tp=tp, ep=ep, dp_replicate=dp_replicate, tokens=batch // M * seq,
+                       pp=pp, sp=sp)
     ranks = {}
     for i, members in enumerate(roles):
         run = _run_rank(model, cfg, members[0], nproc=nproc, tp=tp, ep=ep, dp_replicate=dp_replicate,
-                        batch=batch, seq=seq, precision=precision, remat=remat, grad_accum=grad_accum,
-                        device=dev, aux_weight=aux_weight, loss_chunks=loss_chunks)
+                        batch=batch // M, seq=seq, precision=precision, remat=remat, grad_accum=grad_accum * M,
+                        device=dev, aux_weight=aux_weight, loss_chunks=loss_chunks, parallel=parallel)
         for r in members:
             ranks[r] = {**run, "rank": r, "role": i, "measured_rank": members[0]}
     return {"roles": roles, "ranks": [ranks[r] for r in range(nproc)]}
@@ -200,7 +214,9 @@ def dry_run_report(plan: dict, model: Any, cfg: Any, *, device: str = "auto",
     out = dry_run(model, cfg, nproc=m["nproc"], tp=m["tp"], ep=m["ep"], dp_replicate=m["dp_replicate"],
                   batch=plan["batch"], seq=plan["seq"], dtype=plan["dtype"], master_dtype=plan["master_dtype"],
                   optim_dtype=plan["optim_dtype"], remat=plan["remat"], grad_accum=plan["grad_accum"],
-                  loss_chunks=plan["loss_chunks"], device=dev)
+                  loss_chunks=plan["loss_chunks"], device=dev, optim_in_backward=plan["optim_in_backward"],
+                  clip=plan["clip"], sp=m["sp"], pp=m["pp"], microbatches=plan["microbatches"],
+                  pp_schedule=plan["pp_schedule"])
     ranks = [{"rank": planned["rank"], "role": measured["role"], "measured_rank": measured["measured_rank"],
               "planned": {**planned["peak"], "collective_bytes": planned["collective_bytes"]},
               "measured": measured["measured"], "seconds": measured["seconds"]}

@@ -40,23 +40,33 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Optional
+
+from ..precision import Precision
+from . import fake_splits
 
 __all__ = ["layer_activations", "global_activations", "loss_temporaries", "layer_temporaries", "norm_temporaries",
-           "step_peak"]
+           "step_peak", "Stage", "rank_peak"]
 
 
-def layer_activations(w: dict, *, tokens: int, slots: int, tp: int, b: int, moe: bool) -> int:
+#: of the ``8 D`` per token a layer keeps beside its attention widths, the part that sequence
+#: parallelism keeps on the rank's ``T / tp`` tokens only (residual stream and norms)
+SP_SPLIT_D = 4
+
+
+def layer_activations(w: dict, *, tokens: int, slots: int, tp: int, b: int, moe: bool, sp: bool = False) -> int:
     """Activation bytes one decoder layer keeps for backward (module docstring).
 
     Args:
         w: layer widths as a dict (:meth:`fmoe.model.Model.widths`, ``._asdict()``).
         tokens: T; slots: A, routing slots computed by this rank's experts; tp: tensor parallel
-        size; b: activation bytes per element; moe: a MoE layer (else a dense MLP layer).
+        size; b: activation bytes per element; moe: a MoE layer (else a dense MLP layer);
+        sp: sequence parallelism (:data:`SP_SPLIT_D` of the ``8 D`` on ``T / tp`` tokens).
     """
     D = w["D"]
     q, kv = w["H"] * w["hd"] // tp, w["G"] * w["hd"] // tp
-    attn = tokens * (8 * D + q + kv)
+    split = SP_SPLIT_D if sp else 0
+    attn = tokens * (8 * D - split * D + q + kv) + tokens // tp * split * D
     ffn = slots * (4 * D + 3 * w["I"]) if moe else tokens * 3 * w["Id"] // tp
     return b * (attn + ffn)
 
@@ -93,18 +103,32 @@ def norm_temporaries(largest: int, grad_bytes: int) -> int:
 
 def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss_temps: int,
               norm_temps: int, layer_acts: int = 0, layer_temps: int = 0, last_acts: int = 0,
-              last_grads: int = 0) -> dict[str, Any]:
+              last_grads: int = 0, in_backward: Optional[int] = None,
+              retained: Optional[int] = None) -> dict[str, Any]:
     """The largest of the phases, with its bytes by category (``total_bytes`` the peak): the
     start of backward; the first layer's backward (the log-softmax and its own activations going,
     its temporaries ``layer_temps`` there, no gradient yet); the last layer's backward (only
-    ``last_acts`` left, ``last_grads`` of gradients already made); the optimizer."""
+    ``last_acts`` left, ``last_grads`` of gradients already made); the optimizer.
+
+    With the optimizer inside backward (``in_backward``: the largest layer's gradient bytes) no
+    phase holds more gradients than that one layer's, and the optimizer's phase is the first
+    layer's update (its norm's temporaries) while nearly every activation is still alive;
+    ``retained``: the activations a backward that keeps its graph holds throughout (the clip's
+    first pass; None: no such pass)."""
+    if in_backward is not None:                  # a layer's gradients come at the end of its backward
+        grads, last_grads = in_backward, 0
+        if retained is not None:
+            layer_acts, last_acts = activations - retained, retained
     phases = [
         ("backward", {"grads_bytes": 0, "activations_bytes": activations, "temporaries_bytes": loss_temps}),
         ("first layer backward", {"grads_bytes": 0, "activations_bytes": activations - layer_acts,
                                   "temporaries_bytes": layer_temps}),
         ("last layer backward", {"grads_bytes": last_grads, "activations_bytes": last_acts,
                                  "temporaries_bytes": layer_temps}),
-        ("optimizer", {"grads_bytes": grads, "activations_bytes": 0, "temporaries_bytes": norm_temps}),
+        ("optimizer", {"grads_bytes": grads, "activations_bytes": 0, "temporaries_bytes": norm_temps})
+        if in_backward is None else         # the first layer updated: the activations are still there
+        ("update in backward", {"grads_bytes": grads, "activations_bytes": activations,
+                                "temporaries_bytes": norm_temps}),
     ]
     best = None
     for name, cats in phases:
@@ -112,3 +136,58 @@ def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss
         if best is None or total > best["total_bytes"]:
             best = {"phase": name, "total_bytes": total, "params_bytes": params, "optimizer_bytes": optimizer, **cats}
     return best
+
+
+class Stage(NamedTuple):
+    """What the pipeline and the optimizer-in-backward change in a rank's step: micro-batches in
+    flight, first / last stage, the largest layer's gradient bytes (None: the normal step), and
+    whether a first backward keeps the graph (the clip's norm pass)."""
+    inflight: int
+    first: bool
+    last: bool
+    group_grads: Optional[int]
+    retained: bool
+
+
+def rank_peak(w: dict, mesh: Any, T: int, moe_layers: int, layers: int, pol: Precision, remat: str,
+          loss_chunks: int, params: int, grads: int, optimizer: int, largest: int, autocast_copies: int,
+          gathered: int, last_grads: int, stage: Stage) -> dict:
+    """The step's predicted peak on one rank (:func:`step_peak` of its phases), from the layer
+    widths ``w``, its mesh coordinates, the tokens ``T`` of one micro-batch, its stage's layer
+    counts and the byte counts :func:`fmoe.memory.plan.memory_plan` adds up; the routing slots
+    follow :mod:`fmoe.memory.fake_splits`, the rule the dry run uses."""
+    from ..ep.token_dispatch import tp_slice_bounds
+
+    b = 2 if "bf16" in (pol.compute, pol.master) else 4
+    if moe_layers and mesh.ep > 1:
+        slices = [(lambda ab: ab[1] - ab[0])(tp_slice_bounds(T, mesh.tp, j % mesh.tp)) for j in range(mesh.ep)]
+        slots = fake_splits.received(slices, k=w["K"], me=mesh.rank_in("ep"))[1]
+    else:
+        slots = T * w["K"]
+    dense_layers = layers - moe_layers
+    kw = dict(tokens=T, tp=mesh.tp, b=b, sp=mesh.sp)
+    moe_l = layer_activations(w, slots=slots, moe=True, **kw) if moe_layers else 0
+    dense_l = layer_activations(w, slots=0, moe=False, **kw) if dense_layers else 0
+    if remat == "layer":
+        acts = (moe_layers + dense_layers) * b * T * w["D"] // (mesh.tp if mesh.sp else 1) + max(moe_l, dense_l)
+    elif remat == "moe" and moe_layers:
+        expert = b * slots * (4 * w["D"] + 3 * w["I"])
+        acts = moe_layers * (moe_l - expert) + expert + dense_layers * dense_l
+    else:
+        acts = moe_layers * moe_l + dense_layers * dense_l
+    head = stage.last                            # logits, the loss and the final norm live on the last stage
+    once = global_activations(w, tokens=T, b=b, loss_chunks=loss_chunks) if head else 0
+    acts = stage.inflight * acts + once + autocast_copies // 2
+    expert = b * slots * (4 * w["D"] + 3 * w["I"]) if moe_layers else 0
+    last = max(moe_l, dense_l) if remat == "none" else b * T * w["D"]          # what the first layer's backward frees
+    loss_side = 4 * T * w["V"] if loss_chunks == 1 and head else 0   # the log-softmax is gone by then (the logits stay)
+    return step_peak(params=params, grads=grads, optimizer=optimizer, activations=int(acts),
+                                 loss_temps=loss_temporaries(w, tokens=T, b=b, loss_chunks=loss_chunks)
+                                 if head else 0,
+                                 norm_temps=norm_temporaries(largest, pol.master_dtype.itemsize),
+                                 layer_acts=int(last + loss_side),
+                                 layer_temps=layer_temporaries(gathered=gathered, expert_acts=int(expert)),
+                                 last_acts=b * T * w["V"] if head else 0, last_grads=last_grads,
+                                 in_backward=stage.group_grads,
+                                 retained=int(acts - (max(moe_l, dense_l) if remat == "layer" else 0))
+                                 if stage.retained else None)

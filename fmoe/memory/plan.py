@@ -57,7 +57,7 @@ from ..mesh import RankLayout
 from ..model import Widths, model_of
 from ..sharding import local_shape
 from ..precision import Precision
-from . import fake_splits, peak as memory_peak
+from . import peak as memory_peak
 
 __all__ = ["memory_plan", "format_plan", "VirtualMesh", "activation_estimate"]
 
@@ -74,9 +74,10 @@ class VirtualMesh(RankLayout):
         (4, 2, 1, 3, 1)
     """
 
-    def __init__(self, world: int, rank: int = 0, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1):
+    def __init__(self, world: int, rank: int = 0, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1,
+                 pp: int = 1, sp: bool = False):
         try:
-            super().__init__(world, rank, tp=tp, ep=ep, dp_replicate=dp_replicate, names={"world": "nproc"})
+            super().__init__(world, rank, tp=tp, ep=ep, dp_replicate=dp_replicate, pp=pp, sp=sp, names={"world": "nproc"})
         except (TypeError, ValueError) as e:
             raise ValueError(f"memory plan: {e}") from None
 
@@ -125,7 +126,8 @@ def activation_estimate(w: Widths, *, tokens: int, tp: int, moe_layers: int, den
 def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1,
                 batch: int = 4, seq: int = 64, dtype: str = "fp32", remat: str = "none", grad_accum: int = 1,
                 model_plan: Any = None, master_dtype: str = "fp32", optim_dtype: str = "fp32",
-                loss_chunks: int = 1) -> dict:
+                loss_chunks: int = 1, optim_in_backward: bool = False, clip: Optional[float] = 1.0, sp: bool = False,
+                pp: int = 1, microbatches: Optional[int] = None, pp_schedule: str = "1f1b") -> dict:
     """Per-rank memory and traffic of training ``model`` on ``nproc`` ranks (no process needed).
 
     Args:
@@ -139,6 +141,13 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         remat: ``"none"``, ``"layer"`` or ``"moe"``.
         grad_accum: micro-batches per step (activations are those of one micro-batch).
         model_plan: the model's TP/EP plan (default: the model's own).
+        optim_in_backward: each layer updated inside backward (:mod:`fmoe.training.optim_backward`):
+            one layer's gradients alive at a time; with ``clip`` (not None / 0) the first of its two
+            backward passes keeps every activation.
+        sp: sequence parallelism over tp (the residual stream and norms on ``seq / tp`` tokens).
+        pp, microbatches, pp_schedule: pipeline stages (each rank counts its stage's leaves),
+            ``batch`` split into ``microbatches`` (default ``pp``), ``"1f1b"`` (stage ``s`` holds
+            ``min(M, pp - s)`` micro-batches' activations) or ``"gpipe"`` (all ``M``).
     Returns:
         ``{"model", "mesh", "batch", "seq", "dtype", "master_dtype", "optim_dtype", "remat",
         "ranks": [{rank, params_bytes, grads_bytes, optimizer_bytes, activations_bytes,
@@ -149,6 +158,11 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
     """
     from ..fsdp import data_parallel_plan
 
+    if pp_schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"memory plan: pp_schedule must be '1f1b' or 'gpipe', got {pp_schedule!r}")
+    M = (microbatches or pp) if pp > 1 else 1
+    if batch % M:
+        raise ValueError(f"memory plan: microbatches={M} must divide batch={batch}")
     if remat not in ("none", "layer", "moe"):
         raise ValueError(f"memory plan: remat must be 'none', 'layer' or 'moe', got {remat!r}")
     try:
@@ -158,24 +172,30 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
     if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 1:
         raise ValueError(f"memory plan: loss_chunks must be an int >= 1, got {loss_chunks!r}")
     mb, ob = pol.master_dtype.itemsize, pol.optim_dtype.itemsize
-    m0 = VirtualMesh(nproc, 0, tp, ep, dp_replicate)          # mesh errors first, before any model work
+    m0 = VirtualMesh(nproc, 0, tp, ep, dp_replicate, pp, sp)  # mesh errors first, before any model work
     declared = model_of(model)
     with torch.device("meta"):
         full = declared.init(cfg)
     flat = _tree.flatten(full)
     mp = model_plan if model_plan is not None else declared.build_plan(cfg, tp=tp)
     w = declared.widths(cfg)
-    moe_layers = sum(1 for p in flat if p.endswith("moe.router"))
+    if w.L % pp:
+        raise ValueError(f"memory plan: pp={pp} must divide the model's {w.L} decoder layers")
     ranks = []
     act_bytes = 2 if dtype == "bf16" else 4      # bf16: weights cast on the shard, before the gather
     for r in range(nproc):
-        mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate)
+        mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate, pp, sp)
         placed = _tree.flatten(data_parallel_plan(mp, full, mesh).resolve(full, mesh))
+        own = {p: t for p, t in flat.items() if _stage_of(p, w.L, pp) == mesh.stage}    # this stage's leaves
+        moe_layers = sum(1 for p in own if p.endswith("moe.router"))
+        layers = w.L // pp
+        first, last = mesh.stage == 0, mesh.stage == pp - 1
+        inflight = 1 if pp == 1 else M if pp_schedule == "gpipe" else min(M, pp - mesh.stage)
         params = grads = optimizer = largest = 0
         dense_mm = collective = 0.0
         gathered: dict[str, int] = {}                 # layer -> bytes its weights take gathered
         layer_grads: dict[str, int] = {}              # layer -> bytes of its gradients
-        for path, t in flat.items():
+        for path, t in own.items():
             p = placed[path]
             n = _numel(local_shape(tuple(t.shape), p, mesh))
             params += n * mb
@@ -192,65 +212,49 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
                 layer_grads[layer] = layer_grads.get(layer, 0) + n * mb
             if "ep" not in p.mesh_axes() and len(t.shape) >= 2 and path != "embed":
                 dense_mm += n * k * _F32                             # gathered for a matmul
-            collective += 3 * (k - 1) * n * min(act_bytes, mb) * grad_accum   # gather, re-gather, reduce-scatter: compute dtype
+            collective += 3 * (k - 1) * n * min(act_bytes, mb) * grad_accum * M   # gather, re-gather, reduce-scatter
             if mesh.dp_replicate > 1:
                 collective += 2 * (mesh.dp_replicate - 1) / mesh.dp_replicate * n * mb
-        T = batch * seq
+        T = batch // M * seq                       # tokens of one micro-batch
         R = T * w.K / tp if moe_layers else 0
-        collective += grad_accum * moe_layers * 4 * R * (mesh.ep - tp) / mesh.ep * w.D * act_bytes
-        collective += grad_accum * w.L * 4 * 2 * (tp - 1) / tp * T * w.D * act_bytes
-        acts = activation_estimate(w, tokens=T, tp=tp, moe_layers=moe_layers,
-                                   dense_layers=w.L - moe_layers, dtype=dtype, remat=remat,
-                                   weight_bytes=int(dense_mm))
+        passes = grad_accum * M * (2 if optim_in_backward and clip else 1)     # backward passes (two with the clip)
+        collective += grad_accum * M * moe_layers * 4 * R * (mesh.ep - tp) / mesh.ep * w.D * act_bytes
+        collective += grad_accum * M * layers * 4 * 2 * (tp - 1) / tp * T * w.D * act_bytes
+        if pp > 1:                                 # the residual stream to the next stage, its gradient back
+            collective += M * T * w.D * act_bytes * (int(not last) + int(not first)) / tp
+        if passes > grad_accum * M:                # the norm pass repeats the backward's exchanges (~ half)
+            collective *= 1.5
+        acts = inflight * activation_estimate(w, tokens=T, tp=tp, moe_layers=moe_layers,
+                                              dense_layers=layers - moe_layers, dtype=dtype, remat=remat,
+                                              weight_bytes=int(dense_mm))
         optimizer += _STEP
-        peak = _peak(w._asdict(), mesh, T, moe_layers, pol, remat, loss_chunks, params, grads, optimizer, largest,
-                     int(dense_mm) if pol.master == "fp32" and pol.compute == "bf16" else 0,
-                     max(gathered.values(), default=0),
-                     grads - layer_grads.get("layers.0", 0) - layer_grads.get("embed", 0))
+        first_grads = layer_grads.get(f"layers.{mesh.stage * layers}", 0) + layer_grads.get("embed", 0)
+        shape = memory_peak.Stage(inflight, first, last, max(layer_grads.values(), default=0) if optim_in_backward else None,
+                       bool(optim_in_backward and clip))
+        peak = memory_peak.rank_peak(w._asdict(), mesh, T, moe_layers, layers, pol, remat, loss_chunks, params, grads, optimizer,
+                     largest, int(dense_mm) if pol.master == "fp32" and pol.compute == "bf16" else 0,
+                     max(gathered.values(), default=0), grads - first_grads, shape)
+        if optim_in_backward:                      # one layer's gradients alive at a time
+            grads = shape.group_grads
         ranks.append({"rank": r, "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
                       "activations_bytes": acts, "collective_bytes": int(collective),
                       "total_bytes": params + grads + optimizer + acts, "peak": peak})
     return {"model": declared.name,
             "mesh": {"nproc": nproc, "tp": tp, "ep": m0.ep, "fsdp": m0.fsdp, "efsdp": m0.efsdp,
-                     "dp_replicate": dp_replicate},
+                     "dp_replicate": dp_replicate, "pp": pp, "sp": sp},
             "batch": batch, "seq": seq, "dtype": dtype, "master_dtype": master_dtype, "optim_dtype": optim_dtype,
-            "loss_chunks": loss_chunks, "remat": remat, "grad_accum": grad_accum,
+            "loss_chunks": loss_chunks, "remat": remat, "grad_accum": grad_accum, "microbatches": M,
+            "pp_schedule": pp_schedule, "optim_in_backward": optim_in_backward, "clip": clip,
             "ranks": ranks, "max_total_bytes": max(r["total_bytes"] for r in ranks)}
 
 
-def _peak(w: dict, mesh: VirtualMesh, T: int, moe_layers: int, pol: Precision, remat: str, loss_chunks: int,
-          params: int, grads: int, optimizer: int, largest: int, autocast_copies: int, gathered: int,
-          last_grads: int) -> dict:
-    """The step's predicted peak on this rank (:mod:`fmoe.memory.peak`); the routing slots
-    follow :mod:`fmoe.memory.fake_splits`, the rule the dry run uses."""
-    from ..ep.token_dispatch import tp_slice_bounds
-
-    b = 2 if "bf16" in (pol.compute, pol.master) else 4
-    if moe_layers and mesh.ep > 1:
-        slices = [(lambda ab: ab[1] - ab[0])(tp_slice_bounds(T, mesh.tp, j % mesh.tp)) for j in range(mesh.ep)]
-        slots = fake_splits.received(slices, k=w["K"], me=mesh.rank_in("ep"))[1]
-    else:
-        slots = T * w["K"]
-    dense_layers = w["L"] - moe_layers
-    moe_l = memory_peak.layer_activations(w, tokens=T, slots=slots, tp=mesh.tp, b=b, moe=True) if moe_layers else 0
-    dense_l = memory_peak.layer_activations(w, tokens=T, slots=0, tp=mesh.tp, b=b, moe=False) if dense_layers else 0
-    if remat == "layer":
-        layers = (moe_layers + dense_layers) * b * T * w["D"] + max(moe_l, dense_l)
-    elif remat == "moe" and moe_layers:
-        expert = b * slots * (4 * w["D"] + 3 * w["I"])
-        layers = moe_layers * (moe_l - expert) + expert + dense_layers * dense_l
-    else:
-        layers = moe_layers * moe_l + dense_layers * dense_l
-    acts = layers + memory_peak.global_activations(w, tokens=T, b=b, loss_chunks=loss_chunks) + autocast_copies // 2
-    expert = b * slots * (4 * w["D"] + 3 * w["I"]) if moe_layers else 0
-    last = max(moe_l, dense_l) if remat == "none" else b * T * w["D"]          # what the first layer's backward frees
-    loss_side = 4 * T * w["V"] if loss_chunks == 1 else 0       # the log-softmax is gone by then (the logits stay)
-    return memory_peak.step_peak(params=params, grads=grads, optimizer=optimizer, activations=int(acts),
-                                 loss_temps=memory_peak.loss_temporaries(w, tokens=T, b=b, loss_chunks=loss_chunks),
-                                 norm_temps=memory_peak.norm_temporaries(largest, pol.master_dtype.itemsize),
-                                 layer_acts=int(last + loss_side),
-                                 layer_temps=memory_peak.layer_temporaries(gathered=gathered, expert_acts=int(expert)),
-                                 last_acts=b * T * w["V"], last_grads=last_grads)
+def _stage_of(path: str, num_layers: int, pp: int) -> int:
+    """The pipeline stage holding ``path`` (:func:`fmoe.training.pipeline.stage_layers`: equal
+    contiguous blocks of layers; the embedding on the first stage, the rest on the last)."""
+    parts = path.split(".")
+    if parts[0] == "layers":
+        return int(parts[1]) // (num_layers // pp)
+    return 0 if parts[0] == "embed" else pp - 1
 
 
 def _fmt(n: float, unit: float) -> str:
@@ -263,7 +267,9 @@ def format_plan(plan: dict, memory_gb: Optional[float] = None) -> str:
     m = plan["mesh"]
     head = (f"memory plan: {plan['model']} on {m['nproc']} ranks (tp={m['tp']} ep={m['ep']} fsdp={m['fsdp']} "
             f"efsdp={m['efsdp']} dp_replicate={m['dp_replicate']}), batch {plan['batch']} x seq {plan['seq']}, "
-            f"{plan['dtype']}, remat {plan['remat']}, grad_accum {plan['grad_accum']}")
+            f"{plan['dtype']}, remat {plan['remat']}, grad_accum {plan['grad_accum']}"
+            + (f", pp {m['pp']} ({plan['pp_schedule']}, {plan['microbatches']} micro-batches)" if m["pp"] > 1 else "")
+            + (", sp" if m["sp"] else "") + (", optimizer in backward" if plan["optim_in_backward"] else ""))
     cols = ("params", "grads", "optimizer", "activations", "total", "sent/step")
     unit, name = (1e9, "GB") if plan["max_total_bytes"] >= 1e9 else (1e6, "MB")
     lines = [head, f"{'rank':>4} " + " ".join(f"{c + ' ' + name:>15}" for c in cols)]

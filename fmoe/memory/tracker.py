@@ -8,7 +8,10 @@
   ``activations`` what the forward allocates and ``temporaries`` everything allocated in
   backward (recomputation included) or after it (gradient reduction, optimizer math);
   ``max_grads_bytes``, the most gradient bytes alive at any moment of the step (what
-  ``--optim-in-backward`` lowers).
+  ``--optim-in-backward`` lowers). DTensor's sharding propagation builds fake tensors of an op's
+  *global* shape to infer its output (under its own fake mode on a real run: no memory); under
+  the dry run's fake mode the tracker would count them, so it skips what runs inside it (an
+  ``.grad`` accumulation of a sharded expert weight made an 0.8 GB ghost).
 - :class:`CollectiveBytes`: bytes handed to each collective (the input tensors of every
   ``c10d`` op), per op name.
 - :class:`HostReads`: the fake-mode rule for a host read (``int(t)``, ``bool(t)``, ``float(t)``
@@ -84,7 +87,31 @@ class StepTracker(MemTracker):
 
     _REF = {"params": _MemRefType.PARAM, "optimizer": _MemRefType.OPT, "grads": _MemRefType.GRAD}
 
+    def __enter__(self) -> "StepTracker":
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        own = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def propagate(prop, *args, **kwargs):        # DTensor's shape inference: not the step's memory
+            self._propagating += 1
+            try:
+                return own(prop, *args, **kwargs)
+            finally:
+                self._propagating -= 1
+
+        self._propagating, self._own_propagate = 0, own
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._own_propagate
+        super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._propagating:                        # fake arguments of a DTensor op's global shape
+            return func(*args, **(kwargs or {}))
         # a computing (not view / detach) op on a tensor that requires grad, with grad mode on,
         # outside backward: a forward (again: the next micro-batch); ops on gradients alone
         # (the norm) and ``loss.detach()`` stay after the backward

@@ -37,7 +37,7 @@ def _measure(rank, world, preset, tp, ep, dpr, batch, seq, dtype):
     from fmoe.training.grads import reduce_grads
     from fmoe.optim.adamw import init as adamw_init
     from fmoe.training import router_aux
-    from fmoe.training.step import autocast, forward_with_aux
+    from fmoe.training.forward import autocast, forward_with_aux
     cfg = dataclasses.replace(qwen3_moe.MODEL.preset(preset, tp), output_router_logits=True)
     mesh = fmoe.Mesh(tp=tp, ep=ep, dp_replicate=dpr)
     full = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(True), qwen3_moe.init(cfg, seed=0))
