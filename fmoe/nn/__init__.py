@@ -22,6 +22,13 @@ any               ``fsdp`` / ``dp_replicate`` split gathered for the call (``fmo
                                                     gradient reduce-scattered
 ================  ================================  ============================================
 
+With sequence parallelism (parameters placed on ``fmoe.Mesh(tp=n, sp=True)``, which marks them:
+:func:`fmoe.sharding.sequence_parallel`) the activations between tensor-parallel layers are split
+over tp on the sequence: a colwise ``linear`` all-gathers its input (``dx`` reduce-scattered), a
+rowwise one and the vocabulary-parallel ``embedding`` reduce-scatter instead of all-reducing,
+and a replicated weight on the sequence piece (``rms_norm``, a replicated ``linear``) gets a
+gradient ``Partial`` over tp (:mod:`fmoe.nn.linear`).
+
 So changing one plan rule (say, a projection made ``colwise_gather``, or attention replicated)
 changes the communication without touching the model, and every plan gives the numbers of a
 single process. A replicated activation carries, on every rank, the full gradient of the one
