@@ -71,7 +71,7 @@ class Mesh(RankLayout):
     """
 
     def __init__(self, tp: int = 1, ep: Optional[int] = None, fsdp: Optional[int] = None,
-                 dp_replicate: int = 1, device_type: Optional[str] = None, pp: int = 1, sp: bool = False):
+                 dp_replicate: int = 1, pp: int = 1, device_type: Optional[str] = None, sp: bool = False):
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
