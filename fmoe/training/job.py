@@ -109,6 +109,9 @@ class JobConfig:
     microbatches: Optional[int] = _f("mesh", ("int", 1, None), "micro-batches of each --batch that run through the "
                                      "pipeline (with --pp > 1; the same update as --grad-accum M) (default: --pp)",
                                      metavar="M")
+    pp_layers: Optional[str] = _f("mesh", ("str",), "decoder layers of each stage, e.g. 3,2 (the last stage also "
+                                  "holds the head and the loss) (default: equal blocks; --pp must divide the layers)",
+                                  metavar="N,N")
     pp_schedule: str = _f("mesh", ("choice", ("1f1b", "gpipe")), "pipeline schedule: 1f1b (one forward, one backward: "
                           "at most pp micro-batches in flight) or gpipe (all forwards, then all backwards)", "1f1b")
     sp: bool = _f("mesh", ("bool",), "sequence parallelism: between tensor-parallel blocks the residual stream, norms "

@@ -137,7 +137,8 @@ def run(rank: int, world: int, job: Any) -> dict:
     full = balancing.with_expert_bias(full, job)      # --balance bias on any MoE model
     model_plan = model.build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model.build_plan(cfg, model_plan, mesh, full, data_parallel=True)
-    plan, full = stage_plan(plan, full, mesh.stage, mesh.pp), stage_tree(full, mesh.stage, mesh.pp)   # --pp
+    stages = (mesh.stage, mesh.pp, job.pp_layers and [int(n) for n in job.pp_layers.split(",")])   # --pp
+    plan, full = stage_plan(plan, full, *stages), stage_tree(full, *stages)
     packed = ckpt.packed_layout(plan, full)
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(full))   # params + 2 moments
     ckpt.on_rank0(lambda: check_room(job.out, need), f"checking --out {job.out}")

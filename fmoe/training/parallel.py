@@ -41,6 +41,8 @@ def check_options(job: Any, error: Callable[[str], Any], resumed: bool = False) 
         error("--sp (sequence parallelism) splits the sequence over the tensor-parallel ranks; it needs --tp > 1, "
                f"got --tp {job.tp}" + (f" (it must also divide --seq {job.seq})" if job.tp > 1 else ""))
     if job.pp == 1:
+        if job.pp_layers is not None:
+            error(f"--pp-layers {job.pp_layers} sizes the stages of a pipeline; it needs --pp > 1")
         if job.microbatches is not None:
             error(f"--microbatches {job.microbatches} splits the batch of a pipeline; it needs --pp > 1 (without a "
                    "pipeline, --grad-accum N runs micro-batches)")
@@ -81,9 +83,15 @@ def check_stages(job: Any, error: Callable[[str], Any], found: Optional[tuple]) 
     except ValueError as e:
         error(str(e))
     layers = cfg.num_hidden_layers
-    if layers % job.pp:
-        error(f"--pp {job.pp} must divide model {job.model}'s {layers} decoder layers (stages of equal depth); "
-               f"valid --pp: {', '.join(str(d) for d in range(1, layers + 1) if layers % d == 0)}")
+    if job.pp_layers is not None:
+        sizes = job.pp_layers.split(",")
+        if len(sizes) != job.pp or not all(n.strip().isdigit() and int(n) >= 1 for n in sizes) or \
+                sum(int(n) for n in sizes) != layers:
+            error(f"--pp-layers {job.pp_layers!r} must be {job.pp} comma-separated layer counts >= 1 (one per --pp "
+                  f"stage) summing to model {job.model}'s {layers} decoder layers")
+    elif layers % job.pp:
+        error(f"--pp {job.pp} must divide model {job.model}'s {layers} decoder layers (stages of equal depth), or "
+              f"give --pp-layers; valid --pp: {', '.join(str(d) for d in range(1, layers + 1) if layers % d == 0)}")
     if cfg.tie_word_embeddings:
         error(f"--pp {job.pp}: model {job.model}'s config ties the output head to the embedding "
                "(tie_word_embeddings), which would live on the first and the last stage; pipeline parallelism "

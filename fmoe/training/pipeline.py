@@ -51,12 +51,26 @@ __all__ = ["SCHEDULES", "stage_layers", "stage_tree", "stage_plan", "schedule", 
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """The layers of each of ``pp`` stages: contiguous, equal blocks.
+def stage_layers(num_layers: int, pp: int, sizes: Optional[Sequence[int]] = None) -> list[range]:
+    """The layers of each of ``pp`` stages: contiguous, equal blocks, or blocks of ``sizes``
+    layers (``--pp-layers``, e.g. fewer on the last stage, which also holds the head).
 
     Raises:
-        ValueError: ``pp`` does not divide ``num_layers``.
+        ValueError: ``pp`` does not divide ``num_layers``, or ``sizes`` are not ``pp`` counts
+            >= 1 summing to ``num_layers``.
+
+    Example:
+        >>> stage_layers(5, 2, [3, 2])
+        [range(0, 3), range(3, 5)]
     """
+    if sizes is not None:
+        sizes = list(sizes)
+        if len(sizes) != pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) \
+                or sum(sizes) != num_layers:
+            raise ValueError(f"pp_layers {sizes} must be {pp} layer counts >= 1 summing to the model's {num_layers} "
+                             "decoder layers")
+        starts = [sum(sizes[:s]) for s in range(pp)]
+        return [range(a, a + n) for a, n in zip(starts, sizes)]
     if pp < 1 or num_layers % pp:
         raise ValueError(f"pp={pp} must divide the model's {num_layers} decoder layers (stages of equal depth); "
                          f"valid pp: {[d for d in range(1, num_layers + 1) if num_layers % d == 0]}")
@@ -64,10 +78,10 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
     return [range(s * n, (s + 1) * n) for s in range(pp)]
 
 
-def stage_tree(tree: dict, stage: int, pp: int) -> dict:
+def stage_tree(tree: dict, stage: int, pp: int, sizes: Optional[Sequence[int]] = None) -> dict:
     """Stage ``stage``'s part of a model tree (parameters, gradients, optimizer moments): its
-    layers (the others None), ``embed`` on the first stage, everything else outside ``layers``
-    (the final norm, the head) on the last. ``pp == 1``: ``tree`` itself.
+    layers (:func:`stage_layers`; the others None), ``embed`` on the first stage, everything else
+    outside ``layers`` (the final norm, the head) on the last. ``pp == 1``: ``tree`` itself.
 
     Example:
         >>> t = {"embed": 1, "layers": [2, 3], "norm": 4, "lm_head": 5}
@@ -76,7 +90,7 @@ def stage_tree(tree: dict, stage: int, pp: int) -> dict:
     """
     if pp == 1:
         return tree
-    own = stage_layers(len(tree["layers"]), pp)[stage]
+    own = stage_layers(len(tree["layers"]), pp, sizes)[stage]
     out: dict = {}
     for key, value in tree.items():
         if key == "layers":
@@ -86,13 +100,13 @@ def stage_tree(tree: dict, stage: int, pp: int) -> dict:
     return out
 
 
-def stage_plan(plan: Plan, tree: dict, stage: int, pp: int) -> Plan:
+def stage_plan(plan: Plan, tree: dict, stage: int, pp: int, sizes: Optional[Sequence[int]] = None) -> Plan:
     """A plan of the whole model ``tree`` (e.g. :func:`fmoe.fsdp.data_parallel_plan`, resolved
     there, so its rules are checked against every leaf) restricted to stage ``stage``'s leaves:
     one exact rule per leaf of :func:`stage_tree`. ``pp == 1``: ``plan`` itself."""
     if pp == 1:
         return plan
-    own = _tree.flatten(stage_tree(tree, stage, pp))
+    own = _tree.flatten(stage_tree(tree, stage, pp, sizes))
     return Plan([(path, p) for path, p in _tree.flatten(plan.resolve(tree)).items() if path in own])
 
 
@@ -184,6 +198,7 @@ def run_schedule(forward: Callable[[int, Optional[torch.Tensor]], StageOut], lea
             else:
                 for a, g in zip(acc, grads):             # in place on the local shards
                     local_shard(a).add_(local_shard(g))
+            del grads                                    # not held through the next micro-batch's backward
     pipe.wait()
     return acc, records, Timeline(time.perf_counter() - t0, pipe.waited)
 

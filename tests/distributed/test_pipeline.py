@@ -116,6 +116,9 @@ def test_stages_and_schedules():
     assert stage_layers(6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
     with pytest.raises(ValueError, match="pp=4 must divide the model's 6 decoder layers"):
         stage_layers(6, 4)
+    assert stage_layers(6, 3, [1, 3, 2]) == [range(0, 1), range(1, 4), range(4, 6)]
+    with pytest.raises(ValueError, match=r"pp_layers \[3, 2\] must be 2 layer counts >= 1 summing to the model's 6"):
+        stage_layers(6, 2, [3, 2])
     for name in ("1f1b", "gpipe"):
         for pp in (2, 3, 4):
             for stage in range(pp):
@@ -174,9 +177,25 @@ def test_job_pp2_equals_its_grad_accum_twin_and_resumes_anywhere(tmp_path):
         close(b[k], a[k], f"export {k}")
 
 
+def test_job_uneven_stages_with_expert_bias(tmp_path):
+    """DeepSeek-V3 (3 layers: dense, then MoE with the aux-loss-free expert bias) on stages of 2
+    and 1 layers (``--pp-layers 2,1``) logs the losses, gradient norms and bias sizes of its
+    ``--grad-accum`` twin."""
+    job = dict(model="deepseek_v3", preset="tiny", steps=3, seq=16, warmup=1, quiet=True)
+    fmoe.training.run(JobConfig(out=str(tmp_path / "twin"), batch=2, grad_accum=2, **job))
+    fmoe.training.run(JobConfig(out=str(tmp_path / "pp"), batch=4, nproc=2, pp=2, pp_layers="2,1", **job))
+    for a, b in zip(read_log(tmp_path / "twin"), read_log(tmp_path / "pp"), strict=True):
+        for k in ("loss", "grad_norm", "expert_bias_absmax", "expert_load"):
+            assert torch.allclose(torch.tensor(b[k], dtype=torch.float64), torch.tensor(a[k], dtype=torch.float64),
+                                  rtol=1e-5, atol=0), (a["step"], k, a[k], b[k])
+
+
 @pytest.mark.parametrize("flags,message", [
     (dict(pp=3, nproc=3, microbatches=2, batch=4), "--pp 3 must divide model qwen3_moe's 2 decoder layers"),
     (dict(pp=2, nproc=3), r"--nproc 3 must be divisible by --pp 2 \(pipeline stages of equal size\)"),
+    (dict(pp=2, nproc=2, pp_layers="2,1"), "--pp-layers '2,1' must be 2 comma-separated layer counts >= 1 .* summing "
+                                           "to model qwen3_moe's 2 decoder layers"),
+    (dict(pp_layers="1,1"), "--pp-layers 1,1 sizes the stages of a pipeline; it needs --pp > 1"),
     (dict(pp=2, nproc=2, microbatches=3, batch=4), "--microbatches 3 must divide --batch 4"),
     (dict(pp=2, nproc=2, batch=3), r"--microbatches 2 \(the default: --pp\) must divide --batch 3"),
     (dict(microbatches=2), "--microbatches 2 splits the batch of a pipeline; it needs --pp > 1"),
@@ -184,7 +203,7 @@ def test_job_pp2_equals_its_grad_accum_twin_and_resumes_anywhere(tmp_path):
     (dict(pp=2, nproc=2, balance="global_aux"), "--balance global_aux with --pp 2"),
     (dict(sp=True, nproc=2), r"--sp \(sequence parallelism\) .* it needs --tp > 1, got --tp 1"),
     (dict(sp=True, nproc=2, tp=2, seq=15), "it must also divide --seq 15"),
-], ids=["layers", "nproc", "microbatches", "default-microbatches", "microbatches-without-pp", "grad-accum",
+], ids=["layers", "nproc", "pp-layers", "pp-layers-without-pp", "microbatches", "default-microbatches", "microbatches-without-pp", "grad-accum",
         "global-aux", "sp-without-tp", "sp-seq"])
 def test_bad_input_fails_before_any_rank_starts(tmp_path, flags, message):
     with pytest.raises(JobConfigError, match=message):
