@@ -1,7 +1,6 @@
 """fmoe plot draws each run's logged curves, labelled by its meta.json."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -44,14 +43,22 @@ def test_plot_writes_png_with_the_logged_curves(tmp_path):
     assert list(panels["tokens / s"].lines[1].get_ydata())[:2] == [1001.0, 1002.0]
 
 
-def test_plot_command_and_bad_run(tmp_path):
+def plot_cli(capsys, *args):
+    """``fmoe plot *args`` in this process (the program's own ``main``: its parser, exit codes and
+    one-line errors; ``tests/cli/test_commands.py`` starts the program as a process):
+    ``(returncode, stderr)``."""
+    from fmoe.cli.plot import main
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def test_plot_command_and_bad_run(tmp_path, capsys):
     a = _fake_run(tmp_path / "a", "qwen3_moe", None, 5.0)
-    r = subprocess.run([sys.executable, "-m", "fmoe", "plot", a, "--out", str(tmp_path / "x.png")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and (tmp_path / "x.png").stat().st_size > 10_000, r.stderr
-    r = subprocess.run([sys.executable, "-m", "fmoe", "plot", str(tmp_path), "--out", str(tmp_path / "y.png")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "has no log.jsonl" in r.stderr
+    code, err = plot_cli(capsys, a, "--out", str(tmp_path / "x.png"))
+    assert code == 0 and (tmp_path / "x.png").stat().st_size > 10_000, err
+    code, err = plot_cli(capsys, str(tmp_path), "--out", str(tmp_path / "y.png"))
+    assert code == 2 and "has no log.jsonl" in err
 
 
 def test_plot_keeps_one_colour_per_run_and_never_overwrites_silently(tmp_path, monkeypatch, capsys):
@@ -80,7 +87,7 @@ def test_plot_keeps_one_colour_per_run_and_never_overwrites_silently(tmp_path, m
     (tmp_path / "link.png").symlink_to(victim)
     assert main([a, "--out", "link.png"]) == 0
     assert victim.read_text() == "precious" and not (tmp_path / "link.png").is_symlink()
-def test_metric_plot_log_smooth_per_layer_and_settings_labels(tmp_path):
+def test_metric_plot_log_smooth_per_layer_and_settings_labels(tmp_path, capsys):
     from fmoe.cli.plot_metric import plot_metric
 
     a = _fake_run(tmp_path / "a", "qwen3_moe", None, 6.0)
@@ -95,12 +102,10 @@ def test_metric_plot_log_smooth_per_layer_and_settings_labels(tmp_path):
     assert fig.axes[0].get_yscale() == "log"
     fig = plot_metric([a], str(tmp_path / "l.png"), "load_imbalance", per_layer=True)
     assert [list(ln.get_ydata())[:2] for ln in fig.axes[0].lines] == [[2.0, 3.0], [4.0, 5.0]]
-    r = subprocess.run([sys.executable, "-m", "fmoe", "plot", a, "--metric", "maxvio", "--out", str(tmp_path / "x.png")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "no run logged 'maxvio'" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "fmoe", "plot", a, "--metric", "load_imbalance", "--log", "--smooth", "3",
-                        "--out", str(tmp_path / "y.png")], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and (tmp_path / "y.png").stat().st_size > 10_000, r.stderr
+    code, err = plot_cli(capsys, a, "--metric", "maxvio", "--out", str(tmp_path / "x.png"))
+    assert code == 2 and "no run logged 'maxvio'" in err
+    code, err = plot_cli(capsys, a, "--metric", "load_imbalance", "--log", "--smooth", "3", "--out", str(tmp_path / "y.png"))
+    assert code == 0 and (tmp_path / "y.png").stat().st_size > 10_000, err
 
 
 def test_plot_without_matplotlib_says_which_extra_to_install(tmp_path, monkeypatch, capsys):
