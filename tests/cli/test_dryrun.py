@@ -15,8 +15,6 @@
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -72,16 +70,26 @@ def test_remat_layer_regathers_fsdp_weights_in_backward():
     assert abs(plan["activations_bytes"] - remat["activations_bytes"]) <= 0.01 * remat["peak_bytes"], (plan, remat)
 
 
-def _plan_cli(*flags):
-    return subprocess.run([sys.executable, "-m", "fmoe", "memory", *flags], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+def _plan_cli(capsys, *flags):
+    """``fmoe memory *flags`` in this process (the program's ``main``: parser, exit codes, errors;
+    ``tests/cli/test_commands.py`` starts it as a process): ``returncode``, ``stdout``, ``stderr``."""
+    import types
+
+    from fmoe.cli.memory import main
+    capsys.readouterr()
+    try:
+        code = main(list(flags))
+    except SystemExit as e:                         # a usage error
+        code = e.code
+    out = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
-def test_cli_json_memory_limit_and_device():
+def test_cli_json_memory_limit_and_device(capsys):
     flags = ["--model", "qwen3_moe", "--preset", "tiny", "--nproc", "4", "--tp", "2", "--ep", "4", "--batch", "2",
              "--seq", "16", "--dtype", "bf16", "--master-dtype", "bf16", "--optim-dtype", "bf16", "--dry-run",
              "--device", "cpu", "--json"]
-    out = _plan_cli(*flags)
+    out = _plan_cli(capsys, *flags)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout)
     assert [r["rank"] for r in got["ranks"]] == [0, 1, 2, 3]
@@ -89,11 +97,11 @@ def test_cli_json_memory_limit_and_device():
     assert isinstance(r0["planned"]["total_bytes"], int) and isinstance(r0["measured"]["peak_bytes"], int)
     assert set(r0["planned"]) >= set(CATS) and set(r0["measured"]) >= set(CATS) | {"collective_bytes"}
     peak_gb = got["max_peak_bytes"] / 1e9
-    low = _plan_cli(*flags, "--memory-gb", str(peak_gb * 0.5))
+    low = _plan_cli(capsys, *flags, "--memory-gb", str(peak_gb * 0.5))
     assert low.returncode == 1 and json.loads(low.stdout)["fits"] is False
-    assert _plan_cli(*flags, "--memory-gb", str(peak_gb * 2)).returncode == 0
+    assert _plan_cli(capsys, *flags, "--memory-gb", str(peak_gb * 2)).returncode == 0
     if not torch.backends.cuda.is_built():
-        cuda = _plan_cli(*[f if f != "cpu" else "cuda" for f in flags])
+        cuda = _plan_cli(capsys, *[f if f != "cpu" else "cuda" for f in flags])
         assert cuda.returncode == 2 and "no CUDA" in cuda.stderr and "aborts on fake CUDA tensors" in cuda.stderr
 
 

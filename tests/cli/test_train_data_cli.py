@@ -5,7 +5,6 @@ Each run is a real ``fmoe train`` on 2 or 4 local gloo ranks.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -40,8 +39,8 @@ def test_text_and_tokenizer_train_eval_shards_and_resume(corpus, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tmp_path / "hf"))
     # the same job from pre-tokenized shards: identical batches, hence identical losses
     shards = str(tmp_path / "shards")
-    subprocess.run([sys.executable, "-m", "fmoe", "data", "prepare", "--tokenizer", tok, "--out", shards, "--quiet",
-                    "--shard-tokens", "3000", d], check=True, capture_output=True, timeout=300)
+    from fmoe.cli.data import main as data_main       # fmoe data prepare, in this process
+    assert data_main(["prepare", "--tokenizer", tok, "--out", shards, "--quiet", "--shard-tokens", "3000", d]) == 0
     cli(*flags, "--data", shards, "--steps", "12", "--save-every", "6", "--out", b)
     assert [r["loss"] for r in log(b)] == losses and [r.get("eval_loss") for r in log(b)] == [r.get("eval_loss") for r in rows]
     # resume from step 6 continues the same data stream bitwise
@@ -93,18 +92,21 @@ def test_bf16_on_four_ranks_resumes_bitwise_with_fp32_masters(tmp_path):
     assert not torch.equal(params["embed"], qwen3_moe.init(cfg, seed=1)["embed"])
 
 
-def test_remat_grad_accum_and_routers_from_the_command_line(tmp_path):
+def test_remat_grad_accum_and_routers_from_the_command_line(tmp_path, monkeypatch):
     (tmp_path / "my_routers.py").write_text(
         "import torch\nfrom fmoe.routing import Routing\n\n"
         "def top1(logits):\n"
         "    w, ids = torch.softmax(logits.float(), -1).max(-1, keepdim=True)\n"
         "    return Routing(w, ids, {})\n")
-    env = {"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # the user's module on the path (as PYTHONPATH puts it there): the job's ranks take the caller's sys.path
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_routers", raising=False)
     runs = {"plain": [], "remat": ["--remat", "layer", "--grad-accum", "2", "--batch", "1"],
             "sigmoid": ["--router", "sigmoid_topk:k=2"], "user": ["--router", "my_routers:top1"]}
     for name, extra in runs.items():
         cli(*BASE, "--nproc", "2", "--ep", "2", "--steps", "3", "--aux-weight", "0", *extra,
-            "--out", str(tmp_path / name), env=env)
+            "--out", str(tmp_path / name))
+    sys.modules.pop("my_routers", None)           # the next test's tmp_path holds another module
     plain, remat = log(str(tmp_path / "plain")), log(str(tmp_path / "remat"))
     assert all(abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"] for x, y in zip(plain, remat))   # 2 x 1 rows = 2 rows
     assert meta(str(tmp_path / "remat"), 3)["remat"] == "layer" and meta(str(tmp_path / "remat"), 3)["grad_accum"] == 2
