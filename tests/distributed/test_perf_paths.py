@@ -7,7 +7,6 @@ matmul paths, with empty experts and with no rows at all; fp32, rtol 1e-5.
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -174,19 +173,29 @@ def test_token_dispatch_uses_three_collectives_forward_two_backward_and_split_to
         assert split_ok == [True, True, True, True]            # local_slice cases, all_reduce_coalesced
 
 
-def _bench_gpu(*args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "benchmarks/bench_gpu.py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+def _bench_gpu(capsys, *args):
+    """``benchmarks/bench_gpu.py *args``, its ``main`` in this process (its main job still starts
+    ``fmoe train`` / ``fmoe memory`` as processes): ``returncode``, ``stdout``, ``stderr``."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "benchmarks", "bench_gpu.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = bench                # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    capsys.readouterr()
+    code = bench.main(list(args))
+    out = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
-def test_bench_gpu_dry_run_and_clear_error_without_cuda(tmp_path):
+def test_bench_gpu_dry_run_and_clear_error_without_cuda(tmp_path, capsys):
     out = tmp_path / "gpu.json"
-    r = _bench_gpu("--dry-run", "--reps", "2", "--warmup", "1", "--out", str(out))
+    r = _bench_gpu(capsys, "--dry-run", "--reps", "2", "--warmup", "1", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "fmoe.moe layer" in r.stdout and out.exists()
     if not torch.cuda.is_available():
-        r = _bench_gpu("--reps", "1")
+        r = _bench_gpu(capsys, "--reps", "1")
         assert r.returncode == 2 and "CUDA is not available" in r.stderr and "--dry-run" in r.stderr
 
 
