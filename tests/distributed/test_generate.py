@@ -165,10 +165,22 @@ def _tokenizer_json(path, vocab_size):
     return tok
 
 
-def test_command_line_prints_text_on_one_and_four_ranks(tmp_path):
-    import subprocess
-    import sys
+def _generate_cli(capfd, *args):
+    """``fmoe generate *args`` in this process (the program's ``main``: parser, exit codes, one-line
+    errors); what it and its ranks (rank 0 prints, to the caller's file descriptors) wrote."""
+    import types
 
+    from fmoe.cli.generate import main
+    capfd.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:                         # a usage error
+        code = e.code
+    out = capfd.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
+def test_command_line_prints_text_on_one_and_four_ranks(tmp_path, capfd):
     model, cfg, cls = CASES["qwen3_moe"]
     cfg = cfg.__class__.tiny(vocab_size=300, sliding_window=5)
     hf_model(cfg, cls).save_pretrained(tmp_path / "ck")
@@ -178,19 +190,16 @@ def test_command_line_prints_text_on_one_and_four_ranks(tmp_path):
     ids = fmoe.generate(model, params, cfg, [tok.encode(p).ids for p in prompts], 6)
     S = max(len(tok.encode(p).ids) for p in prompts)
     want = [tok.decode(tok.encode(p).ids + row[S:]) for p, row in zip(prompts, ids.tolist())]
-    base = [sys.executable, "-m", "fmoe", "generate", "--ckpt", str(tmp_path / "ck"), "--max-new-tokens", "6",
-            "--prompt", prompts[0], "--prompt", prompts[1]]
+    base = ["--ckpt", str(tmp_path / "ck"), "--max-new-tokens", "6", "--prompt", prompts[0], "--prompt", prompts[1]]
     for extra in ([], ["--nproc", "4", "--tp", "2", "--ep", "4"]):
-        run = subprocess.run(base + extra, capture_output=True, text=True, timeout=600)
+        run = _generate_cli(capfd, *base, *extra)
         assert run.returncode == 0, run.stderr
         assert run.stdout == "".join(w + "\n" for w in want), (extra, run.stdout, want)
-    bad = subprocess.run(base[:6] + ["--prompt", "hello", "--top-p", "0"], capture_output=True, text=True, timeout=300)
+    bad = _generate_cli(capfd, *base[:4], "--prompt", "hello", "--top-p", "0")
     assert bad.returncode == 2 and "--top-p must be in (0, 1], got 0.0" in bad.stderr
-    bad = subprocess.run(base[:6] + ["--prompt", "hello", "--nproc", "4", "--tp", "2", "--ep", "3"],
-                         capture_output=True, text=True, timeout=300)       # the mesh's rules, before any spawn
-    assert bad.returncode == 2 and "--ep 3 must be a multiple of --tp 2" in bad.stderr, bad.stderr
-    bad = subprocess.run(base[:4] + ["--ckpt", str(tmp_path), "--prompt", "1 2"], capture_output=True, text=True,
-                         timeout=300)
+    bad = _generate_cli(capfd, *base[:4], "--prompt", "hello", "--nproc", "4", "--tp", "2", "--ep", "3")
+    assert bad.returncode == 2 and "--ep 3 must be a multiple of --tp 2" in bad.stderr, bad.stderr   # before any spawn
+    bad = _generate_cli(capfd, *base[:2], "--ckpt", str(tmp_path), "--prompt", "1 2")
     assert bad.returncode == 1 and "neither config.json" in bad.stderr
 
 
