@@ -88,7 +88,7 @@ def test_a_recorded_code_router_is_never_imported_and_kept_values_are_checked(ru
     assert "pass --router my.mod:fn again" in resume.check_router("my.mod:fn", ns, file)
     cases = {                                           # kept setting -> what the error names
         "lr": (float("nan"), "'lr' is nan, not a value --lr accepts"),
-        "clip": (0.0, "'clip' is 0.0, not a value --clip accepts"),
+        "clip": (-1.0, "'clip' is -1.0, not a value --clip accepts"),
         "warmup": (-1, "'warmup' is -1, not a value --warmup accepts"),
         "batch": ("4", "'batch' is '4', not a value --batch accepts"),
         "seed": (True, "'seed' is True, not a value --seed accepts"),
