@@ -3,8 +3,6 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -100,18 +98,19 @@ class _NotBytes:
     name, vocab_size, eos_id = "other", 300, None
 
 
-def test_prepare_command_writes_shards_with_a_progress_bar(corpus, tmp_path):
+def test_prepare_command_writes_shards_with_a_progress_bar(corpus, tmp_path, capfd):
+    from fmoe.cli.data import main       # fmoe data in this process (test_docs_training.py runs it as a process)
     _, d, tok_dir = corpus
     out = tmp_path / "sh"
-    r = subprocess.run([sys.executable, "-m", "fmoe", "data", "prepare", "--tokenizer", tok_dir, "--out", str(out),
-                        "--shard-tokens", "2000", d], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert "tokenizing" in r.stderr and "file" in r.stderr                   # tqdm's bar
+    capfd.readouterr()
+    code = main(["prepare", "--tokenizer", tok_dir, "--out", str(out), "--shard-tokens", "2000", d])
+    r = capfd.readouterr()
+    assert code == 0, r.err
+    summary = json.loads(r.out.strip().splitlines()[-1])
+    assert "tokenizing" in r.err and "file" in r.err                         # tqdm's bar
     assert summary["tokens"] == len(open_data(d, load_tokenizer(tok_dir))) and summary["shards"] >= 2
-    r = subprocess.run([sys.executable, "-m", "fmoe", "data", "prepare", "--out", str(out), d],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "is not an empty directory" in r.stderr
+    code = main(["prepare", "--out", str(out), d])
+    assert code == 2 and "is not an empty directory" in capfd.readouterr().err
 
 
 def test_prepare_is_all_or_nothing_and_headers_are_checked_field_by_field(corpus, tmp_path):
