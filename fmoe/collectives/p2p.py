@@ -24,7 +24,7 @@ global ranks of the default group; ``tag`` keeps the micro-batches apart.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,8 @@ _MAX_DIMS = 6
 
 
 class Pipe:
-    """The pending sends of one step's pipeline exchanges (wait for them before the step ends).
+    """The pending sends of one step's pipeline exchanges (wait for them before the step ends);
+    ``device``: where :func:`recv_forward` puts what it receives (the step's device).
 
     Example:
         >>> pipe = Pipe()
@@ -47,7 +48,8 @@ class Pipe:
         True
     """
 
-    def __init__(self):
+    def __init__(self, device: Optional[torch.device] = None):
+        self.device = torch.device("cpu") if device is None else torch.device(device)   # of recv_forward's tensors
         self.pending: list[tuple[Any, torch.Tensor]] = []
         self.waited = 0.0                       # seconds spent in blocking receives and in wait()
         self._anchor = None
@@ -91,7 +93,7 @@ class Pipe:
     def anchor(self) -> torch.Tensor:
         """The empty tensor that requires grad every :func:`recv_forward` of this pipe hangs off."""
         if self._anchor is None:
-            self._anchor = torch.empty(0, requires_grad=True)
+            self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         return self._anchor
 
 

@@ -159,7 +159,7 @@ class Timeline:
 
 def run_schedule(forward: Callable[[int, Optional[torch.Tensor]], StageOut], leaves: Sequence[torch.Tensor],
                  microbatches: int, mesh: Any, name: str, input_shape: tuple, dtype: torch.dtype,
-                 ) -> tuple[Optional[list], list, Timeline]:
+                 device: Optional[torch.device] = None) -> tuple[Optional[list], list, Timeline]:
     """Run one step's micro-batches through this rank's stage.
 
     Args:
@@ -170,6 +170,7 @@ def run_schedule(forward: Callable[[int, Optional[torch.Tensor]], StageOut], lea
         mesh: the :class:`fmoe.Mesh` (``pp``, ``stage``, ``stage_world``, ``rank``).
         name: the schedule (:data:`SCHEDULES`).
         input_shape, dtype: of the residual stream a stage receives for one micro-batch.
+        device: where it lives (default CPU).
     Returns:
         ``(grads, records, timeline)``: the summed gradients (in ``leaves``' order; None without
         leaves), each micro-batch's ``StageOut.record`` in micro-batch order, and the stage's
@@ -177,7 +178,7 @@ def run_schedule(forward: Callable[[int, Optional[torch.Tensor]], StageOut], lea
     """
     stage, pp = mesh.stage, mesh.pp
     prev, nxt = mesh.rank - mesh.stage_world, mesh.rank + mesh.stage_world
-    pipe, live, records = Pipe(), {}, [None] * microbatches
+    pipe, live, records = Pipe(device), {}, [None] * microbatches
     acc: Optional[list] = None
     t0 = time.perf_counter()
     for kind, m in schedule(name, stage, pp, microbatches):
@@ -229,7 +230,7 @@ def run_stage(micro: Callable[[int, Optional[torch.Tensor], bool], StageOut], le
              next(t.dtype for p, t in flat.items() if t.is_floating_point() and not p.endswith("expert_bias")))
     last = mesh.stage == mesh.pp - 1
     return run_schedule(lambda m, hidden: micro(m, hidden, last), leaves, n, mesh, step_cfg.pp_schedule,
-                        (tokens.shape[0] // n, seq, hidden_size), dtype)
+                        (tokens.shape[0] // n, seq, hidden_size), dtype, tokens.device)
 
 
 def forward_stage(forward: Callable[[Optional[torch.Tensor]], tuple], mesh: Any, device: torch.device,
@@ -237,7 +238,7 @@ def forward_stage(forward: Callable[[Optional[torch.Tensor]], tuple], mesh: Any,
     """One batch through this rank's stage without gradients (evaluation): ``forward(hidden)``
     on the previous stage's output (None on the first stage), whose output goes to the next
     stage. Returns ``(logits or None before the last stage, aux)``."""
-    stage, pipe = mesh.stage, Pipe()
+    stage, pipe = mesh.stage, Pipe(device)
     hidden = pipe.recv_tensor(device, mesh.rank - mesh.stage_world, tag) if stage > 0 else None
     out, aux = forward(hidden)
     if stage < mesh.pp - 1:
