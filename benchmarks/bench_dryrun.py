@@ -32,7 +32,7 @@ def run(layout: str, args) -> dict:
     flags = ["--model", "qwen3_moe", "--config", args.config, "--nproc", "8", "--tp", str(tp), "--ep", str(ep),
              "--batch", "1", "--seq", str(args.seq), "--dtype", args.dtype, "--master-dtype", args.master_dtype,
              "--optim-dtype", args.optim_dtype, "--loss-chunks", str(args.loss_chunks), "--remat", args.remat,
-             "--dry-run", "--device", args.device, "--json"]
+             "--dry-run", "--device", args.device, "--json"] + args.flag
     buf = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(buf):
@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--remat", default="none")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--flag", action="append", default=[], help="one more fmoe memory flag, e.g. --flag=--sp "
+                    "--flag=--optim-in-backward (issue 34)")
     args = ap.parse_args()
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
     print("| layout | reference GB | planned peak GB | measured peak GB (max over ranks) | measured / reference "

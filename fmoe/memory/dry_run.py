@@ -32,8 +32,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,9 +66,9 @@ def check_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _placements(model: Any, cfg: Any, mesh) -> tuple[dict, dict]:
+def _placements(model: Any, cfg: Any, mesh) -> tuple[dict, dict, Any]:
     """Full meta shapes of this rank's pipeline stage and its placements (the trainer's plan,
-    data-parallel splits)."""
+    data-parallel splits), by path, and the stage's tree (other stages' layers None)."""
     from ..model import model_of
     from ..training.pipeline import stage_tree
 
@@ -75,7 +76,7 @@ def _placements(model: Any, cfg: Any, mesh) -> tuple[dict, dict]:
         full = stage_tree(model.init(cfg), mesh.stage, mesh.pp)
     m = model_of(model)
     plan = m.build_plan(cfg, m.build_plan(cfg, mesh=mesh), mesh, full, data_parallel=True)
-    return _tree.flatten(full), _tree.flatten(plan.resolve(full, mesh))
+    return _tree.flatten(full), _tree.flatten(plan.resolve(full, mesh)), full
 
 
 def rank_roles(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] = None,
@@ -93,7 +94,7 @@ def rank_roles(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[in
     roles: dict[tuple, list[int]] = {}
     for r in range(nproc):
         mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate, pp, sp)
-        full, placed = _placements(model, cfg, mesh)
+        full, placed, _ = _placements(model, cfg, mesh)
         a, b = tp_slice_bounds(tokens, tp, mesh.rank_in("tp"))
         key = (b - a, mesh.stage) + tuple(local_shape(tuple(t.shape), placed[p], mesh) for p, t in full.items())
         roles.setdefault(key, []).append(r)
@@ -104,13 +105,30 @@ def _fake_params(model: Any, cfg: Any, mesh, dtype: torch.dtype, device: torch.d
     """This rank's parameter slices as fake DTensors, placed as ``fmoe.shard`` places them."""
     from ..sharding import from_local_slice
 
-    full, placed = _placements(model, cfg, mesh)
-    out = {}
-    for path, t in full.items():
+    _, placed, tree = _placements(model, cfg, mesh)
+
+    def fake(path: str, t: torch.Tensor) -> torch.Tensor:
         local = torch.empty(local_shape(tuple(t.shape), placed[path], mesh), dtype=dtype, device=device)
-        leaf = from_local_slice(local, t.shape, placed[path], mesh)
-        out[path] = leaf.requires_grad_(not path.endswith("expert_bias"))
-    return _tree.unflatten(out)
+        return from_local_slice(local, t.shape, placed[path], mesh).requires_grad_(not path.endswith("expert_bias"))
+
+    return _tree.map_with_path(fake, tree)
+
+
+@contextlib.contextmanager
+def _object_gathers_of_one() -> Iterator[None]:
+    """The fake group's rule for ``all_gather_object``: every rank's object is this rank's (the
+    fake group moves no bytes, and a pickled object cannot ride in a fake tensor). The pipeline's
+    log entries are joined over the stages that way; only their values, not the memory, differ."""
+    own = dist.all_gather_object
+
+    def gather(out: list, obj: Any, group: Any = None) -> None:
+        out[:] = [obj] * len(out)
+
+    dist.all_gather_object = gather
+    try:
+        yield
+    finally:
+        dist.all_gather_object = own
 
 
 def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq, precision: Precision,
@@ -143,7 +161,7 @@ def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq,
             tracker, comm = StepTracker(), CollectiveBytes()
             tracker.tag(params, "params")
             tracker.tag(opt_state, "optimizer")
-            with tracker, comm:
+            with tracker, comm, _object_gathers_of_one():
                 train_step(model, cfg, params, opt_state, (tokens, tokens), mesh=mesh, step_cfg=step_cfg, lr=1e-4)
         measured = {**tracker.peak(), "max_grads_bytes": tracker.max_grads_bytes, "collective_bytes": sum(comm.bytes.values()), "collectives": comm.bytes}
         return {"rank": rank, "measured": measured, "seconds": round(time.perf_counter() - t0, 2)}
@@ -179,6 +197,8 @@ def dry_run(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] 
     dev = check_device(device)
     VirtualMesh(nproc, 0, tp, ep, dp_replicate, pp, sp)              # mesh errors before any work
     M = (microbatches or pp) if pp > 1 else 1
+    if batch % M:
+        raise ValueError(f"dry run: microbatches={M} must divide batch={batch} (each micro-batch is batch / M rows)")
     parallel = {"pp": pp, "sp": sp, "microbatches": M, "pp_schedule": pp_schedule, "clip": clip,
                 "optim_in_backward": optim_in_backward}
     roles = rank_roles(model, cfg, nproc=nproc, tp=tp, ep=ep, dp_replicate=dp_replicate, tokens=batch // M * seq,

@@ -50,8 +50,10 @@ __all__ = ["layer_activations", "global_activations", "loss_temporaries", "layer
 
 
 #: of the ``8 D`` per token a layer keeps beside its attention widths, the part that sequence
-#: parallelism keeps on the rank's ``T / tp`` tokens only (residual stream and norms)
-SP_SPLIT_D = 4
+#: parallelism keeps on the rank's ``T / tp`` tokens only: all of it (the residual stream, norms,
+#: and the inputs of the column-parallel projections, saved as the sequence shard and gathered
+#: again in backward), measured by dry runs of 6 layers at tp 2 and 4 (``benchmarks/RESULTS.md``)
+SP_SPLIT_D = 8
 
 
 def layer_activations(w: dict, *, tokens: int, slots: int, tp: int, b: int, moe: bool, sp: bool = False) -> int:
@@ -71,9 +73,10 @@ def layer_activations(w: dict, *, tokens: int, slots: int, tp: int, b: int, moe:
     return b * (attn + ffn)
 
 
-def global_activations(w: dict, *, tokens: int, b: int, loss_chunks: int) -> int:
-    """Activation bytes kept once per step: logits, embedding side, the loss's log-softmax."""
-    kept = b * tokens * (w["V"] + 4 * w["D"])
+def global_activations(w: dict, *, tokens: int, b: int, loss_chunks: int, sp_tp: int = 1) -> int:
+    """Activation bytes kept once per step: logits, embedding side (on ``tokens / sp_tp`` with
+    sequence parallelism), the loss's log-softmax."""
+    kept = b * tokens * w["V"] + b * tokens // sp_tp * 4 * w["D"]
     return kept + (4 * tokens * w["V"] if loss_chunks == 1 else 0)
 
 
@@ -82,11 +85,12 @@ def loss_temporaries(w: dict, *, tokens: int, b: int, loss_chunks: int) -> int:
     return 8 * tokens * w["V"] if loss_chunks == 1 else 2 * b * tokens * w["V"]
 
 
-def layer_temporaries(*, gathered: int, expert_acts: int) -> int:
+def layer_temporaries(*, gathered: int, expert_acts: int, unsplit: int = 0) -> int:
     """Bytes one layer's backward allocates: its FSDP-split weights gathered again, their
-    full-size gradients and the reduce-scatter's buffer (3 x the gathered bytes), and
-    gradients the size of its expert activations."""
-    return 3 * gathered + expert_acts
+    full-size gradients and the reduce-scatter's buffer (3 x the gathered bytes), gradients the
+    size of its expert activations, and the largest gradient of a leaf that is not data-split
+    (``unsplit`` bytes: a whole expert block's gradient, made on this rank as its backward runs)."""
+    return 3 * gathered + expert_acts + unsplit
 
 
 def norm_temporaries(largest: int, grad_bytes: int) -> int:
@@ -104,7 +108,7 @@ def norm_temporaries(largest: int, grad_bytes: int) -> int:
 def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss_temps: int,
               norm_temps: int, layer_acts: int = 0, layer_temps: int = 0, last_acts: int = 0,
               last_grads: int = 0, in_backward: Optional[int] = None,
-              retained: Optional[int] = None) -> dict[str, Any]:
+              retained: Optional[int] = None, held_grads: int = 0) -> dict[str, Any]:
     """The largest of the phases, with its bytes by category (``total_bytes`` the peak): the
     start of backward; the first layer's backward (the log-softmax and its own activations going,
     its temporaries ``layer_temps`` there, no gradient yet); the last layer's backward (only
@@ -114,7 +118,8 @@ def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss
     phase holds more gradients than that one layer's, and the optimizer's phase is the first
     layer's update (its norm's temporaries) while nearly every activation is still alive;
     ``retained``: the activations a backward that keeps its graph holds throughout (the clip's
-    first pass; None: no such pass)."""
+    first pass; None: no such pass). ``held_grads``: gradients of earlier micro-batches held
+    through every backward phase (the last micro-batch's backward adds to them)."""
     if in_backward is not None:                  # a layer's gradients come at the end of its backward
         grads, last_grads = in_backward, 0
         if retained is not None:
@@ -132,6 +137,8 @@ def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss
     ]
     best = None
     for name, cats in phases:
+        if name != "optimizer":
+            cats["grads_bytes"] += held_grads
         total = params + optimizer + sum(cats.values())
         if best is None or total > best["total_bytes"]:
             best = {"phase": name, "total_bytes": total, "params_bytes": params, "optimizer_bytes": optimizer, **cats}
@@ -140,18 +147,20 @@ def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss
 
 class Stage(NamedTuple):
     """What the pipeline and the optimizer-in-backward change in a rank's step: micro-batches in
-    flight, first / last stage, the largest layer's gradient bytes (None: the normal step), and
-    whether a first backward keeps the graph (the clip's norm pass)."""
+    flight, first / last stage, the largest layer's gradient bytes (None: the normal step),
+    whether a first backward keeps the graph (the clip's norm pass), and the micro-batches of a
+    step (``grad_accum`` or the pipeline's: the last one's backward adds to the others' gradients)."""
     inflight: int
     first: bool
     last: bool
     group_grads: Optional[int]
     retained: bool
+    micro: int
 
 
 def rank_peak(w: dict, mesh: Any, T: int, moe_layers: int, layers: int, pol: Precision, remat: str,
           loss_chunks: int, params: int, grads: int, optimizer: int, largest: int, autocast_copies: int,
-          gathered: int, last_grads: int, stage: Stage) -> dict:
+          gathered: int, unsplit: int, last_grads: int, stage: Stage) -> dict:
     """The step's predicted peak on one rank (:func:`step_peak` of its phases), from the layer
     widths ``w``, its mesh coordinates, the tokens ``T`` of one micro-batch, its stage's layer
     counts and the byte counts :func:`fmoe.memory.plan.memory_plan` adds up; the routing slots
@@ -176,18 +185,23 @@ def rank_peak(w: dict, mesh: Any, T: int, moe_layers: int, layers: int, pol: Pre
     else:
         acts = moe_layers * moe_l + dense_layers * dense_l
     head = stage.last                            # logits, the loss and the final norm live on the last stage
-    once = global_activations(w, tokens=T, b=b, loss_chunks=loss_chunks) if head else 0
-    acts = stage.inflight * acts + once + autocast_copies // 2
+    once = global_activations(w, tokens=T, b=b, loss_chunks=loss_chunks, sp_tp=mesh.tp if mesh.sp else 1) if head else 0
     expert = b * slots * (4 * w["D"] + 3 * w["I"]) if moe_layers else 0
     last = max(moe_l, dense_l) if remat == "none" else b * T * w["D"]          # what the first layer's backward frees
     loss_side = 4 * T * w["V"] if loss_chunks == 1 and head else 0   # the log-softmax is gone by then (the logits stay)
-    return step_peak(params=params, grads=grads, optimizer=optimizer, activations=int(acts),
-                                 loss_temps=loss_temporaries(w, tokens=T, b=b, loss_chunks=loss_chunks)
-                                 if head else 0,
-                                 norm_temps=norm_temporaries(largest, pol.master_dtype.itemsize),
-                                 layer_acts=int(last + loss_side),
-                                 layer_temps=layer_temporaries(gathered=gathered, expert_acts=int(expert)),
-                                 last_acts=b * T * w["V"] if head else 0, last_grads=last_grads,
-                                 in_backward=stage.group_grads,
-                                 retained=int(acts - (max(moe_l, dense_l) if remat == "layer" else 0))
-                                 if stage.retained else None)
+    recomputed = max(moe_l, dense_l) if remat == "layer" else 0
+
+    def peak(inflight: int, held: int) -> dict:
+        kept = inflight * acts + once + autocast_copies // 2
+        return step_peak(params=params, grads=grads, optimizer=optimizer, activations=int(kept),
+                         loss_temps=loss_temporaries(w, tokens=T, b=b, loss_chunks=loss_chunks) if head else 0,
+                         norm_temps=norm_temporaries(largest, pol.master_dtype.itemsize),
+                         layer_acts=int(last + loss_side),
+                         layer_temps=layer_temporaries(gathered=gathered, expert_acts=int(expert), unsplit=unsplit),
+                         last_acts=(inflight - 1) * acts + (b * T * w["V"] if head else 0), last_grads=last_grads,
+                         in_backward=stage.group_grads, retained=int(kept - recomputed) if stage.retained else None,
+                         held_grads=held)
+
+    # the first micro-batch's backward (the most in flight), and the last one's (the others' gradients held)
+    return max([peak(stage.inflight, 0)] + ([peak(min(stage.inflight, stage.micro - 1), grads)] if stage.micro > 1 else []),
+               key=lambda p: p["total_bytes"])

@@ -195,6 +195,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         dense_mm = collective = 0.0
         gathered: dict[str, int] = {}                 # layer -> bytes its weights take gathered
         layer_grads: dict[str, int] = {}              # layer -> bytes of its gradients
+        unsplit: dict[str, int] = {}                  # layer -> its largest gradient made whole here
         for path, t in own.items():
             p = placed[path]
             n = _numel(local_shape(tuple(t.shape), p, mesh))
@@ -210,6 +211,8 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
                 gathered[layer] = gathered.get(layer, 0) + n * k * mb
             if not path.endswith("expert_bias"):
                 layer_grads[layer] = layer_grads.get(layer, 0) + n * mb
+                if layer != path and k == 1:          # the largest such leaf of a layer
+                    unsplit[layer] = max(unsplit.get(layer, 0), n * mb)
             if "ep" not in p.mesh_axes() and len(t.shape) >= 2 and path != "embed":
                 dense_mm += n * k * _F32                             # gathered for a matmul
             collective += 3 * (k - 1) * n * min(act_bytes, mb) * grad_accum * M   # gather, re-gather, reduce-scatter
@@ -230,10 +233,11 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         optimizer += _STEP
         first_grads = layer_grads.get(f"layers.{mesh.stage * layers}", 0) + layer_grads.get("embed", 0)
         shape = memory_peak.Stage(inflight, first, last, max(layer_grads.values(), default=0) if optim_in_backward else None,
-                       bool(optim_in_backward and clip))
+                       bool(optim_in_backward and clip), grad_accum * M)
         peak = memory_peak.rank_peak(w._asdict(), mesh, T, moe_layers, layers, pol, remat, loss_chunks, params, grads, optimizer,
                      largest, int(dense_mm) if pol.master == "fp32" and pol.compute == "bf16" else 0,
-                     max(gathered.values(), default=0), grads - first_grads, shape)
+                     max(gathered.values(), default=0), max(unsplit.values(), default=0), grads - first_grads,
+                     shape)
         if optim_in_backward:                      # one layer's gradients alive at a time
             grads = shape.group_grads
         ranks.append({"rank": r, "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer,
