@@ -32,6 +32,15 @@ chunks' gradients and their concatenation). The coefficients were fitted to dry 
 Qwen3-30B-A3B layer shapes on tp 8 / 4 / 1 meshes (``benchmarks/RESULTS.md``, issue 21) and
 are checked against a reduced-size dry run by ``tests/cli/test_dryrun.py``.
 
+Issue 34's options: with ``--optim-in-backward`` no phase holds more than one layer's gradients
+and the optimizer's phase is the first layer's update, with nearly every activation alive (with
+the clip, the first of two backward passes keeps the graph, so no activation leaves during it);
+with ``--sp`` the ``8 D`` per token of a layer (and the ``4 D`` once) sit on ``T / tp`` tokens
+(:data:`SP_SPLIT_D`); with ``--pp`` a rank holds its stage's layers and the activations of the
+micro-batches in flight (``min(M, pp - s)`` on stage ``s`` with 1F1B, ``M`` with GPipe), and the
+last micro-batch's backward adds to the gradients of the others (held through it, as with
+``--grad-accum``).
+
 Example:
     >>> peak = step_peak(params=10, grads=10, optimizer=20, activations=50, loss_temps=5, norm_temps=4)
     >>> peak["phase"], peak["total_bytes"], peak["grads_bytes"]
