@@ -166,12 +166,12 @@ def attention(a: dict, x: torch.Tensor, ctx: _common.Context, entry: Optional[di
         nn.linear(nn.rms_norm(nn.linear(x, a["wq_a"]), a["q_a_norm"], LATENT_EPS), a["wq_b"])
     q_nope, q_rot = heads(q, n + r).split([n, r], dim=-1)                         # [B, S, H_local, n | r]
     latent, k_rot = nn.linear(x, a["wkv_a"]).split([cfg.kv_lora_rank, r], dim=-1)  # [B, S, C], [B, S, r]
-    latent = nn.rms_norm(latent, a["kv_a_norm"], LATENT_EPS)
-    q_rot, k_rot = rope(q_rot), rope(k_rot[:, :, None])[:, :, 0]                  # k_rot: [B, S, r]
+    latent, k_rot = nn.rms_norm(latent, a["kv_a_norm"], LATENT_EPS), nn.shared_by_heads(k_rot, a["wkv_b"])
+    q_rot, k_rot = rope(q_rot), rope(k_rot[:, :, None])[:, :, 0]                  # k_rot: [B, S, r], all heads'
     if entry is not None:  # the cache holds the latent and the rope key, not per-head K/V
         entry, (latent, k_rot) = nn.cache.write(entry, step, latent=latent, k_rot=k_rot)
     k_nope, val = heads(nn.linear(latent, a["wkv_b"]), n + v).split([n, v], dim=-1)  # [B, Sk, H_local, n | v]
-    k_rot = nn.shared_by_heads(k_rot, a["wkv_b"])[:, :, None].expand(-1, -1, k_nope.shape[2], -1)
+    k_rot = k_rot[:, :, None].expand(-1, -1, k_nope.shape[2], -1)
     k = torch.cat([k_nope, k_rot], dim=-1)                                       # [B, Sk, H_local, n + r]
     o = nn.attention(torch.cat([q_nope, q_rot], dim=-1), k, val, causal=True, scale=softmax_scale(cfg),
                      key_mask=step.key_mask)                                     # [B, S, H_local, v]

@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from ..collectives import grad_sum
+from ..collectives import all_gather, grad_sum
 from ..precision import at_least_f32
 from ..fsdp import unshard
-from ..sharding import placement_of
+from ..sharding import placement_of, sequence_parallel
 from ..transforms import higher_order
 from ._tp import check_tensor, tp_size_rank
 
@@ -80,12 +80,14 @@ def _mask(S: int, Sk: int, causal: bool, window: Optional[int], key_mask: Option
 
 
 def shared_by_heads(x: torch.Tensor, heads_weight: torch.Tensor) -> torch.Tensor:
-    """Mark ``x``, replicated over tp, as used by this rank's heads only (identity in value).
+    """Mark ``x [B, S, d]``, replicated over tp, as used by this rank's heads only (identity in value).
 
-    A per-token tensor shared by all heads (DeepSeek's rope key ``k_rot [B, S, 1, r]``) meets
+    A per-token tensor shared by all heads (DeepSeek's rope key ``k_rot [B, S, r]``) meets
     only the local heads of a layer whose ``heads_weight`` is split over tp, so each rank's
     gradient of ``x`` is partial; this sums it over tp in backward (``grad_sum``), like a
-    colwise linear does for its input.
+    colwise linear does for its input. Under sequence parallelism (``heads_weight`` placed on a
+    ``sp`` mesh) ``x`` is this rank's piece of the sequence: it is gathered along ``S``
+    (``all_gather``: backward sums over tp and keeps the piece), as a colwise layer's input is.
 
     Example:
         >>> shared_by_heads(torch.ones(2), torch.ones(4, 2)).tolist()
@@ -94,6 +96,8 @@ def shared_by_heads(x: torch.Tensor, heads_weight: torch.Tensor) -> torch.Tensor
     group, n, _ = tp_size_rank(heads_weight)
     if n == 1 or placement_of(heads_weight).dim_of("tp") is None:
         return x
+    if sequence_parallel(heads_weight):
+        return all_gather(x, group, dim=-2, sizes=[x.shape[-2]] * n)      # [B, S / tp, d] -> [B, S, d]
     return grad_sum(x, group)
 
 

@@ -165,8 +165,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         raise ValueError(f"apply_rope: x must be [B, S, H, hd] with cos/sin [(B,) S, hd]; got x "
                          f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
                          + ("; with sequence parallelism (a mesh with sp=True) x holds a piece of the sequence "
-                            "unless a colwise projection gathered it: rotate the output of a colwise layer (a rope "
-                            "key from a replicated projection, as in DeepSeek-V3's MLA, is not supported with sp)"
+                            "unless a colwise projection gathered it: rotate the output of a colwise layer, or "
+                            "gather a replicated projection's with nn.shared_by_heads, as DeepSeek-V3's MLA does"
                             if piece else ""))
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     half = x.shape[-1] // 2
