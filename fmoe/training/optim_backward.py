@@ -35,7 +35,8 @@ normal step, documented in ``docs/memory.md``.
 ``.grad`` (as the normal step accumulates them) and the last one's backward reduces and updates:
 the same update. With clipping that needs a second pass over the last micro-batch on top of the
 accumulated gradients of the others, which a retained graph cannot give, so that combination is
-refused. bf16 weights with stochastic rounding draw their rounding layer by layer: the same
+refused; so is clipping with ``compile`` (a compiled backward runs once per graph), while
+``--clip 0`` compiles and gives the same numbers. bf16 weights with stochastic rounding draw their rounding layer by layer: the same
 distribution as the normal step, not the same draws.
 """
 
@@ -67,9 +68,14 @@ def layer_of(path: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else parts[0]
 
 
-def check(grad_accum: int, max_grad_norm: Optional[float]) -> None:
-    """``ValueError`` for the one refused combination: clipping with more than one micro-batch
-    (module docstring). The message names the flags."""
+def check(grad_accum: int, max_grad_norm: Optional[float], compile: Any = False) -> None:
+    """``ValueError`` for the refused combinations, both with clipping: more than one micro-batch
+    (module docstring), and a compiled step (AOTAutograd's backward gives its buffers up, so it
+    cannot run twice over one graph). The message names the flags."""
+    if compile and max_grad_norm is not None:
+        raise ValueError(f"--optim-in-backward with --clip {max_grad_norm} and --compile: the clip's two backward "
+                         "passes run the compiled backward twice, which frees its buffers after the first (AOTAutograd's "
+                         "donated buffers); use --clip 0 (one pass, compiles) or drop --compile")
     if grad_accum > 1 and max_grad_norm is not None:
         raise ValueError(f"--optim-in-backward with --clip {max_grad_norm} and --grad-accum {grad_accum}: the clip "
                          "needs the norm of the accumulated gradient before the first layer is updated, which a "
@@ -97,7 +103,7 @@ class InBackward:
 
     def __init__(self, flat: dict, train_paths: list, opt_state: dict, mesh: Mesh, step_cfg: Any, lr: float,
                  world_mean: Callable[[torch.Tensor], torch.Tensor]):
-        check(step_cfg.grad_accum, step_cfg.opt.max_grad_norm)
+        check(step_cfg.grad_accum, step_cfg.opt.max_grad_norm, step_cfg.compile)
         self.flat, self.paths, self.mesh, self.cfg, self.lr = flat, train_paths, mesh, step_cfg, lr
         self.state, self.world_mean = opt_state, world_mean
         self.flat_m, self.flat_v = _tree.flatten(opt_state["m"]), _tree.flatten(opt_state["v"])

@@ -106,10 +106,20 @@ def test_gradients_never_coexist(clip):
     assert 0 < peak < full / 2, (peak, full)
 
 
-def test_refused_with_clip_and_grad_accum():
+def test_refused_with_clip_and_grad_accum_or_compile():
     with pytest.raises(ValueError, match="--clip 0.5 and --grad-accum 2"):
         _train("qwen3_moe", None, StepConfig(opt=AdamWConfig(max_grad_norm=0.5), grad_accum=2,
                                              optim_in_backward=True), steps=1)
+    with pytest.raises(ValueError, match="--clip 0.5 and --compile"):
+        _train("qwen3_moe", None, StepConfig(opt=AdamWConfig(max_grad_norm=0.5), compile="aot_eager",
+                                             optim_in_backward=True), steps=1)
+
+
+def test_compiled_one_pass_equals_the_normal_step():
+    """``--clip 0 --compile``: the compiled one-process step with the update inside backward."""
+    normal = StepConfig(opt=AdamWConfig(max_grad_norm=None), compile="aot_eager")
+    _compare(_train("qwen3_moe", None, normal), _train("qwen3_moe", None,
+                                                       dataclasses.replace(normal, optim_in_backward=True)), "compiled")
 
 
 BASE = ("--model", "qwen3_moe", "--preset", "tiny", "--steps", "3", "--batch", "2", "--seq", "16", "--warmup", "1",
@@ -133,7 +143,8 @@ def test_job_losses_equal_step_by_step(tmp_path):
 
 @pytest.mark.parametrize("flags,message", [
     (("--grad-accum", "2"), "--optim-in-backward with --clip 1.0 and --grad-accum 2"),
-    (("--nproc", "2", "--pp", "2"), "--optim-in-backward with --pp 2")])
+    (("--nproc", "2", "--pp", "2"), "--optim-in-backward with --pp 2"),
+    (("--compile",), "--optim-in-backward with --clip 1.0 and --compile")])
 def test_job_refuses_before_any_rank_starts(tmp_path, flags, message):
     out = train_cli(*BASE, "--optim-in-backward", *flags, "--out", str(tmp_path / "run"), check=False)
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
