@@ -177,3 +177,30 @@ def test_plan_and_dry_run_of_a_pipeline_stage():
             assert p[k] == m[k], (k, p, m)
         assert abs(p["temporaries_bytes"] - m["temporaries_bytes"]) <= 0.10 * m["temporaries_bytes"], (p, m)
         assert abs(p["total_bytes"] - m["peak_bytes"]) <= 0.10 * m["peak_bytes"], (p, m)
+
+
+def test_cli_takes_the_jobs_issue_34_flags(capsys):
+    """``fmoe memory --optim-in-backward --sp --dry-run --json`` and ``--pp 2 --sp``: the flags reach
+    the plan and the real step (one role per stage with --pp), the measured gradients alive at
+    once stay below the plan's whole gradients without the flag; what the job refuses (the
+    optimizer in backward with --pp, a --microbatches not dividing --batch) is a usage error."""
+    base = ["--model", "qwen3_moe", "--preset", "tiny", "--nproc", "8", "--tp", "2", "--ep", "2", "--batch", "2",
+            "--seq", "16", "--sp", "--clip", "0"]
+    run = ["--dry-run", "--device", "cpu", "--json"]
+    normal = json.loads(_plan_cli(capsys, *base, "--json").stdout)
+    out = _plan_cli(capsys, *base, "--optim-in-backward", *run)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    assert got["optim_in_backward"] is True and got["mesh"]["sp"] is True and got["clip"] == 0
+    for r in got["ranks"]:
+        assert r["measured"]["max_grads_bytes"] < normal["ranks"][r["rank"]]["grads_bytes"], r
+    out = _plan_cli(capsys, *base, "--pp", "2", *run)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    assert got["mesh"]["pp"] == 2 and got["microbatches"] == 2 and got["pp_schedule"] == "1f1b"
+    stages = {tuple(sorted({r // 4 for r in role})) for role in got["roles"]}
+    assert stages == {(0,), (1,)}, got["roles"]
+    for flags, message in ((("--pp", "2", "--optim-in-backward"), "--optim-in-backward with --pp 2"),
+                           (("--pp", "2", "--microbatches", "3"), "microbatches=3 must divide batch=2")):
+        bad = _plan_cli(capsys, *base, *flags)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
