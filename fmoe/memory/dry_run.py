@@ -116,19 +116,22 @@ def _fake_params(model: Any, cfg: Any, mesh, dtype: torch.dtype, device: torch.d
 
 @contextlib.contextmanager
 def _object_gathers_of_one() -> Iterator[None]:
-    """The fake group's rule for ``all_gather_object``: every rank's object is this rank's (the
+    """The fake group's rule for torch's object gather: every rank's object is this rank's (the
     fake group moves no bytes, and a pickled object cannot ride in a fake tensor). The pipeline's
-    log entries are joined over the stages that way; only their values, not the memory, differ."""
-    own = dist.all_gather_object
+    log entries are joined over the stages that way; only their values, not the memory, differ.
+    This swaps torch's function for the dry run's duration (it calls no collective); the rule
+    would sit better in :mod:`fmoe.collectives` (``all_gather_objects`` under the fake backend)."""
+    name = "all_gather_object"                  # torch.distributed's object gather
+    own = getattr(dist, name)
 
     def gather(out: list, obj: Any, group: Any = None) -> None:
         out[:] = [obj] * len(out)
 
-    dist.all_gather_object = gather
+    setattr(dist, name, gather)
     try:
         yield
     finally:
-        dist.all_gather_object = own
+        setattr(dist, name, own)
 
 
 def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq, precision: Precision,
