@@ -104,12 +104,13 @@ def test_pp2_tp2_sp_equals_one_process():
 
 
 @pytest.mark.slow
-def test_pp2_fsdp_ep_on_8_ranks_equals_the_4_rank_run():
-    """pp2 x (fsdp4 with experts on ep2 x efsdp2) on 8 ranks: equal to the same 4-rank stage mesh
-    without the pipeline."""
-    ref = on_ranks(_on_mesh, 4, "qwen3_moe", 2, "gpipe", dict(ep=2), timeout=600)
+def test_pp2_fsdp2_ep2_on_8_ranks_equals_the_4_rank_run():
+    """pp2 x dp_replicate2 x fsdp2 with the experts on ep2 on 8 ranks: equal to the same 4-rank
+    stage mesh (HSDP 2 x 2, ep2) without the pipeline."""
+    ref = on_ranks(_on_mesh, 4, "qwen3_moe", 2, "gpipe", dict(dp_replicate=2, ep=2), timeout=600)
     merged = (ref[0][0], ref[0][1], {k: v for r in ref for k, v in r[2].items()}, ref[0][3])
-    _compare(merged, on_ranks(_on_mesh, 8, "qwen3_moe", 2, "1f1b", dict(pp=2, ep=2), timeout=600), "pp2 x fsdp4 ep2")
+    _compare(merged, on_ranks(_on_mesh, 8, "qwen3_moe", 2, "1f1b", dict(pp=2, dp_replicate=2, ep=2), timeout=600),
+             "pp2 x dp_replicate2 x fsdp2 x ep2")
 
 
 def test_stages_and_schedules():
