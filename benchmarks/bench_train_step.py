@@ -28,9 +28,13 @@ outside the MoE code would buy.
 Distributed efficiency = tokens/s of the 4-rank run / tokens/s of the single process, per
 library, from the same script invocation (same cores, same tokens per step).
 
-``fmoe_compiled``: fmoe as shipped with ``torch.compile`` over forward + loss (backward compiled
-with it; graph breaks only at the dispatch's split-size sync, one per MoE layer). Compilation
-happens in the warmup steps (use ``--warmup 3``: the second call recompiles with dynamic shapes).
+``fmoe_compiled``: fmoe compiled as the job's ``--compile`` compiles it (``StepConfig(compile=True)``,
+:func:`fmoe.training.step.forward_loss` through the step's own ``_compiled``): on one process
+forward + loss as one Inductor graph, on a mesh regional compilation (each decoder layer compiled
+once and reused by every layer, the MoE block's exchange run eagerly between the layer's graphs);
+backward by AOTAutograd either way. The loss is the same next-token cross-entropy (the step's
+``forward_loss`` of ``tokens[:, :-1]`` against ``tokens[:, 1:]``: the same logits, causal attention).
+Compilation happens in the warmup steps (use ``--warmup 3``).
 Model FLOP/s (:func:`model_flops_per_token` x tokens/s) is reported as a fraction of the
 measured ``torch.mm`` rate of the machine (all cores, fp32, 1024^3).
 
@@ -158,6 +162,29 @@ def fmoe_step(params, cfg, mesh, tokens: torch.Tensor, impl: str = "auto", coale
     return float(loss.detach())
 
 
+def fmoe_compiled_step(params, cfg, mesh, tokens: torch.Tensor, dtype: str = "fp32") -> float:
+    """:func:`fmoe_step` compiled as the job compiles it: ``StepConfig(compile=True)``'s forward +
+    loss and compile region (``fmoe.training.step._compiled``, the one place that decides how a
+    mesh compiles), the same gradient reduction."""
+    from fmoe.fsdp import regather_in_backward
+    from fmoe.models import qwen3_moe
+    from fmoe.training.grads import reduce_grads
+    from fmoe.training.step import StepConfig, _compiled, compute_params
+
+    step_cfg = StepConfig(compile=True, dtype=dtype)
+    run_mesh = mesh if mesh is not None else fmoe.Mesh()
+    fwd_loss, region = _compiled(step_cfg, run_mesh)
+    leaves = fmoe.tree.leaves(params)
+    with regather_in_backward(), region:
+        loss, _ = fwd_loss(qwen3_moe, compute_params(params, dtype), tokens[:, :-1], tokens[:, 1:], cfg, run_mesh,
+                           step_cfg)
+        grads = torch.autograd.grad(loss, leaves)
+    if mesh is not None:
+        reduce_grads(fmoe.tree.unflatten(dict(zip(fmoe.tree.paths(params), grads)), like=params), params, mesh,
+                     inplace=True)
+    return float(loss.detach())
+
+
 def _reduce_grads_coalesced(grads, mesh) -> list:
     """EXPERIMENT ONLY (runner ``fmoe_exp``): what ``reduce_grads`` does (sum over the data axes
     a leaf is replicated on, and over Partial axes; divide by the number of batches) with one
@@ -241,11 +268,9 @@ def run_layout(rank: int, world: int, path: str, layout: dict, names: list, step
             runners[label] = (lambda m: lambda: hf_step(m, tokens))(model)
         elif name == "fmoe_fsdp" and not distributed:
             continue
-        elif name == "fmoe_compiled":        # the shipped library under torch.compile (dynamic shapes)
+        elif name == "fmoe_compiled":        # the job's --compile: StepConfig(compile=True)
             params, cfg = _fmoe_params(path, mesh)
-            compiled = torch.compile(_fmoe_loss)
-            runners[label] = (lambda p, c, d: lambda: fmoe_step(p, c, mesh, tokens, loss_fn=compiled, dtype=d))(
-                params, cfg, dt)
+            runners[label] = (lambda p, c, d: lambda: fmoe_compiled_step(p, c, mesh, tokens, dtype=d))(params, cfg, dt)
         else:
             params, cfg = _fmoe_params(path, mesh, fsdp=name == "fmoe_fsdp")
             step = (lambda p, c, n, d: lambda: fmoe_step(p, c, mesh, tokens, coalesced=n == "fmoe_exp", dtype=d))(

@@ -25,7 +25,7 @@ that the whole-tensor path's few large ops beat a Python loop over many small ex
 1024 tokens, 32 experts, top-2 is 0.88x transformers' time whole-tensor, 1.03x blocked).
 In bf16 (and fp16) on CPU the GEMMs run in oneDNN's AMX kernels (``brg_matmul:..._amx``), which
 oneDNN builds and caches per shape at 1-10 ms each, far more than the GEMM itself; expert row
-counts change every step, so each block is computed on ``_bucket(B)`` rows (the gathered rows
+counts change every step, so each block is computed on ``bucket(B)`` rows (:mod:`fmoe.experts.buckets`: the gathered rows
 padded with zero rows to one of ~24 sizes up to 2048, at most 25% more rows, padding rows
 contribute exactly zero) and the kernels are built once per run. Sums over assignments (the
 output and the input gradient) accumulate in fp32 and are rounded once; the fp32 path is as
@@ -42,56 +42,26 @@ from typing import Optional, Sequence
 import torch
 
 from ..transforms import vmap_by_loop
+from .buckets import bucket, bucketed, gather_padded
 from .mlp import _gmm, check_groups, swiglu_backward, swiglu_jvp
 
 __all__ = ["weighted_expert_sum", "BLOCK_ROWS"]
 
 BLOCK_ROWS = 2048  # rows per block: whole experts at training sizes; temporaries stay far below 32 MB
-MIN_PIECE = 16     # bf16 on CPU: GEMM row counts are padded to multiples of this (and coarser above 128)
 
 
 def _block_plan(counts: Sequence[int], block_rows: int,
-                bucketed: bool = False) -> tuple[list[int], list[int], list[bool], list[int]]:
+                pad: bool = False) -> tuple[list[int], list[int], list[bool], list[int]]:
     """Row blocks of at most ``block_rows`` rows, in sorted order: the expert of each block, its
     size, whether it is its expert's first block (which writes the weight gradients), and the
-    rows it is computed on (its size, or with ``bucketed`` the :func:`_bucket` above it)."""
+    rows it is computed on (its size, or with ``pad`` the :func:`fmoe.experts.buckets.bucket` above it)."""
     experts, sizes, firsts = [], [], []
     for e, c in enumerate(counts):
         for a in range(0, c, block_rows):
             experts.append(e)
             sizes.append(min(block_rows, c - a))
             firsts.append(a == 0)
-    return experts, sizes, firsts, [_bucket(b) for b in sizes] if bucketed else sizes
-
-
-def _bucket(n: int) -> int:
-    """The GEMM row count a bf16 block of ``n`` rows is padded to: a multiple of ``MIN_PIECE``
-    up to 128, then 4 sizes per octave (160, 192, 224, 256, 320, ...): ~24 sizes up to 2048,
-    at most 25% padding.
-
-    Example:
-        >>> [_bucket(n) for n in (5, 37, 128, 129, 300, 2048)]
-        [16, 48, 128, 160, 320, 2048]
-    """
-    step = max(MIN_PIECE, 1 << max(0, n.bit_length() - 3))
-    return -(-n // step) * step
-
-
-def _bucketed(t: torch.Tensor) -> bool:
-    """Whether GEMMs on ``t`` run in oneDNN (bf16 / fp16 on CPU), which builds (and caches) one
-    AMX kernel per shape at 1-10 ms each: expert row counts change every step, so blocks are
-    padded with zero rows to :func:`_bucket` sizes and the kernels are built once."""
-    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
-
-
-def _gather(src: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
-    """``src[idx]`` followed by zero rows up to ``rows`` rows."""
-    if rows == idx.shape[0]:
-        return src.index_select(0, idx)
-    out = src.new_empty(rows, src.shape[1])
-    torch.index_select(src, 0, idx, out=out[:idx.shape[0]])
-    out[idx.shape[0]:].zero_()
-    return out
+    return experts, sizes, firsts, [bucket(b) for b in sizes] if pad else sizes
 
 
 class _BlockedSwiGLU(torch.autograd.Function):
@@ -102,7 +72,7 @@ class _BlockedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(rows, row_of, scale, w_gate_up, w_down, counts, block_rows):
         n_i = w_down.shape[2]
-        experts, sizes, _, padded = _block_plan(counts, block_rows, _bucketed(rows))
+        experts, sizes, _, padded = _block_plan(counts, block_rows, bucketed(rows))
         acc = _accumulator(rows, (rows.shape[0], w_down.shape[1]))                # [N, D], >= fp32
         h = rows.new_empty(sum(padded), 2 * n_i)                                   # [A', 2I]
         sg = rows.new_empty(sum(padded), n_i)                                      # [A', I] silu(gate)
@@ -110,7 +80,7 @@ class _BlockedSwiGLU(torch.autograd.Function):
         wgu_t, wd_t = w_gate_up.transpose(1, 2).unbind(0), w_down.transpose(1, 2).unbind(0)
         for e, b, idx, hb, sb, sc in zip(experts, sizes, row_of.split(sizes), h.split(padded), sg.split(padded),
                                          scales):
-            torch.mm(_gather(rows, idx, hb.shape[0]), wgu_t[e], out=hb)           # [B', 2I]
+            torch.mm(gather_padded(rows, idx, hb.shape[0]), wgu_t[e], out=hb)           # [B', 2I]
             act = torch.ops.aten.silu.out(hb[:, :n_i], out=sb) * hb[:, n_i:]      # [B', I], padding rows 0
             if sc is not None:
                 act[:b].mul_(sc)
@@ -147,7 +117,7 @@ class _BlockedSwiGLU(torch.autograd.Function):
         dscale = scale.new_empty(scale.shape) if scale is not None and need[2] else None
         dw_gu = _weight_grad(w_gate_up, ctx.counts) if need[3] else None
         dw_dn = _weight_grad(w_down, ctx.counts) if need[4] else None
-        experts, sizes, firsts, padded = _block_plan(ctx.counts, ctx.block_rows, _bucketed(rows))
+        experts, sizes, firsts, padded = _block_plan(ctx.counts, ctx.block_rows, bucketed(rows))
         none = [None] * len(sizes)
         scales = scale.unsqueeze(1).split(sizes) if scale is not None else none
         dscales = dscale.split(sizes) if dscale is not None else none
@@ -157,7 +127,7 @@ class _BlockedSwiGLU(torch.autograd.Function):
         blocks = zip(experts, firsts, sizes, row_of.split(sizes), h[:, :n_i].split(padded), h[:, n_i:].split(padded),
                      sg.split(padded), scales, dscales)
         for e, first, b, idx, gate, up, s, sc, dsc in blocks:
-            x, dy = _gather(rows, idx, gate.shape[0]), _gather(dout, idx, gate.shape[0])   # [B', D]
+            x, dy = gather_padded(rows, idx, gate.shape[0]), gather_padded(dout, idx, gate.shape[0])   # [B', D]
             act = s * up                                                           # unscaled [B', I]
             da = dy @ wd[e]                                                        # [B', I]
             if sc is not None:

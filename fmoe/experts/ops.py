@@ -17,8 +17,9 @@ with ``fullgraph=True``. Each is a ``torch.library`` operator with
 
 - a CPU/CUDA kernel (``CompositeExplicitAutograd``): ``torch._grouped_mm`` where it applies
   (``matmul="grouped"``, aligned shapes, bf16 on CUDA), else one ``torch.mm`` per group
-  (``matmul="loop"``; the kernel reads the group sizes on the host, invisible to the compiler
-  because the operator is opaque);
+  (``matmul="loop"``, and bf16 / fp16 on CPU, each group's rows padded to a bucket size,
+  :mod:`fmoe.experts.buckets`: torch's CPU ``_grouped_mm`` made that step 2x slower; the kernel
+  reads the group sizes on the host, invisible to the compiler because the operator is opaque);
 - a fake (meta) rule for any float dtype (``torch._grouped_mm``'s own rule accepts bf16 only);
 - a vmap rule that folds the batch into the groups (``B`` batches of ``G`` groups are ``B * G``
   groups over ``B * N`` rows): one call, whatever is batched (stacked models, token batches);
@@ -56,6 +57,8 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.autograd.function import _SingleLevelFunction
 from torch.utils.flop_counter import register_flop_formula
 
+from .buckets import bucketed, padded_mm, padded_tmm
+
 __all__ = ["grouped_mm", "grouped_wgrad", "offsets", "expert_mlp_offs", "check_matmul", "MATMULS"]
 
 MATMULS = ("auto", "grouped", "loop")
@@ -72,9 +75,10 @@ def offsets(counts: torch.Tensor) -> torch.Tensor:
 
 
 def _aligned(*ts: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` needs 16-byte aligned strides, one dtype, and bf16 on CUDA."""
+    """``torch._grouped_mm`` needs 16-byte aligned strides, one dtype, and bf16 on CUDA (bf16 /
+    fp16 on CPU take the bucketed loop)."""
     t0 = ts[0]
-    if not hasattr(torch, "_grouped_mm") or any(t.dtype != t0.dtype for t in ts):
+    if not hasattr(torch, "_grouped_mm") or any(t.dtype != t0.dtype for t in ts) or bucketed(t0):
         return False
     if t0.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (t0.is_cuda and t0.dtype != torch.bfloat16):
         return False
@@ -96,10 +100,10 @@ def _grouped_mm_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, tra
     if matmul != "loop" and _aligned(x, wt):
         return torch._grouped_mm(x.contiguous(), wt, offs=offs)
     out = x.new_zeros((x.shape[0], wt.shape[2]))
-    b = _bounds(offs)
+    b, mm = _bounds(offs), (padded_mm if bucketed(x) else torch.mm)
     for g in range(w.shape[0]):
         if b[g + 1] > b[g]:
-            torch.mm(x[b[g]:b[g + 1]], wt[g], out=out[b[g]:b[g + 1]])
+            mm(x[b[g]:b[g + 1]], wt[g], out=out[b[g]:b[g + 1]])
     return out
 
 
@@ -113,9 +117,11 @@ def _grouped_wgrad_kernel(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, 
     if matmul != "loop" and _aligned(a, b):
         return torch._grouped_mm(a.t(), b, offs=offs)
     out = a.new_zeros((offs.shape[0], a.shape[1], b.shape[1]))
-    e = _bounds(offs)
+    e, pad = _bounds(offs), bucketed(a)
     for g in range(offs.shape[0]):
-        if e[g + 1] > e[g]:
+        if e[g + 1] > e[g] and pad:
+            padded_tmm(a[e[g]:e[g + 1]], b[e[g]:e[g + 1]], out=out[g])
+        elif e[g + 1] > e[g]:
             torch.mm(a[e[g]:e[g + 1]].t(), b[e[g]:e[g + 1]], out=out[g])
     return out
 
