@@ -94,12 +94,11 @@ def loss_temporaries(w: dict, *, tokens: int, b: int, loss_chunks: int) -> int:
     return 8 * tokens * w["V"] if loss_chunks == 1 else 2 * b * tokens * w["V"]
 
 
-def layer_temporaries(*, gathered: int, expert_acts: int, unsplit: int = 0) -> int:
-    """Bytes one layer's backward allocates: its FSDP-split weights gathered again, their
-    full-size gradients and the reduce-scatter's buffer (3 x the gathered bytes), gradients the
-    size of its expert activations, and the largest gradient of a leaf that is not data-split
-    (``unsplit`` bytes: a whole expert block's gradient, made on this rank as its backward runs)."""
-    return 3 * gathered + expert_acts + unsplit
+def layer_temporaries(*, gathered: int, expert_acts: int) -> int:
+    """Bytes one layer's backward allocates at its end: its FSDP-split weights gathered again, their
+    full-size gradients and the reduce-scatter's buffer (3 x the gathered bytes), and gradients
+    the size of its expert activations."""
+    return 3 * gathered + expert_acts
 
 
 def norm_temporaries(largest: int, grad_bytes: int) -> int:
@@ -117,7 +116,8 @@ def norm_temporaries(largest: int, grad_bytes: int) -> int:
 def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss_temps: int,
               norm_temps: int, layer_acts: int = 0, layer_temps: int = 0, last_acts: int = 0,
               last_grads: int = 0, in_backward: Optional[int] = None,
-              retained: Optional[int] = None, held_grads: int = 0) -> dict[str, Any]:
+              retained: Optional[int] = None, held_grads: int = 0,
+              inside: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """The largest of the phases, with its bytes by category (``total_bytes`` the peak): the
     start of backward; the first layer's backward (the log-softmax and its own activations going,
     its temporaries ``layer_temps`` there, no gradient yet); the last layer's backward (only
@@ -128,7 +128,10 @@ def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss
     layer's update (its norm's temporaries) while nearly every activation is still alive;
     ``retained``: the activations a backward that keeps its graph holds throughout (the clip's
     first pass; None: no such pass). ``held_grads``: gradients of earlier micro-batches held
-    through every backward phase (the last micro-batch's backward adds to them)."""
+    through every backward phase (the last micro-batch's backward adds to them). ``inside``:
+    ``(activations, temporaries)`` of the last layer's backward while its expert kernels run (its
+    own activations still kept; its experts' whole gradients, made before the Function returns
+    them to the leaves, its recomputed activations under remat) instead of at its end."""
     if in_backward is not None:                  # a layer's gradients come at the end of its backward
         grads, last_grads = in_backward, 0
         if retained is not None:
@@ -139,6 +142,8 @@ def step_peak(*, params: int, grads: int, optimizer: int, activations: int, loss
                                   "temporaries_bytes": layer_temps}),
         ("last layer backward", {"grads_bytes": last_grads, "activations_bytes": last_acts,
                                  "temporaries_bytes": layer_temps}),
+        ("inside the last layer's backward", {"grads_bytes": last_grads, "activations_bytes": last_acts + inside[0],
+                                              "temporaries_bytes": inside[1]}),
         ("optimizer", {"grads_bytes": grads, "activations_bytes": 0, "temporaries_bytes": norm_temps})
         if in_backward is None else         # the first layer updated: the activations are still there
         ("update in backward", {"grads_bytes": grads, "activations_bytes": activations,
@@ -199,6 +204,7 @@ def rank_peak(w: dict, mesh: Any, T: int, moe_layers: int, layers: int, pol: Pre
     last = max(moe_l, dense_l) if remat == "none" else b * T * w["D"]          # what the first layer's backward frees
     loss_side = 4 * T * w["V"] if loss_chunks == 1 and head else 0   # the log-softmax is gone by then (the logits stay)
     recomputed = max(moe_l, dense_l) if remat == "layer" else 0
+    own = max(moe_l, dense_l) if remat == "none" else 0      # the running layer's activations, inside it
 
     def peak(inflight: int, held: int) -> dict:
         kept = inflight * acts + once + autocast_copies // 2
@@ -206,7 +212,8 @@ def rank_peak(w: dict, mesh: Any, T: int, moe_layers: int, layers: int, pol: Pre
                          loss_temps=loss_temporaries(w, tokens=T, b=b, loss_chunks=loss_chunks) if head else 0,
                          norm_temps=norm_temporaries(largest, pol.master_dtype.itemsize),
                          layer_acts=int(last + loss_side),
-                         layer_temps=layer_temporaries(gathered=gathered, expert_acts=int(expert), unsplit=unsplit),
+                         layer_temps=layer_temporaries(gathered=gathered, expert_acts=int(expert)),
+                         inside=(own, int(expert) + unsplit + recomputed),
                          last_acts=(inflight - 1) * acts + (b * T * w["V"] if head else 0), last_grads=last_grads,
                          in_backward=stage.group_grads, retained=int(kept - recomputed) if stage.retained else None,
                          held_grads=held)

@@ -195,7 +195,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         dense_mm = collective = 0.0
         gathered: dict[str, int] = {}                 # layer -> bytes its weights take gathered
         layer_grads: dict[str, int] = {}              # layer -> bytes of its gradients
-        unsplit: dict[str, int] = {}                  # layer -> its largest gradient made whole here
+        unsplit: dict[str, int] = {}                  # layer -> its gradients made whole on this rank
         for path, t in own.items():
             p = placed[path]
             n = _numel(local_shape(tuple(t.shape), p, mesh))
@@ -211,8 +211,8 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
                 gathered[layer] = gathered.get(layer, 0) + n * k * mb
             if not path.endswith("expert_bias"):
                 layer_grads[layer] = layer_grads.get(layer, 0) + n * mb
-                if layer != path and k == 1:          # the largest such leaf of a layer
-                    unsplit[layer] = max(unsplit.get(layer, 0), n * mb)
+                if layer != path and k == 1 and "ep" in p.mesh_axes():     # its experts' gradients
+                    unsplit[layer] = unsplit.get(layer, 0) + n * mb
             if "ep" not in p.mesh_axes() and len(t.shape) >= 2 and path != "embed":
                 dense_mm += n * k * _F32                             # gathered for a matmul
             collective += 3 * (k - 1) * n * min(act_bytes, mb) * grad_accum * M   # gather, re-gather, reduce-scatter

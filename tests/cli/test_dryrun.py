@@ -160,9 +160,8 @@ def test_plan_and_dry_run_of_a_pipeline_stage():
     """``--pp 2`` (1F1B, 2 micro-batches) on 8 ranks, tp2 x fsdp2 x ep4 inside each stage, 4 layers:
     each stage's role runs the real pipelined step on fake tensors (the fake group answers the
     stage-to-stage sends). Parameters, gradients and moments are per stage and exact; the peak
-    and its temporaries within 10%. The activations at the peak are not: the plan counts the
-    last micro-batch's as freed by its last layer's backward, the dry run still holds ~0.1 GB
-    (3% of the peak) there (benchmarks/RESULTS.md, issue 34)."""
+    within 10% and every category within 10% or 1% of the peak, but the last stage's activations
+    (the plan keeps 0.04 GB more of them at the peak, 1.2% of it: within 2%)."""
     cfg = _reduced_layers(2, 4)
     kw = dict(nproc=8, tp=2, ep=4, batch=2, seq=1024, dtype="bf16", master_dtype="bf16", optim_dtype="bf16",
               loss_chunks=8, pp=2)
@@ -175,8 +174,10 @@ def test_plan_and_dry_run_of_a_pipeline_stage():
         assert m["params_bytes"] == plan["ranks"][r]["params_bytes"] < 0.7 * whole
         for k in ("params_bytes", "grads_bytes", "optimizer_bytes"):
             assert p[k] == m[k], (k, p, m)
-        assert abs(p["temporaries_bytes"] - m["temporaries_bytes"]) <= 0.10 * m["temporaries_bytes"], (p, m)
         assert abs(p["total_bytes"] - m["peak_bytes"]) <= 0.10 * m["peak_bytes"], (p, m)
+        for k in CATS:
+            slack = 0.02 if (r, k) == (4, "activations_bytes") else 0.01
+            assert abs(p[k] - m[k]) <= max(0.10 * m[k], slack * m["peak_bytes"]), (k, p, m)
 
 
 def test_cli_takes_the_jobs_issue_34_flags(capsys):
