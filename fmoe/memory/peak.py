@@ -1,6 +1,6 @@
 """The peak of one train step, by phase: what :mod:`fmoe.memory.plan` predicts the dry run measures.
 
-A step's memory peaks at one of four moments, and the plan takes the largest:
+A step's memory peaks at one of five moments, and the plan takes the largest:
 
 - **start of backward**: parameters + moments + every activation kept for backward + the
   loss's backward temporaries (no gradient yet);
@@ -10,6 +10,9 @@ A step's memory peaks at one of four moments, and the plan takes the largest:
 - **the last layer's backward**: the same temporaries, only the logits (``b T V``, the step
   holds them until backward ends) left, every other layer's gradient made (where gradients per layer outweigh
   activations per layer, this is the larger);
+- **inside the last layer's backward**: as that, while its expert kernels run: its own
+  activations still kept, its experts' whole gradients (when not data-split) made but not yet
+  handed to the leaves, remat's recomputed activations (a pipeline stage's peak);
 - **optimizer**: parameters + moments + every reduced gradient + the temporaries of the
   global gradient norm (:func:`norm_temporaries`: an fp32 copy of the largest local gradient
   when gradients are bf16, nothing for fp32 ones) — the donated AdamW update works in place
