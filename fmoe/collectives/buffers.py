@@ -108,9 +108,13 @@ def broadcast_from(x: torch.Tensor, group: Optional[dist.ProcessGroup], group_sr
 
 
 def all_gather_objects(obj: object) -> list:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank of the default group."""
+    """Every rank's ``obj`` (picklable), in rank order, on every rank of the default group.
+    Under the fake process group (the dry run: no bytes move, and a pickled object cannot ride
+    in a fake tensor) every rank's object is this rank's."""
     if _world_size() == 1:
         return [obj]
+    if dist.get_backend() == "fake":
+        return [obj] * _world_size()
     every: list = [None] * _world_size()
     dist.all_gather_object(every, obj)
     return every

@@ -32,9 +32,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -114,26 +113,6 @@ def _fake_params(model: Any, cfg: Any, mesh, dtype: torch.dtype, device: torch.d
     return _tree.map_with_path(fake, tree)
 
 
-@contextlib.contextmanager
-def _object_gathers_of_one() -> Iterator[None]:
-    """The fake group's rule for torch's object gather: every rank's object is this rank's (the
-    fake group moves no bytes, and a pickled object cannot ride in a fake tensor). The pipeline's
-    log entries are joined over the stages that way; only their values, not the memory, differ.
-    This swaps torch's function for the dry run's duration (it calls no collective); the rule
-    would sit better in :mod:`fmoe.collectives` (``all_gather_objects`` under the fake backend)."""
-    name = "all_gather_object"                  # torch.distributed's object gather
-    own = getattr(dist, name)
-
-    def gather(out: list, obj: Any, group: Any = None) -> None:
-        out[:] = [obj] * len(out)
-
-    setattr(dist, name, gather)
-    try:
-        yield
-    finally:
-        setattr(dist, name, own)
-
-
 def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq, precision: Precision,
               remat, grad_accum, device, aux_weight, loss_chunks, parallel: dict) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -164,7 +143,7 @@ def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq,
             tracker, comm = StepTracker(), CollectiveBytes()
             tracker.tag(params, "params")
             tracker.tag(opt_state, "optimizer")
-            with tracker, comm, _object_gathers_of_one():
+            with tracker, comm:
                 train_step(model, cfg, params, opt_state, (tokens, tokens), mesh=mesh, step_cfg=step_cfg, lr=1e-4)
         measured = {**tracker.peak(), "max_grads_bytes": tracker.max_grads_bytes, "collective_bytes": sum(comm.bytes.values()), "collectives": comm.bytes}
         return {"rank": rank, "measured": measured, "seconds": round(time.perf_counter() - t0, 2)}
