@@ -48,12 +48,12 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .. import tree as _tree
-from ..mesh import RankLayout
+from ..mesh import RankLayout, stage_layers
 from ..model import Widths, model_of
 from ..sharding import local_shape
 from ..precision import Precision
@@ -127,7 +127,8 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
                 batch: int = 4, seq: int = 64, dtype: str = "fp32", remat: str = "none", grad_accum: int = 1,
                 model_plan: Any = None, master_dtype: str = "fp32", optim_dtype: str = "fp32",
                 loss_chunks: int = 1, optim_in_backward: bool = False, clip: Optional[float] = 1.0, sp: bool = False,
-                pp: int = 1, microbatches: Optional[int] = None, pp_schedule: str = "1f1b") -> dict:
+                pp: int = 1, microbatches: Optional[int] = None, pp_schedule: str = "1f1b",
+                pp_layers: Optional[Sequence[int]] = None) -> dict:
     """Per-rank memory and traffic of training ``model`` on ``nproc`` ranks (no process needed).
 
     Args:
@@ -148,6 +149,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
         pp, microbatches, pp_schedule: pipeline stages (each rank counts its stage's leaves),
             ``batch`` split into ``microbatches`` (default ``pp``), ``"1f1b"`` (stage ``s`` holds
             ``min(M, pp - s)`` micro-batches' activations) or ``"gpipe"`` (all ``M``).
+        pp_layers: decoder layers per stage (``--pp-layers``; default equal blocks).
     Returns:
         ``{"model", "mesh", "batch", "seq", "dtype", "master_dtype", "optim_dtype", "remat",
         "ranks": [{rank, params_bytes, grads_bytes, optimizer_bytes, activations_bytes,
@@ -179,16 +181,18 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
     flat = _tree.flatten(full)
     mp = model_plan if model_plan is not None else declared.build_plan(cfg, tp=tp)
     w = declared.widths(cfg)
-    if w.L % pp:
-        raise ValueError(f"memory plan: pp={pp} must divide the model's {w.L} decoder layers")
+    try:
+        stages = stage_layers(w.L, pp, pp_layers)
+    except ValueError as e:
+        raise ValueError(f"memory plan: {e}") from None
     ranks = []
     act_bytes = 2 if dtype == "bf16" else 4      # bf16: weights cast on the shard, before the gather
     for r in range(nproc):
         mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate, pp, sp)
         placed = _tree.flatten(data_parallel_plan(mp, full, mesh).resolve(full, mesh))
-        own = {p: t for p, t in flat.items() if _stage_of(p, w.L, pp) == mesh.stage}    # this stage's leaves
+        own = {p: t for p, t in flat.items() if _stage_of(p, stages) == mesh.stage}    # this stage's leaves
         moe_layers = sum(1 for p in own if p.endswith("moe.router"))
-        layers = w.L // pp
+        layers = len(stages[mesh.stage])
         first, last = mesh.stage == 0, mesh.stage == pp - 1
         inflight = 1 if pp == 1 else M if pp_schedule == "gpipe" else min(M, pp - mesh.stage)
         params = grads = optimizer = largest = 0
@@ -248,17 +252,18 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
                      "dp_replicate": dp_replicate, "pp": pp, "sp": sp},
             "batch": batch, "seq": seq, "dtype": dtype, "master_dtype": master_dtype, "optim_dtype": optim_dtype,
             "loss_chunks": loss_chunks, "remat": remat, "grad_accum": grad_accum, "microbatches": M,
-            "pp_schedule": pp_schedule, "optim_in_backward": optim_in_backward, "clip": clip,
+            "pp_schedule": pp_schedule, "pp_layers": None if pp_layers is None else list(pp_layers),
+            "optim_in_backward": optim_in_backward, "clip": clip,
             "ranks": ranks, "max_total_bytes": max(r["total_bytes"] for r in ranks)}
 
 
-def _stage_of(path: str, num_layers: int, pp: int) -> int:
-    """The pipeline stage holding ``path`` (:func:`fmoe.training.pipeline.stage_layers`: equal
-    contiguous blocks of layers; the embedding on the first stage, the rest on the last)."""
+def _stage_of(path: str, stages: list) -> int:
+    """The pipeline stage holding ``path`` (``stages``: :func:`fmoe.mesh.stage_layers`; the
+    embedding on the first stage, the rest on the last)."""
     parts = path.split(".")
     if parts[0] == "layers":
-        return int(parts[1]) // (num_layers // pp)
-    return 0 if parts[0] == "embed" else pp - 1
+        return next(s for s, block in enumerate(stages) if int(parts[1]) in block)
+    return 0 if parts[0] == "embed" else len(stages) - 1
 
 
 def _fmt(n: float, unit: float) -> str:

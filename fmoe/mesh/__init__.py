@@ -39,9 +39,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .layout import AXES, DATA_AXES, DENSE_AXES, EXPERT_AXES, Layout, RankLayout, check_layout, rank_coords
+from .layout import AXES, DATA_AXES, DENSE_AXES, EXPERT_AXES, Layout, RankLayout, check_layout, rank_coords, stage_layers
 
-__all__ = ["Mesh", "RankLayout", "Layout", "check_layout", "rank_coords", "DENSE_AXES", "EXPERT_AXES", "AXES", "DATA_AXES"]
+__all__ = ["Mesh", "stage_layers", "RankLayout", "Layout", "check_layout", "rank_coords", "DENSE_AXES", "EXPERT_AXES", "AXES", "DATA_AXES"]
 
 
 class Mesh(RankLayout):

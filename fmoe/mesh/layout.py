@@ -2,16 +2,17 @@
 
 :func:`check_layout` holds the layout rules once (every size an int >= 1, ``world = pp *
 dp_replicate * fsdp * tp``, ``ep`` a multiple of ``tp`` dividing ``fsdp * tp``);
-:func:`rank_coords` is the one rank layout (``pp`` outermost, tp fastest); :class:`RankLayout`
+:func:`rank_coords` is the one rank layout (``pp`` outermost, tp fastest), :func:`stage_layers`
+the decoder layers of each pipeline stage; :class:`RankLayout`
 is one rank's place in it (what the memory plan and programs use without starting ranks;
 :class:`fmoe.mesh.Mesh` adds the process groups). The picture is in :mod:`fmoe.mesh`.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional, Sequence
 
-__all__ = ["RankLayout", "Layout", "check_layout", "rank_coords", "FIELD_NAMES", "DENSE_AXES", "EXPERT_AXES", "AXES",
+__all__ = ["stage_layers", "RankLayout", "Layout", "check_layout", "rank_coords", "FIELD_NAMES", "DENSE_AXES", "EXPERT_AXES", "AXES",
            "DATA_AXES"]
 
 DENSE_AXES = ("dp_replicate", "fsdp", "tp")
@@ -122,6 +123,35 @@ def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Opt
         raise ValueError(f"{said('ep', ep)} must divide fsdp * tp = {fsdp} * {tp} = {fsdp * tp} (the ranks of one "
                          f"data-parallel replica); valid {name['ep']}: {valid}")
     return Layout(whole, tp, ep, fsdp, dp_replicate, pp)
+
+
+def stage_layers(num_layers: int, pp: int, sizes: Optional[Sequence[int]] = None) -> list[range]:
+    """The layers of each of ``pp`` stages: contiguous, equal blocks, or blocks of ``sizes``
+    layers (``--pp-layers``, e.g. fewer on the last stage, which also holds the head).
+
+    Raises:
+        ValueError: ``pp`` does not divide ``num_layers``, or ``sizes`` are not ``pp`` counts
+            >= 1 summing to ``num_layers``.
+
+    Example:
+        >>> stage_layers(8, 4)
+        [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+        >>> stage_layers(5, 2, [3, 2])
+        [range(0, 3), range(3, 5)]
+    """
+    if sizes is not None:
+        sizes = list(sizes)
+        if len(sizes) != pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) \
+                or sum(sizes) != num_layers:
+            raise ValueError(f"pp_layers {sizes} must be {pp} layer counts >= 1 summing to the model's {num_layers} "
+                             "decoder layers")
+        starts = [sum(sizes[:s]) for s in range(pp)]
+        return [range(a, a + n) for a, n in zip(starts, sizes)]
+    if pp < 1 or num_layers % pp:
+        raise ValueError(f"pp={pp} must divide the model's {num_layers} decoder layers (stages of equal depth); "
+                         f"valid pp: {[d for d in range(1, num_layers + 1) if num_layers % d == 0]}")
+    n = num_layers // pp
+    return [range(s * n, (s + 1) * n) for s in range(pp)]
 
 
 class RankLayout:

@@ -151,7 +151,8 @@ def print_memory_plan(job: Any, model: Any, cfg: Any, model_plan: Any, world: in
                        grad_accum=job.grad_accum, model_plan=model_plan, master_dtype=job.master_dtype,
                        optim_dtype=job.optim_dtype, loss_chunks=job.loss_chunks,
                        optim_in_backward=job.optim_in_backward, clip=job.clip, sp=job.sp, pp=job.pp,
-                       microbatches=job.microbatches, pp_schedule=job.pp_schedule)
+                       microbatches=job.microbatches, pp_schedule=job.pp_schedule,
+                       pp_layers=job.pp_layers and [int(n) for n in job.pp_layers.split(",")])
     text = format_plan(plan, job.memory_gb)
     if job.quiet:
         text = "\n".join(line for line in text.splitlines() if line.startswith("WARNING"))

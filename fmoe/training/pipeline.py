@@ -1,7 +1,8 @@
 """Pipeline parallelism: the decoder layers split into stages, micro-batches run through them.
 
 A mesh with ``pp > 1`` (:class:`fmoe.Mesh`, the outermost axis) gives each rank a stage. Stage
-``s`` of ``pp`` holds the contiguous layers :func:`stage_layers` gives it (equal blocks), the
+``s`` of ``pp`` holds the contiguous layers :func:`fmoe.mesh.stage_layers` gives it (equal blocks
+or ``--pp-layers``), the
 first stage also the embedding, the last the final norm and the output head: its parameter tree
 is the model's with every other leaf left out (:func:`stage_tree`; the other layers are None),
 so the model's own ``forward`` runs a stage: ``forward(stage_params, tokens, cfg, mesh,
@@ -25,8 +26,6 @@ the last stage the language-model loss) divided by ``M``, plus the zero token of
 ``torch.autograd.grad`` per micro-batch runs the stage's backward.
 
 Example:
-    >>> stage_layers(8, 4)
-    [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     >>> schedule("1f1b", stage=0, pp=2, microbatches=3)
     [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
 """
@@ -40,42 +39,16 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .. import tree as _tree
+from ..mesh import stage_layers
 from ..collectives import Pipe, all_gather_objects, recv_forward, send_forward
 from ..precision import dtype_of
 from ..routing.metrics import load_metrics
 from ..sharding import Plan, local_shard
 
-__all__ = ["SCHEDULES", "stage_layers", "stage_tree", "stage_plan", "schedule", "StageOut", "Timeline", "run_schedule",
+__all__ = ["SCHEDULES", "stage_tree", "stage_plan", "schedule", "StageOut", "Timeline", "run_schedule",
            "run_stage", "forward_stage", "gather_layers", "join_stages", "sum_stages"]
 
 SCHEDULES = ("1f1b", "gpipe")
-
-
-def stage_layers(num_layers: int, pp: int, sizes: Optional[Sequence[int]] = None) -> list[range]:
-    """The layers of each of ``pp`` stages: contiguous, equal blocks, or blocks of ``sizes``
-    layers (``--pp-layers``, e.g. fewer on the last stage, which also holds the head).
-
-    Raises:
-        ValueError: ``pp`` does not divide ``num_layers``, or ``sizes`` are not ``pp`` counts
-            >= 1 summing to ``num_layers``.
-
-    Example:
-        >>> stage_layers(5, 2, [3, 2])
-        [range(0, 3), range(3, 5)]
-    """
-    if sizes is not None:
-        sizes = list(sizes)
-        if len(sizes) != pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) \
-                or sum(sizes) != num_layers:
-            raise ValueError(f"pp_layers {sizes} must be {pp} layer counts >= 1 summing to the model's {num_layers} "
-                             "decoder layers")
-        starts = [sum(sizes[:s]) for s in range(pp)]
-        return [range(a, a + n) for a, n in zip(starts, sizes)]
-    if pp < 1 or num_layers % pp:
-        raise ValueError(f"pp={pp} must divide the model's {num_layers} decoder layers (stages of equal depth); "
-                         f"valid pp: {[d for d in range(1, num_layers + 1) if num_layers % d == 0]}")
-    n = num_layers // pp
-    return [range(s * n, (s + 1) * n) for s in range(pp)]
 
 
 def stage_tree(tree: dict, stage: int, pp: int, sizes: Optional[Sequence[int]] = None) -> dict:

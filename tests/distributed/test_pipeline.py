@@ -19,7 +19,8 @@ from fmoe.optim import lr_at
 from fmoe.optim.adamw import init as adamw_init
 from fmoe.training import JobConfig
 from fmoe.training.job import JobConfigError
-from fmoe.training.pipeline import schedule, stage_layers, stage_plan, stage_tree
+from fmoe.mesh import stage_layers
+from fmoe.training.pipeline import schedule, stage_plan, stage_tree
 from fmoe.training.step import train_step
 from helpers import close, on_ranks
 from train_cases import LR, S, STEP_CFG, corpus, model_and_cfg, read_log
