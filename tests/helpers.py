@@ -127,6 +127,22 @@ def on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 12
     return _Session.pools.run(fn, world, *args, timeout=timeout, **kw)
 
 
+def program(main: Callable[[list], int], capture: Any, *args: str) -> Any:
+    """A program's ``main(args)`` in this process (its parser, exit codes, one-line errors; tests
+    of the process boundary start it as a process instead): ``returncode``, ``stdout``, ``stderr``
+    as ``capture`` (pytest's ``capsys``, or ``capfd`` where spawned ranks write to this process's
+    file descriptors) read them."""
+    import types
+
+    capture.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:                         # a usage error
+        code = e.code
+    out = capture.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
 def _ip(hex_addr: str) -> str:
     import ipaddress
 

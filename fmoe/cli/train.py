@@ -156,8 +156,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         out = cfg.out or cfg.resume or DEFAULT_OUT        # (a resumed run writes into its own directory)
         good = ckpt.latest(out) if os.path.isdir(out) else None
-        print(f"fmoe train: error: stopped by {e}; every rank stopped (last complete checkpoint: "
-              f"{good or 'none'}; a save cut short is never used)", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":     # under torchrun every rank gets it: one line a node
+            print(f"fmoe train: error: stopped by {e}; every rank stopped (last complete checkpoint: "
+                  f"{good or 'none'}; a save cut short is never used)", file=sys.stderr)
         return 128 + e.signum
     except BaseException as e:  # every failure is one line (CheckpointException too)
         if isinstance(e, SystemExit) and e.code in (0, None):

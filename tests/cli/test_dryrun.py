@@ -23,6 +23,7 @@ import fmoe
 from fmoe.memory.dry_run import dry_run
 from fmoe.memory.plan import memory_plan
 from fmoe.models import qwen3_moe
+from helpers import program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "benchmarks", "configs", "qwen3-30b-a3b.json")
@@ -71,18 +72,9 @@ def test_remat_layer_regathers_fsdp_weights_in_backward():
 
 
 def _plan_cli(capsys, *flags):
-    """``fmoe memory *flags`` in this process (the program's ``main``: parser, exit codes, errors;
-    ``tests/cli/test_commands.py`` starts it as a process): ``returncode``, ``stdout``, ``stderr``."""
-    import types
-
+    """``fmoe memory *flags`` in this process (``tests/cli/test_commands.py`` starts it as a process)."""
     from fmoe.cli.memory import main
-    capsys.readouterr()
-    try:
-        code = main(list(flags))
-    except SystemExit as e:                         # a usage error
-        code = e.code
-    out = capsys.readouterr()
-    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    return program(main, capsys, *flags)
 
 
 def test_cli_json_memory_limit_and_device(capsys):

@@ -16,7 +16,7 @@ import torch
 import fmoe
 from fmoe.model.generate import left_pad
 from fmoe.models import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
-from helpers import close, hf_model, on_ranks
+from helpers import close, hf_model, on_ranks, program
 
 transformers = pytest.importorskip("transformers")
 
@@ -166,18 +166,10 @@ def _tokenizer_json(path, vocab_size):
 
 
 def _generate_cli(capfd, *args):
-    """``fmoe generate *args`` in this process (the program's ``main``: parser, exit codes, one-line
-    errors); what it and its ranks (rank 0 prints, to the caller's file descriptors) wrote."""
-    import types
-
+    """``fmoe generate *args`` in this process; what it and its ranks (rank 0 prints, to the
+    caller's file descriptors) wrote."""
     from fmoe.cli.generate import main
-    capfd.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as e:                         # a usage error
-        code = e.code
-    out = capfd.readouterr()
-    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    return program(main, capfd, *args)
 
 
 def test_command_line_prints_text_on_one_and_four_ranks(tmp_path, capfd):

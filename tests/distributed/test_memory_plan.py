@@ -15,7 +15,7 @@ import torch
 
 import fmoe
 import fmoe.models
-from helpers import on_ranks
+from helpers import on_ranks, program
 from fmoe.memory.plan import format_plan, memory_plan
 
 MESHES = [(1, 1, 1, 1), (4, 1, 4, 1), (4, 2, 4, 1), (4, 1, 2, 2)]   # nproc, tp, ep, dp_replicate
@@ -99,16 +99,8 @@ def test_plan_matches_measured_bytes(mesh):
 
 def test_plan_command_json_text_and_warning(capsys):
     def run(*flags):            # fmoe memory in this process (test_commands.py starts it as a process)
-        import types
-
         from fmoe.cli.memory import main
-        capsys.readouterr()
-        try:
-            code = main(list(flags))
-        except SystemExit as e:                     # a usage error
-            code = e.code
-        out = capsys.readouterr()
-        return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+        return program(main, capsys, *flags)
     flags = ["--model", "qwen3_moe", "--preset", "small", "--nproc", "4", "--tp", "2", "--ep", "4", "--batch", "2",
              "--seq", "64", "--dtype", "bf16", "--remat", "layer"]
     r = run(*flags, "--json", "--memory-gb", "0.05")
