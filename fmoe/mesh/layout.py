@@ -103,7 +103,7 @@ def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Opt
                          f"size); valid {name['pp']}: {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}")
     whole, world = world, world // pp           # the rest of the rules hold inside one stage
     if pp > 1:                                  # errors below speak of one stage's ranks
-        name = {**name, "world": f"{name['world']} / {name['pp']}"}
+        name = {**name, "world": f"{name['world']}/{name['pp']}"}
     if fsdp is None:
         if world % (tp * dp_replicate):
             raise ValueError(

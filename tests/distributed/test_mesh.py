@@ -133,3 +133,20 @@ def test_eight_rank_layouts_match_reference():
         assert "requires dp_replicate * fsdp * tp = 1 * 4 * 1 = 4 processes, but world_size is 8" in errors[3]
         assert "Mesh: ep=16 must divide fsdp * tp = 8 * 1 = 8" in errors[4] and "valid ep: 1, 2, 4, 8" in errors[4]
         assert "= 12 processes, but world_size is 8" in errors[5]
+
+
+def test_pipeline_stages_are_the_outermost_axis():
+    """``pp`` splits the world into equal stages of consecutive ranks; every other axis lives
+    inside a stage; the ``pp`` group is the ranks at the same place in every stage."""
+    from fmoe.mesh import Layout, RankLayout, check_layout
+
+    assert check_layout(8, tp=2, ep=2, pp=2) == Layout(world=8, tp=2, ep=2, fsdp=2, dp_replicate=1, pp=2)
+    m = RankLayout(8, 6, tp=2, ep=2, pp=2)
+    assert (m.stage, m.stage_world, m.rank_in("tp"), m.rank_in("fsdp"), m.batch_index, m.num_batches) == (1, 4, 0, 1, 1, 2)
+    assert m.ranks("pp") == [2, 6] and m.ranks("tp") == [6, 7] and m.ranks("fsdp") == [4, 6] and m.size("pp") == 2
+    with pytest.raises(ValueError, match="world_size=6 must be divisible by pp=4"):
+        check_layout(6, pp=4)
+    with pytest.raises(ValueError, match=r"world_size/pp=3 must be divisible by tp \* dp_replicate = 2"):
+        check_layout(6, tp=2, pp=2)
+    with pytest.raises(ValueError, match="needs tp > 1"):
+        RankLayout(2, 0, sp=True)
