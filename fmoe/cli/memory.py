@@ -77,11 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--microbatches", type=int, default=None, help="micro-batches of a pipeline (default: --pp)")
     g.add_argument("--pp-schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    g.add_argument("--pp-layers", metavar="N,N", default=None,
+                   help="decoder layers of each stage (default: equal blocks; the plan only, not --dry-run)")
     g.add_argument("--dry-run", action="store_true",
                    help="also run the real train step of each rank role on fake tensors and report measured bytes")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="device of the dry run's fake tensors (auto: cuda on a CUDA build of torch, else cpu)")
     return ap
+
+
+def _pp_layers(args: argparse.Namespace) -> Optional[list[int]]:
+    """``--pp-layers 3,2`` as layer counts (checked against the model by the plan)."""
+    if args.pp_layers is None:
+        return None
+    try:
+        return [int(n) for n in args.pp_layers.split(",")]
+    except ValueError:
+        raise ValueError(f"--pp-layers {args.pp_layers!r} must be comma-separated layer counts, e.g. 3,2") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -113,7 +125,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            grad_accum=args.grad_accum, master_dtype=args.master_dtype,
                            optim_dtype=args.optim_dtype, loss_chunks=args.loss_chunks,
                            optim_in_backward=args.optim_in_backward, clip=args.clip, sp=args.sp, pp=args.pp,
-                           microbatches=args.microbatches, pp_schedule=args.pp_schedule)
+                           microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layers=_pp_layers(args))
+        if args.dry_run and args.pp_layers is not None:
+            raise ValueError(f"--pp-layers {args.pp_layers} with --dry-run: the dry run splits the layers into equal "
+                             "stages; plan uneven stages without --dry-run")
         if args.dry_run:
             result = dry_run_report(plan, model, cfg, device=args.device, memory_gb=args.memory_gb)
     except (ValueError, TypeError, OSError) as e:

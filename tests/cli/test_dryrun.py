@@ -197,3 +197,23 @@ def test_cli_takes_the_jobs_issue_34_flags(capsys):
                            (("--pp", "2", "--microbatches", "3"), "microbatches=3 must divide batch=2")):
         bad = _plan_cli(capsys, *base, *flags)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+
+
+def test_plan_of_uneven_pipeline_stages(capsys):
+    """``fmoe memory --pp 2 --pp-layers 2,1`` plans DeepSeek-V3 tiny's 3 layers as 2 + 1 (the first
+    stage: 2 layers and the embedding; the last: 1 layer, the norm and the head); bad counts and
+    ``--dry-run`` (equal stages only) are usage errors naming the flag."""
+    base = ["--model", "deepseek_v3", "--preset", "tiny", "--nproc", "2", "--pp", "2", "--json"]
+    out = _plan_cli(capsys, *base, "--pp-layers", "2,1")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["pp_layers"] == [2, 1]
+    first, last = (r["params_bytes"] for r in plan["ranks"])
+    even = _plan_cli(capsys, *base, "--pp-layers", "1,2")
+    assert even.returncode == 0, even.stderr
+    assert [r["params_bytes"] for r in json.loads(even.stdout)["ranks"]] != [first, last]   # the split is read
+    for flags, message in ((["--pp-layers", "2,2"], "must be 2 layer counts >= 1 summing to the model's 3"),
+                           (["--pp-layers", "2,x"], "--pp-layers '2,x' must be comma-separated layer counts"),
+                           (["--pp-layers", "2,1", "--dry-run"], "--pp-layers 2,1 with --dry-run")):
+        bad = _plan_cli(capsys, *base, *flags)
+        assert bad.returncode == 2 and message in bad.stderr, (flags, bad.stderr)
