@@ -21,7 +21,7 @@ single-process gradient of the whole global batch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial
@@ -32,7 +32,7 @@ from ..mesh import DATA_AXES, Mesh
 from ..sharding import local_shard
 from ..sharding import placed_like as _like
 
-__all__ = ["reduce_grads", "reduce_flat", "DATA_AXES"]
+__all__ = ["accumulate", "reduce_grads", "reduce_flat", "DATA_AXES"]
 
 def _axes_to_reduce(g: Any) -> tuple:
     """Mesh axes over which this gradient still has to be summed (in mesh-dim order)."""
@@ -65,6 +65,21 @@ def reduce_grads(grads: Any, params: Any, mesh: Mesh, inplace: bool = False) -> 
     """
     out = reduce_flat(_tree.flatten(grads), _tree.flatten(params), mesh, inplace=inplace)
     return _tree.unflatten(out, like=grads)
+
+
+def accumulate(acc: Optional[list], grads: Sequence[torch.Tensor]) -> list:
+    """The micro-batches' gradients summed: ``grads`` themselves for the first (``acc`` None),
+    else added to ``acc`` in place on the local shards (the train step and a pipeline stage).
+
+    Example:
+        >>> accumulate(accumulate(None, [torch.ones(2)]), [torch.ones(2)])
+        [tensor([2., 2.])]
+    """
+    if acc is None:
+        return list(grads)
+    for a, g in zip(acc, grads):
+        local_shard(a).add_(local_shard(g))
+    return acc
 
 
 def reduce_flat(flat_g: dict, flat_p: dict, mesh: Mesh, inplace: bool = False) -> dict:

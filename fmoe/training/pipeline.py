@@ -43,7 +43,8 @@ from ..mesh import stage_layers
 from ..collectives import Pipe, all_gather_objects, recv_forward, send_forward
 from ..precision import dtype_of
 from ..routing.metrics import load_metrics
-from ..sharding import Plan, local_shard
+from ..sharding import Plan
+from .grads import accumulate
 
 __all__ = ["SCHEDULES", "stage_tree", "stage_plan", "schedule", "StageOut", "Timeline", "run_schedule",
            "run_stage", "forward_stage", "gather_layers", "join_stages", "sum_stages"]
@@ -166,12 +167,7 @@ def run_schedule(forward: Callable[[int, Optional[torch.Tensor]], StageOut], lea
         else:
             inputs = list(leaves) + ([pipe.anchor()] if stage > 0 else [])
             grads = torch.autograd.grad(live.pop(m), inputs) if inputs else ()
-            grads = list(grads[:len(leaves)])
-            if acc is None:
-                acc = grads
-            else:
-                for a, g in zip(acc, grads):             # in place on the local shards
-                    local_shard(a).add_(local_shard(g))
+            acc = accumulate(acc, grads[:len(leaves)])
             del grads                                    # not held through the next micro-batch's backward
     pipe.wait()
     return acc, records, Timeline(time.perf_counter() - t0, pipe.waited)

@@ -44,7 +44,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .. import tree as _tree
-from ..sharding import gather, local_shard
+from ..sharding import gather
 from . import global_balance as _global_balance
 from . import router_aux as _router_aux
 from ..mesh import Mesh
@@ -52,7 +52,7 @@ from ..nn import remat as _remat
 from ..fsdp import regather_in_backward
 from .forward import compute_params, forward_loss, forward_with_aux, world_mean
 from . import pipeline as _pipeline
-from .grads import reduce_flat
+from .grads import accumulate, reduce_flat
 from .optim_backward import InBackward
 from ..optim import AdamWConfig, adamw
 from ..precision import dtype_of, round_generator
@@ -233,11 +233,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
             records.append(res.record)
             losses = [r[0] for r in records]
             grads = oib.backward(res.objective, losses) if oib else torch.autograd.grad(res.objective, leaves)
-        if acc is None:
-            acc = list(grads)
-        else:
-            for a, g in zip(acc, grads):                 # in place on the local shards
-                local_shard(a).add_(local_shard(g))
+        acc = accumulate(acc, grads)
         del grads, res
     losses = [r[0] for r in records if r[0] is not None]
     for _, aux_named, layer_loads, stats_m, aux in records:
