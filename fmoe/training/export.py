@@ -101,11 +101,11 @@ def export_hf(model: Any, params: Any, cfg: Any, path: str, *, model_name: str, 
     files = {**_tokenizer_files(tokenizer), FMOE_RECORD: (json.dumps(record, indent=2) + "\n").encode()}
     if mesh is not None and mesh.pp > 1:                # every stage's part, joined (fmoe.training.pipeline)
         from .. import tree as _tree
-        from ..collectives import all_gather_objects
         from ..sharding import gather
+        from .pipeline import stage_leads
 
         part = {k: v.detach().cpu() for k, v in _tree.flatten(gather(params)).items()}
-        lead = mesh.rank % mesh.stage_world == 0
-        params = _tree.unflatten({k: v for d in all_gather_objects(part if lead else {}) for k, v in d.items()})
+        part = part if mesh.rank % mesh.stage_world == 0 else {}      # only the stage leads' parts are read
+        params = _tree.unflatten({k: v for d in stage_leads(part, mesh) for k, v in d.items()})
     save_hf(model_of(model), params, cfg, path, overwrite=overwrite, files=files,
             config_update={**(fields or {}), "fmoe_router": router}, progress=progress)

@@ -47,7 +47,7 @@ from ..sharding import Plan
 from .grads import accumulate
 
 __all__ = ["SCHEDULES", "stage_tree", "stage_plan", "schedule", "StageOut", "Timeline", "run_schedule",
-           "run_stage", "forward_stage", "gather_layers", "join_stages", "sum_stages"]
+           "run_stage", "forward_stage", "stage_leads", "gather_layers", "join_stages", "sum_stages"]
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -69,7 +69,7 @@ def stage_tree(tree: dict, stage: int, pp: int, sizes: Optional[Sequence[int]] =
     for key, value in tree.items():
         if key == "layers":
             out[key] = [layer if i in own else None for i, layer in enumerate(value)]
-        elif (key == "embed") == (stage == 0) and (key == "embed" or stage == pp - 1):
+        elif (key == "embed" and stage == 0) or (key != "embed" and stage == pp - 1):
             out[key] = value
     return out
 
@@ -217,13 +217,20 @@ def forward_stage(forward: Callable[[Optional[torch.Tensor]], tuple], mesh: Any,
     return out, aux
 
 
+def stage_leads(obj: Any, mesh: Any) -> list:
+    """Each stage's first rank's ``obj`` (picklable), in stage order, on every rank (every rank
+    gives its own: under the dry run's fake group each rank reads back its own). Collective over
+    every rank."""
+    every = all_gather_objects(obj)
+    return [every[s * mesh.stage_world] for s in range(mesh.pp)]
+
+
 def gather_layers(values: list, mesh: Any) -> list:
     """Every stage's per-layer list (e.g. the held-out loads), joined in stage order on every
     rank; ``pp == 1``: ``values``. Collective over every rank."""
     if mesh.pp == 1:
         return values
-    every = all_gather_objects(values)
-    return [v for s in range(mesh.pp) for v in every[s * mesh.stage_world]]
+    return [v for part in stage_leads(values, mesh) for v in part]
 
 
 def join_stages(metrics: dict, mesh: Any, prefix: str = "") -> dict:
@@ -241,8 +248,7 @@ def join_stages(metrics: dict, mesh: Any, prefix: str = "") -> dict:
     """
     if mesh.pp == 1:
         return metrics
-    every = all_gather_objects(metrics)
-    leads = [every[s * mesh.stage_world] for s in range(mesh.pp)]       # stage s's first rank
+    leads = stage_leads(metrics, mesh)
     out: dict = {}
     for key in dict.fromkeys(k for d in leads for k in d):
         parts = [d[key] for d in leads if key in d]
