@@ -30,6 +30,7 @@ from ..memory.plan import format_plan, memory_plan
 from ..model import PRESETS, Model
 from ..models import NAMES, get
 from ..training.job import check_value
+from ..training.parallel import stage_sizes
 
 __all__ = ["main", "build_parser"]
 
@@ -86,16 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _pp_layers(args: argparse.Namespace) -> Optional[list[int]]:
-    """``--pp-layers 3,2`` as layer counts (checked against the model by the plan)."""
-    if args.pp_layers is None:
-        return None
-    try:
-        return [int(n) for n in args.pp_layers.split(",")]
-    except ValueError:
-        raise ValueError(f"--pp-layers {args.pp_layers!r} must be comma-separated layer counts, e.g. 3,2") from None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``fmoe memory``: print the per-rank memory plan of a training job (``--json``:
     one JSON object; ``--dry-run``: also the measured bytes of the real step on fake tensors,
@@ -125,7 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            grad_accum=args.grad_accum, master_dtype=args.master_dtype,
                            optim_dtype=args.optim_dtype, loss_chunks=args.loss_chunks,
                            optim_in_backward=args.optim_in_backward, clip=args.clip, sp=args.sp, pp=args.pp,
-                           microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layers=_pp_layers(args))
+                           microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layers=stage_sizes(args.pp_layers))
         if args.dry_run and args.pp_layers is not None:
             raise ValueError(f"--pp-layers {args.pp_layers} with --dry-run: the dry run splits the layers into equal "
                              "stages; plan uneven stages without --dry-run")

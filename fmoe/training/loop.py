@@ -103,6 +103,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     from fmoe.optim.adamw import init as adamw_init
     from .outdir import append_row, check_room
     from fmoe.training.step import StepConfig, train_step
+    from fmoe.training.parallel import stage_sizes
     from fmoe.training.pipeline import stage_plan, stage_tree
 
     torch.set_num_threads(threads_of(job))            # --threads (fmoe.training.threads)
@@ -137,7 +138,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     full = balancing.with_expert_bias(full, job)      # --balance bias on any MoE model
     model_plan = model.build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model.build_plan(cfg, model_plan, mesh, full, data_parallel=True)
-    stages = (mesh.stage, mesh.pp, job.pp_layers and [int(n) for n in job.pp_layers.split(",")])   # --pp
+    stages = (mesh.stage, mesh.pp, stage_sizes(job.pp_layers))   # --pp
     plan, full = stage_plan(plan, full, *stages), stage_tree(full, *stages)
     packed = ckpt.packed_layout(plan, full)
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(full))   # params + 2 moments

@@ -143,6 +143,7 @@ def print_memory_plan(job: Any, model: Any, cfg: Any, model_plan: Any, world: in
     import sys
 
     from ..memory.plan import format_plan, memory_plan
+    from .parallel import stage_sizes
 
     if job.quiet and job.memory_gb is None:
         return
@@ -152,7 +153,7 @@ def print_memory_plan(job: Any, model: Any, cfg: Any, model_plan: Any, world: in
                        optim_dtype=job.optim_dtype, loss_chunks=job.loss_chunks,
                        optim_in_backward=job.optim_in_backward, clip=job.clip, sp=job.sp, pp=job.pp,
                        microbatches=job.microbatches, pp_schedule=job.pp_schedule,
-                       pp_layers=job.pp_layers and [int(n) for n in job.pp_layers.split(",")])
+                       pp_layers=stage_sizes(job.pp_layers))
     text = format_plan(plan, job.memory_gb)
     if job.quiet:
         text = "\n".join(line for line in text.splitlines() if line.startswith("WARNING"))

@@ -14,7 +14,23 @@ from typing import Any, Callable, Optional
 
 from ..models import get
 
-__all__ = ["check_options", "check_stages"]
+__all__ = ["check_options", "check_stages", "stage_sizes"]
+
+
+def stage_sizes(text: Optional[str]) -> Optional[list[int]]:
+    """``--pp-layers 3,2`` as layer counts (None: equal stages); their sum and count are checked
+    against the model by :func:`check_stages` (and the memory plan).
+
+    Example:
+        >>> stage_sizes("3,2")
+        [3, 2]
+    """
+    if text is None:
+        return None
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--pp-layers {text!r} must be comma-separated layer counts, e.g. 3,2") from None
 
 
 def check_options(job: Any, error: Callable[[str], Any], resumed: bool = False) -> None:
