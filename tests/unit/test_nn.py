@@ -194,3 +194,24 @@ def test_bad_inputs_raise_naming_the_argument():
         with pytest.raises(exc) as info:
             call()
         assert msg in str(info.value), (msg, str(info.value))
+
+
+def test_rope_tables_are_one_operator_in_a_compiled_forward():
+    """The fast path of the compiled step (RESULTS.md, issue 33): the rotary tables are one
+    ``fmoe::rope_tables`` call per forward, so Inductor reads them as buffers instead of inlining
+    cos / sin into every layer's q and k kernels; no cos or sin op is left in the traced graphs."""
+    from fmoe.models import qwen3_moe
+
+    cfg = qwen3_moe.Config.tiny()
+    params, graphs = qwen3_moe.init(cfg), []
+
+    def record(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda p, t: qwen3_moe.forward(p, t, cfg), backend=record)(params, torch.zeros(2, 5, dtype=torch.long))
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op in ("call_function", "call_method")]
+    assert sum("rope_tables" in t for t in targets) == 1, targets
+    assert not [t for t in targets if t.rsplit(".", 1)[-1] in ("cos", "sin") or t in ("cos", "sin")], targets
+    torch._dynamo.reset()
