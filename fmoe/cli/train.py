@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 from ..training import JobConfig, JobConfigError, run
 from ..training.job import DEFAULT_OUT, FIELDS, flag
 from ..training.jobfile import read_job_file
+from ..training.failure import NodeStopped
 from ..training.loop import NonFiniteStep, log_row
 
 __all__ = ["build_parser", "parse_args", "main", "EPILOG"]
@@ -135,7 +136,7 @@ def _describe(e: BaseException) -> str:
     """One line for an error: OSErrors by their message, others as ``Type: message``."""
     if isinstance(e, OSError) and e.strerror:
         text = e.strerror + (f": {e.filename}" if e.filename else "")
-    elif isinstance(e, NonFiniteStep):
+    elif isinstance(e, (NonFiniteStep, NodeStopped)):
         text = str(e)
     else:
         text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -8,6 +8,13 @@ that record and becomes a :class:`PeerFailed` naming the first failing rank and 
 that a peer ended without reporting (killed, or its node lost). The program prints a
 :class:`PeerFailed` once per node (local rank 0), and not at all on the node of the rank that
 failed first (which prints its own error).
+
+A node's printing rank can be stopped by torchrun (SIGTERM) before it prints: a sibling that
+found the failure first exits, and torchrun then terminates the node's other ranks. So a rank
+that does not print its node's line records it (:func:`leave_node_line`) before it exits, and
+the printing rank, stopped by a signal, ends with that line (:func:`node_reason`, a
+:class:`NodeStopped`) instead of "stopped by SIGTERM": the node says why it stopped, once,
+whichever of its ranks saw it first.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import torch.distributed as dist
 
 from ..launch.caller import _SECONDARY
 
-__all__ = ["PeerFailed", "annotate", "is_echo", "KEY"]
+__all__ = ["PeerFailed", "NodeStopped", "annotate", "is_echo", "leave_node_line", "node_reason", "KEY"]
 
 KEY = "fmoe/first_failure"     # the store key of the first failure
 
@@ -86,3 +93,59 @@ def annotate(e: BaseException, rank: int, wait: float = 2.0) -> BaseException:
                           who.endswith(f"(node {_node()})"))
     return PeerFailed(f"stopped: a peer rank ended without reporting an error (killed, or its node lost); this "
                       f"rank's collective said: {str(e).splitlines()[0] if str(e) else type(e).__name__}", None, False)
+
+
+class NodeStopped(RuntimeError):
+    """The printing rank of a node was stopped by a signal after a sibling rank of its node failed;
+    its message is the sibling's error line (``Type: message``)."""
+
+
+def _node_key() -> str:
+    return f"fmoe/node_line/{_node()}"
+
+
+def _printing_rank() -> bool:
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def leave_node_line(e: BaseException) -> None:
+    """On a rank that does not print its node's line, record ``e`` as the node's reason to stop.
+
+    Only the errors printed once a node (:class:`PeerFailed` not of this node, ``SettingsMismatch``)
+    are recorded, first writer wins; a no-op on the printing rank or without a store.
+
+    Args:
+        e: the error this rank ends with.
+    """
+    from .settings import SettingsMismatch
+
+    store = _store()
+    if _printing_rank() or store is None or getattr(e, "same_node", False) \
+            or not isinstance(e, (PeerFailed, SettingsMismatch)):
+        return
+    line = " | ".join(part.strip() for part in f"{type(e).__name__}: {e}".splitlines() if part.strip())
+    try:
+        store.compare_set(_node_key(), "", line)
+    except Exception:  # noqa: BLE001 - the store may be gone with its node
+        pass
+
+
+def node_reason(e: BaseException) -> Optional[NodeStopped]:
+    """The error the printing rank ends with when a signal stopped it after a sibling's failure.
+
+    Args:
+        e: what stopped this rank.
+    Returns:
+        A :class:`NodeStopped` carrying the sibling's recorded line when ``e`` is a signal's
+        interruption (not an ``Exception``) on the printing rank and a line was recorded; else None.
+    """
+    store = _store()
+    if isinstance(e, Exception) or not _printing_rank() or store is None:
+        return None
+    try:
+        if store.check([_node_key()]):
+            line = store.get(_node_key()).decode()
+            return NodeStopped(line) if line else None
+    except Exception:  # noqa: BLE001
+        pass
+    return None

@@ -87,7 +87,7 @@ def run(cfg: JobConfig, step_config: Optional[StepConfig] = None) -> Optional[di
 
         from ..checkpoint import training as ckpt
         from .options import resolve_device
-        from .failure import annotate
+        from .failure import annotate, leave_node_line, node_reason
         from .settings import check_same, of_job
 
         if "TORCHELASTIC_RUN_ID" in os.environ:        # a torchrun agent is the parent: die with it
@@ -101,19 +101,26 @@ def run(cfg: JobConfig, step_config: Optional[StepConfig] = None) -> Optional[di
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=job.timeout))
         rank = int(os.environ["RANK"])
         lock = OutLock(job.out)
-        try:                                           # every node started with the same settings
-            check_same(of_job(job))
-            ckpt.on_rank0(lambda: (lock.acquire(), _prepare_out(job)), f"locking --out {job.out}")
-            last = run_rank(rank, world, job)
-            if owned:
-                from ..collectives import barrier
+        try:
+            try:                                       # every node started with the same settings
+                check_same(of_job(job))
+                ckpt.on_rank0(lambda: (lock.acquire(), _prepare_out(job)), f"locking --out {job.out}")
+                last = run_rank(rank, world, job)
+                if owned:
+                    from ..collectives import barrier
 
-                barrier()                              # every rank is done with every collective
-        except Exception as e:                         # the first failing rank, named once
-            error = annotate(e, rank)
-            if error is e:
+                    barrier()                          # every rank is done with every collective
+            except Exception as e:                     # the first failing rank, named once
+                error = annotate(e, rank)
+                leave_node_line(error)                 # for the node's printing rank, if torchrun stops it
+                if error is e:
+                    raise
+                raise error from e
+        except BaseException as e:                     # a signal: torchrun's, after a sibling failed?
+            reason = node_reason(e)
+            if reason is None:
                 raise
-            raise error from e
+            raise reason from e
         finally:
             lock.release()                             # (a no-op where it was not taken)
             if owned:
