@@ -209,6 +209,8 @@ class Model:
         plan = rules if isinstance(rules, Plan) else default if rules is None else default.override(rules)
         shapes = self._shapes(cfg)
         self._check(cfg, plan, tp, shapes)
+        if mesh is not None and mesh.sp and tp > 1 and plan is not default:
+            self._check_sequence_parallel(plan, default, shapes)
         if not data_parallel:
             return plan
         if mesh is None:
@@ -244,10 +246,29 @@ class Model:
             order = list(dict.fromkeys(self.tp_fields.values()))
             raise ValueError("check_plan: " + "; ".join(problems[f] for f in order if f in problems))
 
+    @staticmethod
+    def _check_sequence_parallel(plan: Plan, default: Plan, shapes: Any) -> None:
+        """Under sequence parallelism a layer's activations are this rank's piece of the sequence
+        between its tensor-parallel blocks: the blocks must start colwise (gathering the sequence)
+        and end rowwise (scattering it), as the default plan splits them. A layer weight the default
+        splits over tp and ``plan`` replicates (attention over the piece only) or gathers (a full
+        sequence added to the piece) would be silently wrong, so it is refused."""
+        given, want = _tree.flatten(plan.resolve(shapes)), _tree.flatten(default.resolve(shapes))
+        for path, p in want.items():
+            d = p.dim_of("tp")
+            if not path.startswith("layers.") or d is None:
+                continue
+            q = given[path]
+            if q.dim_of("tp") != d or q.gather != p.gather:
+                rule = (plan.match(path) or ("<default>",))[0]
+                raise ValueError(f"build_plan: with sequence parallelism (mesh sp=True) {path} must keep the "
+                                 f"default tensor-parallel split {p!r} (blocks start colwise, end rowwise); "
+                                 f"rule {rule!r} places it {q!r}")
+
     # ---------------------------------------------------------------- the wrappers every model shares
     def shard(self, params: dict, cfg: Any, mesh: Mesh, plan: Rules = None) -> dict:
         """:func:`fmoe.shard` the full ``params`` by ``plan`` (as in :meth:`check_plan`), checked first."""
-        return _shard(params, self.check_plan(cfg, plan, mesh.tp), mesh)
+        return _shard(params, self.build_plan(cfg, plan, mesh), mesh)
 
     def load_hf(self, path: Union[str, os.PathLike], mesh: Optional[Mesh] = None, plan: Rules = None, *,
                 dtype: Optional[torch.dtype] = None) -> tuple[dict, Any]:
@@ -264,7 +285,7 @@ class Model:
         Returns:
             ``(params, cfg)``; with a mesh the params equal ``shard(full_params, cfg, mesh, plan)``.
         """
-        built = None if mesh is None else (lambda cfg: self.build_plan(cfg, plan, tp=mesh.tp))
+        built = None if mesh is None else (lambda cfg: self.build_plan(cfg, plan, mesh))
         return _hf.load_hf(self, path, mesh=mesh, plan=built, dtype=dtype)
 
     def save_hf(self, params: dict, cfg: Any, path: Union[str, os.PathLike], *, overwrite: bool = False) -> None:

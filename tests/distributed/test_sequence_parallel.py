@@ -210,3 +210,20 @@ def test_gathered_linear_under_transforms():
     for rank, (fused, plain) in enumerate(on_ranks(_gathered_linear_transforms, 2)):
         for i, (a, b) in enumerate(zip(fused, plain)):
             close(a, b, f"rank {rank} output {i}")
+
+
+@pytest.mark.parametrize("rules", [{"layers.*.attn.wq": "replicate"}, {"layers.*.attn.wo": "replicate"},
+                                   {"layers.*.attn.wq": "colwise_gather", "layers.*.attn.wo": "replicate"}])
+def test_a_plan_that_leaves_the_sequence_piece_is_refused_under_sp(rules):
+    """Replicated attention would attend within the piece only; a gathered block end would add a
+    full sequence to the piece (broadcast silently when S == tp): refused, naming path and rule."""
+    from fmoe.mesh.layout import RankLayout
+    from fmoe.models import qwen3_moe
+
+    cfg = qwen3_moe.Config.tiny()
+    model = qwen3_moe.MODEL
+    with pytest.raises(ValueError, match=r"with sequence parallelism \(mesh sp=True\) layers\.0\.attn\.w[qo] must "
+                                         r"keep the default tensor-parallel split"):
+        model.build_plan(cfg, rules, RankLayout(2, tp=2, sp=True))
+    model.build_plan(cfg, rules, RankLayout(2, tp=2))                    # the same plan without sp is fine
+    model.build_plan(cfg, {"layers.*.moe.router": "replicate"}, RankLayout(2, tp=2, sp=True))  # a rule that keeps it
