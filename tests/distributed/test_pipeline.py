@@ -28,7 +28,7 @@ from train_cases import LR, S, STEP_CFG, corpus, model_and_cfg, read_log
 STEPS, ROWS = 2, 2            # rows per micro-batch
 
 
-def _train(name, mesh, micro, schedule_name="1f1b", steps=STEPS, eps=None):
+def _train(name, mesh, micro, schedule_name="1f1b", steps=STEPS, eps=None, router=None):
     """``steps`` steps of ``micro`` micro-batches of ``ROWS`` rows each on ``mesh`` (None: one
     process, ``grad_accum=micro``). Returns (losses, norms, this rank's gathered leaves and
     moments by path, the last step's metrics). ``eps``: AdamW's, for a mesh that sums in
@@ -42,7 +42,7 @@ def _train(name, mesh, micro, schedule_name="1f1b", steps=STEPS, eps=None):
     if mesh is not None:
         plan = stage_plan(data_parallel_plan(model.plan(cfg), full, mesh), full, mesh.stage, mesh.pp)
         params = fmoe.shard(stage_tree(full, mesh.stage, mesh.pp), plan, mesh)
-    step_cfg = dataclasses.replace(STEP_CFG, grad_accum=micro, pp_schedule=schedule_name)
+    step_cfg = dataclasses.replace(STEP_CFG, grad_accum=micro, pp_schedule=schedule_name, router=router)
     if eps is not None:
         step_cfg = dataclasses.replace(step_cfg, opt=dataclasses.replace(step_cfg.opt, eps=eps))
     state, data, losses, norms = adamw_init(params), corpus(), [], []
@@ -56,8 +56,8 @@ def _train(name, mesh, micro, schedule_name="1f1b", steps=STEPS, eps=None):
     return losses, norms, {**flat(params), **flat({"m": state["m"], "v": state["v"]})}, m
 
 
-def _on_mesh(rank, world, name, micro, schedule_name, sizes, eps=None):
-    return _train(name, fmoe.Mesh(**sizes), micro, schedule_name, eps=eps)
+def _on_mesh(rank, world, name, micro, schedule_name, sizes, eps=None, router=None):
+    return _train(name, fmoe.Mesh(**sizes), micro, schedule_name, eps=eps, router=router)
 
 
 def _compare(ref, ranks, what, metrics=("expert_load",)):
@@ -94,6 +94,23 @@ def test_pp2_ep2_equals_the_ep2_run():
     close(torch.tensor(ref[0][0]), torch.tensor(ref[1][0]), "ep2: the ranks agree")
     merged = (ref[0][0], ref[0][1], {**ref[0][2], **ref[1][2]}, ref[0][3])
     _compare(merged, ranks, "pp2 x ep2")
+
+
+def _first_half(logits):
+    """Top-2 among the first half of the experts (ep rank 0's): ep rank 1 receives no token."""
+    E = logits.shape[-1]
+    return fmoe.routing.topk(2)(logits.masked_fill(torch.arange(E) >= E // 2, float("-inf")))
+
+
+def test_pp2_ep2_with_an_empty_expert_slice_equals_the_ep2_run():
+    """pp2 x ep2 where every token goes to ep rank 0's experts (ep rank 1's slice is empty in
+    both stages, forward and backward): equal to the ep2 run with the same router."""
+    ref = on_ranks(_on_mesh, 2, "qwen3_moe", 2, "gpipe", dict(ep=2), None, _first_half, timeout=300)
+    ranks = on_ranks(_on_mesh, 4, "qwen3_moe", 2, "gpipe", dict(pp=2, ep=2), None, _first_half, timeout=300)
+    E = len(ref[0][3]["expert_load"][0])
+    assert all(sum(load[E // 2:]) == 0 < sum(load) for load in ref[0][3]["expert_load"])   # really empty
+    merged = (ref[0][0], ref[0][1], {**ref[0][2], **ref[1][2]}, ref[0][3])
+    _compare(merged, ranks, "pp2 x ep2, empty slice")
 
 
 def test_pp2_tp2_sp_equals_one_process():
