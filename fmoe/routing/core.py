@@ -257,10 +257,11 @@ def validate(routing: object, num_tokens: int, num_experts: int) -> Routing:
     k = ids.shape[1]
     if k < 1 or k > num_experts:
         raise ValueError(f"router: K={k} experts per token must be in [1, E={num_experts}]")
-    if ids.numel() and data_checks_enabled():     # host sync: eager only (fmoe.transforms)
-        lo, hi = int(ids.min()), int(ids.max())
+    if ids.numel() and data_checks_enabled():     # one host sync: eager only (fmoe.transforms)
+        lo, hi, bad = torch.stack([ids.min().long(), ids.max().long(),
+                                   (~torch.isfinite(w)).sum().long().to(ids.device)]).tolist()
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"router: expert_ids must be in [0, {num_experts}), got values in [{lo}, {hi}]")
-        if not bool(torch.isfinite(w).all()):
+        if bad:
             raise ValueError("router: weights contain NaN or inf")
     return Routing(w, ids.long(), aux)
