@@ -19,8 +19,9 @@ grouped     :mod:`fmoe.experts.mlp`: one               ``matmul="grouped"``, or 
 loop        :mod:`fmoe.experts.mlp`: one matmul per    otherwise
             expert
 traced      :mod:`fmoe.experts.ops`: the grouped       under ``torch.func`` transforms and
-            GEMMs as ``torch.library`` operators,      ``torch.compile`` (:mod:`fmoe.transforms`)
-            group sizes kept on the device
+            GEMMs as ``torch.library`` operators,      ``torch.compile`` (:mod:`fmoe.transforms`),
+            group sizes kept on the device             and as a compiled region of its own
+                                                       (``compile=``: regional compilation)
 ==========  =========================================  ==========================================
 
 The choice is made from explicit data (``matmul``, the activation's *name*
@@ -68,6 +69,10 @@ class LocalExperts:
         act: activation ``act(gate, up)`` (:mod:`fmoe.experts.activations`; any callable works, only one
             named ``"swiglu"`` takes the fused paths).
         matmul: ``"auto"``, ``"grouped"`` or ``"loop"`` (see the module docstring).
+        compile: ``torch.compile`` options: run the ``"traced"`` path's expert work as one compiled
+            region (row counts dynamic: compiled once for every layer and step), as regional
+            compilation does for a MoE block run eagerly between its layer graphs
+            (:func:`fmoe.nn.remat.region_options`); None: eager paths.
 
     Example:
         >>> ex = LocalExperts({"w_gate_up": torch.randn(2, 6, 4), "w_down": torch.randn(2, 4, 3)}, 0, 2)
@@ -76,12 +81,14 @@ class LocalExperts:
     """
 
     def __init__(self, weights: dict, first: int, num_experts: int, act: Union[Activation, Callable] = swiglu,
-                 matmul: str = "auto"):
+                 matmul: str = "auto", compile: Optional[dict] = None):
         check_matmul("LocalExperts", "matmul", matmul)
+        if compile is not None and not isinstance(compile, dict):
+            raise TypeError(f"LocalExperts: compile must be a dict of torch.compile options or None, got {compile!r}")
         self.weights, self.first, self.num_experts = weights, first, num_experts
         self.num_local = weights["w_gate_up"].shape[0]
         self.range = range(first, first + self.num_local)
-        self.act, self.matmul = act, matmul
+        self.act, self.matmul, self.compile = act, matmul, compile
 
     def __call__(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Outputs ``[N, D]`` (unweighted) of expert ``local_ids[n]`` on ``rows[n]``."""
@@ -109,10 +116,16 @@ class LocalExperts:
             (self.matmul == "auto" and (rows.dtype in (torch.bfloat16, torch.float16)
                                         or num_assignments >= BLOCKED_MIN_ROWS * self.num_local)))
 
+    @property
+    def traced(self) -> bool:
+        """Whether the ``"traced"`` path runs: a ``torch.func`` transform is active or Dynamo is
+        tracing, or the experts compile their own region (``compile``)."""
+        return transforms_active() or self.compile is not None
+
     def path(self, rows: torch.Tensor, num_assignments: int) -> str:
         """The path :meth:`weighted_sum_per_row` takes: ``"traced"``, ``"blocked"``,
         ``"grouped"`` or ``"loop"`` (see the module docstring)."""
-        if transforms_active():
+        if self.traced:
             return "traced"
         if self.blocked(rows, num_assignments):
             return "blocked"
@@ -145,7 +158,7 @@ class LocalExperts:
         Returns:
             ``[N, D]``.
         """
-        if transforms_active():            # torch.func / torch.compile: the grouped operators
+        if self.traced:                     # torch.func / torch.compile / a compiled region: grouped operators
             return self._weighted_sum_traced(rows, slot_w, slot_ids, num_used)
         k, e = slot_ids.shape[1], self.num_local
         flat = slot_ids.reshape(-1)
@@ -161,30 +174,32 @@ class LocalExperts:
         return self.weighted_sum(rows, row_of, counts, w)                           # [N, D]
 
     def _weighted_sum_traced(self, rows, slot_w, slot_ids, num_used: Optional[int]) -> torch.Tensor:
-        """The ``"traced"`` path: group sizes stay on the device (offsets for
-        :func:`fmoe.experts.ops.expert_mlp_offs`), no host sync when ``num_used`` is given (the
-        dispatch learns it in its split-size exchange; every slot in one process). Otherwise one
-        ``int()`` (the ``all_reduce`` dispatch under compile), or under ``vmap``, where no host
-        value exists, unused slots ride along on local expert 0 with weight 0 (adding nothing)."""
-        k, e = slot_ids.shape[1], self.num_local
+        """The ``"traced"`` path: one stable sort of the slots, then :func:`_sorted_expert_sum`
+        with the group sizes on the device; no host sync when ``num_used`` is given (the dispatch
+        learns it in its split-size exchange; every slot in one process). Otherwise one ``int()``
+        (the ``all_reduce`` dispatch), or under ``vmap``, where no host value exists, unused slots
+        ride along on local expert 0 with weight 0 (adding nothing). With ``self.compile`` (and no
+        transform active) the sort runs eagerly and :func:`_sorted_expert_sum` as a compiled
+        region, its row counts marked dynamic."""
+        e = self.num_local
         flat = slot_ids.reshape(-1)                                                 # [N*K]
         used = flat >= 0
         if num_used is None and vmapping():
             keyed, num_used = torch.where(used, flat, 0), flat.shape[0]
+            slot_w = torch.where(slot_ids >= 0, slot_w, 0)
         else:
             keyed = torch.where(used, flat, e)                                      # unused slots sorted last, cut
             num_used = int(used.sum()) if num_used is None else num_used
         order = torch.argsort(keyed, stable=True)[:num_used]                       # [A]
-        ones = torch.ones_like(keyed)
-        counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device).scatter_add(0, keyed, ones)[:e]
-        row_of = torch.div(order, k, rounding_mode="floor")
-        w = torch.where(used, slot_w.reshape(-1), 0).index_select(0, order).to(rows.dtype)   # [A]
-        ew = self.weights
-        out = expert_mlp_offs(rows.index_select(0, row_of), offsets(counts), ew["w_gate_up"], ew["w_down"],
-                              ew.get("b_gate_up"), ew.get("b_down"),
-                              act=None if activation_name(self.act) == "swiglu" else self.act,
-                              scale=w, matmul="loop" if self.matmul == "loop" else "auto")
-        return out.new_zeros(rows.shape[0], out.shape[-1]).index_add(0, row_of, out)
+        counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device).scatter_add(0, keyed, torch.ones_like(keyed))
+        ew, region = self.weights, _sorted_expert_sum
+        if self.compile is not None and not transforms_active():
+            for t in (rows, slot_w, order):   # row and assignment counts change every step, 0 and 1 included
+                torch._dynamo.decorators.mark_unbacked(t, 0)
+            region = torch.compile(_sorted_expert_sum, **{**self.compile, "fullgraph": True})
+        return region(rows, slot_w, order, counts[:e], ew["w_gate_up"], ew["w_down"], ew.get("b_gate_up"),
+                      ew.get("b_down"), None if activation_name(self.act) == "swiglu" else self.act,
+                      "loop" if self.matmul == "loop" else "auto")
 
     def run_sorted(self, rows: torch.Tensor, counts: list[int], scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Outputs (times ``scale [N]`` if given) for rows already grouped by local expert
@@ -192,3 +207,18 @@ class LocalExperts:
         w = self.weights
         return expert_mlp(rows, counts, w["w_gate_up"], w["w_down"], w.get("b_gate_up"),
                           w.get("b_down"), act=self.act, matmul=self.matmul, scale=scale)
+
+
+def _sorted_expert_sum(rows: torch.Tensor, slot_w: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
+                       w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: Optional[torch.Tensor],
+                       b_down: Optional[torch.Tensor], act: Optional[Callable], matmul: str) -> torch.Tensor:
+    """``out[n] = sum of slot_w[a] * expert(rows[n])`` over the assignments ``a`` of row ``n``:
+    ``order [A]`` the flat ``(row, slot)`` indices into ``slot_w [N, K]`` sorted by local expert,
+    ``counts [El]`` (a tensor) assignments per expert. Gather, the grouped expert MLP
+    (:func:`fmoe.experts.ops.expert_mlp_offs`), scatter-add: no host sync, so it traces as one
+    graph (the region :class:`LocalExperts` compiles with ``compile``); ``[N, D]``."""
+    row_of = torch.div(order, slot_w.shape[1], rounding_mode="floor")                        # [A]
+    w = slot_w.reshape(-1).index_select(0, order).to(rows.dtype)                            # [A]
+    out = expert_mlp_offs(rows.index_select(0, row_of), offsets(counts), w_gate_up, w_down, b_gate_up, b_down,
+                          act=act, scale=w, matmul=matmul)                                   # [A, D]
+    return out.new_zeros(rows.shape[0], out.shape[-1]).index_add(0, row_of, out)

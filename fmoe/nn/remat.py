@@ -15,8 +15,12 @@ autograd Function keeps only the block's inputs and its backward recomputes the 
 The same marks serve regional compilation: under ``with remat.compiled("layer")`` every
 :func:`call` of that kind runs its block through ``torch.compile`` (each decoder layer is the
 same function on same-shaped weights, so Dynamo compiles it once and every layer reuses the
-graph; the code between blocks, and a block's graph breaks such as the expert-parallel
-exchange's host sync, stay eager). :func:`fmoe.training.train_step` uses it for
+graph; the code between blocks stays eager). Under ``compiled("layer")`` a MoE block (kind
+``"moe"``) is not traced into its layer's graph: the expert-parallel exchange needs its split
+sizes on the host, so the block runs eagerly between the layer's graphs and compiles its own
+regions around the exchange with the same options (:func:`region_options`: ``fmoe.moe`` hands
+them to its experts, whose gather, grouped expert MLP and weighted scatter-add are one compiled
+region with dynamic row counts). :func:`fmoe.training.train_step` uses it for
 ``StepConfig(compile=True)`` on a multi-rank mesh.
 
 The policy lives in a ``contextvars.ContextVar`` (per thread / task, restored on exit), so the
@@ -46,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from ..transforms import compiling, func_active, peel
 
-__all__ = ["POLICIES", "policy", "compiled", "call", "active"]
+__all__ = ["POLICIES", "policy", "compiled", "region_options", "call", "active"]
 
 POLICIES = ("none", "layer", "moe")
 _POLICY: contextvars.ContextVar[str] = contextvars.ContextVar("fmoe_remat", default="none")
@@ -80,6 +84,20 @@ def compiled(kind: str, **options: Any) -> Iterator[None]:
         yield
     finally:
         _COMPILED.reset(token)
+
+
+def region_options() -> Optional[dict]:
+    """The ``torch.compile`` options of the active regional compilation (:func:`compiled`), for
+    a block that runs eagerly between the compiled regions and compiles its own pieces (the MoE
+    block's experts); None when none is active. Read eagerly, never while Dynamo traces.
+
+    Example:
+        >>> with compiled("layer", backend="eager"):
+        ...     region_options()
+        {'backend': 'eager'}
+    """
+    regional = _COMPILED.get()
+    return None if regional is None else dict(regional[1])
 
 
 @torch.compiler.assume_constant_result

@@ -81,9 +81,10 @@ def test_plain_compile_is_not_a_transform():
 STEPS = 10
 
 
-def _train(mesh, compile, steps=STEPS):
-    """``steps`` AdamW steps of tiny Qwen3-MoE (new tokens every step: the routing changes);
-    returns the losses, the gradients of the first step's loss, and the Dynamo counters."""
+def _train(mesh, compile, steps=STEPS, layers=None):
+    """``steps`` AdamW steps of tiny Qwen3-MoE (``layers`` decoder layers, default the preset's;
+    new tokens every step: the routing changes); returns the losses, the gradients of the first
+    step's loss, and the Dynamo counters."""
     import dataclasses
 
     import torch._dynamo
@@ -97,6 +98,7 @@ def _train(mesh, compile, steps=STEPS):
     torch._dynamo.reset()
     counters.clear()
     cfg = dataclasses.replace(qwen3_moe.MODEL.preset("tiny", mesh.tp), output_router_logits=True, router_aux_loss_coef=0.01)
+    cfg = cfg if layers is None else dataclasses.replace(cfg, num_hidden_layers=layers)
     full = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(True), qwen3_moe.init(cfg, seed=0))
     params = fmoe.shard(full, data_parallel_plan(qwen3_moe.check_plan(cfg, None, mesh.tp), full, mesh), mesh)
     state, data = adamw_init(params), TokenStream.stdlib(300_000)
@@ -135,16 +137,51 @@ def test_compiled_step_equals_eager_on_one_process():
     assert not compiled[3], f"graph breaks: {compiled[3]}"
 
 
+GROUPED_GRAPHS = []   # per graph a backend compiled: whether it holds the expert GEMMs (fmoe::grouped_mm)
+
+
+def _grouped_graphs_backend(gm, example_inputs):
+    """``aot_eager``, noting whether each Dynamo graph holds the grouped expert GEMMs."""
+    op = torch.ops.fmoe.grouped_mm
+    GROUPED_GRAPHS.append(any(n.target in (op, op.default) for n in gm.graph.nodes))
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+if "fmoe_test_grouped_graphs" not in torch._dynamo.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(_grouped_graphs_backend, name="fmoe_test_grouped_graphs")
+
+
 def _four_ranks(rank, world):
     mesh = fmoe.Mesh(ep=4)
-    return _train(mesh, False), _train(mesh, "aot_eager")
+    GROUPED_GRAPHS.clear()
+    return _train(mesh, False), _train(mesh, "fmoe_test_grouped_graphs"), list(GROUPED_GRAPHS)
 
 
 def test_compiled_step_equals_eager_on_four_ranks():
     """ep4, regional compilation (AOTAutograd; Inductor runs in the one-process test): the layer
-    graphs are compiled in the first steps and reused by every layer and step after."""
-    for eager, compiled in on_ranks(_four_ranks, 4, timeout=600):
+    graphs and the MoE block's expert region are compiled in the first step and reused by every
+    layer and step after, while the routing (and so every row count) changes step to step."""
+    for eager, compiled, grouped in on_ranks(_four_ranks, 4, timeout=600):
         _check_same(eager, compiled)
         # the only graph break: each compiled layer graph ends at its MoE block (run eagerly) and resumes after
         assert [r.splitlines()[0] for r in compiled[3]] == ["Skip calling `torch.compiler.disable()`d function"], \
             compiled[3]
+        # inside the block the expert-parallel exchange runs eagerly, the experts as one compiled region:
+        # the layer graph, its resume after the MoE block, the experts' graph (the grouped GEMMs in it)
+        assert len(grouped) == 3 and sum(grouped) == 1, grouped
+
+
+def _depths(rank, world):
+    mesh, graphs = fmoe.Mesh(ep=4), {}
+    for layers in (1, 4):
+        _, _, per_step, breaks = _train(mesh, "aot_eager", steps=2, layers=layers)
+        graphs[layers] = (per_step[-1], sum(breaks.values()))
+    return graphs
+
+
+def test_compiled_graphs_do_not_grow_with_depth_on_four_ranks():
+    """Regional compilation compiles each decoder layer's code once: a 4-layer model compiles the
+    same graphs as a 1-layer one, with the same graph breaks (the layer's code is traced once, its
+    MoE block run eagerly): the cold compile does not grow with depth (measured in benchmarks/RESULTS.md)."""
+    for graphs in on_ranks(_depths, 4, timeout=600):
+        assert graphs[1] == graphs[4] and graphs[1][0] == 3, graphs
