@@ -9,9 +9,15 @@ kernels once per run; the padding rows contribute exactly zero. Both expert path
 the blocked eager path (:mod:`fmoe.experts.blocked`) and the grouped operators' CPU kernels
 (:mod:`fmoe.experts.ops`, the path under ``torch.compile`` and ``torch.func``).
 
+The grouped kernels (:func:`grouped_mm`, :func:`grouped_wgrad`) pad without copying a group:
+rows are independent in ``x_g @ w``, so a group's padding rows are simply the rows that follow it
+(the next groups' rows, whose results those groups overwrite afterwards, in order); only a group
+whose bucket runs past the last row is copied. A weight gradient sums over the rows, so there one
+operand's padding rows must be zeros: its group is copied into one reused buffer.
+
 Example:
-    >>> x, w = torch.randn(5, 4).bfloat16(), torch.randn(4, 3).bfloat16()
-    >>> torch.equal(padded_mm(x, w), x @ w)
+    >>> x, w = torch.randn(5, 4).bfloat16(), torch.randn(1, 4, 3).bfloat16()
+    >>> torch.equal(grouped_mm(x, w, [0, 5]), x @ w[0])
     True
 """
 
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MIN_PIECE", "bucket", "bucketed", "gather_padded", "padded_mm", "padded_tmm"]
+__all__ = ["MIN_PIECE", "bucket", "bucketed", "gather_padded", "grouped_mm", "grouped_wgrad"]
 
 MIN_PIECE = 16     # GEMM row counts are padded to multiples of this (and coarser above 128)
 
@@ -60,16 +66,54 @@ def _padded(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def padded_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a [n, k] @ b [k, m]`` computed on ``a``'s rows padded to :func:`bucket` ``(n)`` (into ``out``
-    ``[n, m]`` if given)."""
-    full = _padded(a) @ b
-    if out is None:
-        return full[:a.shape[0]]
-    return out.copy_(full[:a.shape[0]])
+def grouped_mm(x: torch.Tensor, wt: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """``out_g = x_g @ wt[g]`` for the row groups ``x[bounds[g]:bounds[g + 1]]`` (``x [N, k]``,
+    ``wt [G, k, n]``), each GEMM on :func:`bucket` rows (the rows after the group; a zero-padded
+    copy only past the last row). Rows after ``bounds[-1]`` are zeros.
+
+    Example:
+        >>> x, wt = torch.randn(5, 4).bfloat16(), torch.randn(2, 4, 3).bfloat16()
+        >>> torch.equal(grouped_mm(x, wt, [0, 2, 5]), torch.cat([x[:2] @ wt[0], x[2:] @ wt[1]]))
+        True
+    """
+    n = x.shape[0]
+    sizes = [(s, e - s) for s, e in zip(bounds[:-1], bounds[1:])]
+    spill = max([bucket(m) + s - n for s, m in sizes if m] + [0])
+    out = x.new_empty(n + spill, wt.shape[2])                     # [N + spill, n]
+    for g, (s, m) in enumerate(sizes):                            # in order: a group overwrites the spill of earlier ones
+        if m:
+            rows = bucket(m)
+            torch.mm(x[s:s + rows] if s + rows <= n else _padded(x[s:s + m]), wt[g], out=out[s:s + rows])
+    out[bounds[-1]:n].zero_()
+    return out[:n]
 
 
-def padded_tmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``a^T @ b`` for ``a [n, ka]``, ``b [n, kb]`` (a weight gradient: ``n`` is the contraction),
-    both padded with zero rows to :func:`bucket` ``(n)``, into ``out [ka, kb]``."""
-    return torch.mm(_padded(a).t(), _padded(b), out=out)
+def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """``out[g] = a_g^T @ b_g`` (``a [N, ka]``, ``b [N, kb]``, groups of rows by ``bounds``: a
+    weight gradient, the rows are the contraction), on :func:`bucket` rows: the narrower operand's
+    group copied into one zero-padded buffer, the other's padding rows read after the group.
+    Returns ``[G, ka, kb]`` (zeros for an empty group).
+
+    Example:
+        >>> a, b = torch.randn(5, 3).bfloat16(), torch.randn(5, 4).bfloat16()
+        >>> torch.equal(grouped_wgrad(a, b, [0, 2, 5])[1], a[2:].t() @ b[2:])
+        True
+    """
+    n, flip = a.shape[0], a.shape[1] > b.shape[1]                 # copy the narrower operand
+    pad, full = (b, a) if flip else (a, b)
+    sizes = [(s, e - s) for s, e in zip(bounds[:-1], bounds[1:])]
+    out = a.new_empty(len(sizes), a.shape[1], b.shape[1])       # [G, ka, kb]
+    buf = pad.new_empty(max([bucket(m) for _, m in sizes] + [0]), pad.shape[1])
+    for g, (s, m) in enumerate(sizes):
+        if not m:
+            out[g].zero_()
+            continue
+        rows = bucket(m)
+        buf[:m].copy_(pad[s:s + m])
+        buf[m:rows].zero_()
+        other = full[s:s + rows] if s + rows <= n else _padded(full[s:s + m])
+        if flip:
+            torch.mm(other.t(), buf[:rows], out=out[g])
+        else:
+            torch.mm(buf[:rows].t(), other, out=out[g])
+    return out

@@ -57,7 +57,8 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.autograd.function import _SingleLevelFunction
 from torch.utils.flop_counter import register_flop_formula
 
-from .buckets import bucketed, padded_mm, padded_tmm
+from . import buckets
+from .buckets import bucketed
 
 __all__ = ["grouped_mm", "grouped_wgrad", "offsets", "expert_mlp_offs", "check_matmul", "MATMULS"]
 
@@ -99,11 +100,13 @@ def _grouped_mm_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, tra
     wt = w.transpose(1, 2) if trans else w                                      # [G, k, n]
     if matmul != "loop" and _aligned(x, wt):
         return torch._grouped_mm(x.contiguous(), wt, offs=offs)
+    b = _bounds(offs)
+    if bucketed(x):                                                             # bf16 on CPU: bucket-padded rows
+        return buckets.grouped_mm(x, wt, b)
     out = x.new_zeros((x.shape[0], wt.shape[2]))
-    b, mm = _bounds(offs), (padded_mm if bucketed(x) else torch.mm)
     for g in range(w.shape[0]):
         if b[g + 1] > b[g]:
-            mm(x[b[g]:b[g + 1]], wt[g], out=out[b[g]:b[g + 1]])
+            torch.mm(x[b[g]:b[g + 1]], wt[g], out=out[b[g]:b[g + 1]])
     return out
 
 
@@ -116,12 +119,12 @@ def _(x, w, offs, trans, matmul):
 def _grouped_wgrad_kernel(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: str) -> torch.Tensor:
     if matmul != "loop" and _aligned(a, b):
         return torch._grouped_mm(a.t(), b, offs=offs)
+    e = _bounds(offs)
+    if bucketed(a):                                                             # bf16 on CPU: bucket-padded rows
+        return buckets.grouped_wgrad(a, b, e)
     out = a.new_zeros((offs.shape[0], a.shape[1], b.shape[1]))
-    e, pad = _bounds(offs), bucketed(a)
     for g in range(offs.shape[0]):
-        if e[g + 1] > e[g] and pad:
-            padded_tmm(a[e[g]:e[g + 1]], b[e[g]:e[g + 1]], out=out[g])
-        elif e[g + 1] > e[g]:
+        if e[g + 1] > e[g]:
             torch.mm(a[e[g]:e[g + 1]].t(), b[e[g]:e[g + 1]], out=out[g])
     return out
 
