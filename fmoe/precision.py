@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 
 __all__ = ["at_least_f32", "upcast", "DTYPES", "Precision", "dtype_of", "stochastic_round", "store",
-           "round_generator"]
+           "round_generator", "native_bf16", "gemm_dtype"]
 
 #: policy names (``--dtype``, ``--master-dtype``, ``--optim-dtype``, ``StepConfig.dtype``) -> torch dtypes
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -66,6 +66,29 @@ def at_least_f32(dtype: torch.dtype) -> torch.dtype:
 def upcast(t: torch.Tensor) -> torch.Tensor:
     """``t`` in :func:`at_least_f32` of its dtype (``t`` itself when it already is)."""
     return t.to(at_least_f32(t.dtype))
+
+
+@torch.compiler.assume_constant_result
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively: torch's CPU capability is AVX-512 (or above)
+    and the CPU has ``avx512_bf16`` or AMX tiles (``lscpu`` flags ``avx512_bf16`` / ``amx_bf16``).
+    A constant to ``torch.compile`` (no graph break)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap.startswith(("AVX512", "AMX")) and (torch.cpu._is_avx512_bf16_supported()
+                                                  or torch.cpu._is_amx_tile_supported())
+
+
+def gemm_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a GEMM of ``t`` (and operands of its dtype) runs in: ``t.dtype``, except bf16 on
+    a CPU without native bf16 (:func:`native_bf16`): float32, on the same bf16 values.
+
+    Example:
+        >>> gemm_dtype(torch.ones(2)), gemm_dtype(torch.ones(2, dtype=torch.bfloat16)) in (torch.bfloat16, torch.float32)
+        (torch.float32, True)
+    """
+    if t.dtype == torch.bfloat16 and t.device.type == "cpu" and not native_bf16():
+        return torch.float32
+    return t.dtype
 
 
 def dtype_of(name: str, field: str = "dtype") -> torch.dtype:

@@ -18,7 +18,8 @@ with ``fullgraph=True``. Each is a ``torch.library`` operator with
 - a CPU/CUDA kernel (``CompositeExplicitAutograd``): ``torch._grouped_mm`` where it applies
   (``matmul="grouped"``, aligned shapes, bf16 on CUDA), else one ``torch.mm`` per group
   (``matmul="loop"``, and bf16 / fp16 on CPU, each group's rows padded to a bucket size,
-  :mod:`fmoe.experts.buckets`: torch's CPU ``_grouped_mm`` made that step 2x slower; the kernel
+  :mod:`fmoe.experts.buckets`: torch's CPU ``_grouped_mm`` made that step 2x slower; on a CPU
+  without native bf16 fp32 GEMMs of the bf16 values, :func:`fmoe.precision.gemm_dtype`; the kernel
   reads the group sizes on the host, invisible to the compiler because the operator is opaque);
 - a fake (meta) rule for any float dtype (``torch._grouped_mm``'s own rule accepts bf16 only);
 - a vmap rule that folds the batch into the groups (``B`` batches of ``G`` groups are ``B * G``
@@ -57,6 +58,7 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.autograd.function import _SingleLevelFunction
 from torch.utils.flop_counter import register_flop_formula
 
+from ..precision import gemm_dtype
 from . import buckets
 from .buckets import bucketed
 
@@ -95,8 +97,9 @@ torch.library.define("fmoe::grouped_mm", "(Tensor x, Tensor w, Tensor offs, bool
 torch.library.define("fmoe::grouped_wgrad", "(Tensor a, Tensor b, Tensor offs, str matmul) -> Tensor")
 
 
-@torch.library.impl("fmoe::grouped_mm", "CompositeExplicitAutograd")
 def _grouped_mm_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool, matmul: str) -> torch.Tensor:
+    if gemm_dtype(x) != x.dtype:                  # bf16 on a CPU without native bf16: fp32 GEMMs, same values
+        return _grouped_mm_kernel(x.to(gemm_dtype(x)), w.to(gemm_dtype(x)), offs, trans, matmul).to(x.dtype)
     wt = w.transpose(1, 2) if trans else w                                      # [G, k, n]
     if matmul != "loop" and _aligned(x, wt):
         return torch._grouped_mm(x.contiguous(), wt, offs=offs)
@@ -110,13 +113,17 @@ def _grouped_mm_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, tra
     return out
 
 
+torch.library.impl("fmoe::grouped_mm", "CompositeExplicitAutograd")(_grouped_mm_kernel)
+
+
 @torch.library.register_fake("fmoe::grouped_mm")
 def _(x, w, offs, trans, matmul):
     return x.new_empty((x.shape[0], w.shape[1] if trans else w.shape[2]))
 
 
-@torch.library.impl("fmoe::grouped_wgrad", "CompositeExplicitAutograd")
 def _grouped_wgrad_kernel(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: str) -> torch.Tensor:
+    if gemm_dtype(a) != a.dtype:                  # bf16 on a CPU without native bf16: fp32 GEMMs, same values
+        return _grouped_wgrad_kernel(a.to(gemm_dtype(a)), b.to(gemm_dtype(a)), offs, matmul).to(a.dtype)
     if matmul != "loop" and _aligned(a, b):
         return torch._grouped_mm(a.t(), b, offs=offs)
     e = _bounds(offs)
@@ -127,6 +134,9 @@ def _grouped_wgrad_kernel(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, 
         if e[g + 1] > e[g]:
             torch.mm(a[e[g]:e[g + 1]].t(), b[e[g]:e[g + 1]], out=out[g])
     return out
+
+
+torch.library.impl("fmoe::grouped_wgrad", "CompositeExplicitAutograd")(_grouped_wgrad_kernel)
 
 
 @torch.library.register_fake("fmoe::grouped_wgrad")

@@ -25,6 +25,7 @@ import torch
 
 from ..experts.activations import Activation, swiglu
 from ..fsdp import unshard
+from ..precision import gemm_dtype
 from ..sharding import check_fused_gate_up, placement_of
 from ._tp import sp_group
 from .mlp import swiglu_mlp
@@ -86,5 +87,6 @@ def shared_expert(shared: dict, x: torch.Tensor, act: Activation = swiglu) -> to
     y = swiglu_mlp(x, shared["w_gate_up"], shared["w_down"], act=act)         # [T, D]; tp handled by linear
     if "gate" in shared:
         partial = ("tp",) if sp_group(shared["gate"])[1] > 1 else ()   # sequence parallel: own tokens only
-        y = torch.sigmoid(x @ unshard(shared["gate"], keep=(), partial_grad=partial).t()) * y    # [T, 1] * [T, D]
+        gate, ct = unshard(shared["gate"], keep=(), partial_grad=partial), gemm_dtype(x)   # ct: fmoe.precision
+        y = torch.sigmoid((x.to(ct) @ gate.to(ct).t()).to(x.dtype)) * y                   # [T, 1] * [T, D]
     return y
