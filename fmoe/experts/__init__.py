@@ -37,6 +37,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..memory import fake_splits
+from ..precision import gemm_dtype
 from .activations import Activation, activation_name, clamped_swiglu, swiglu
 from ..transforms import active as transforms_active
 from ..transforms import vmapping
@@ -136,7 +137,10 @@ class LocalExperts:
                      scale: torch.Tensor) -> torch.Tensor:
         """``out[n] = sum of scale[a] * expert(rows[n])`` over the assignments ``a`` of row ``n``
         (``row_of [A]`` sorted by local expert, ``counts[e]`` each); ``[N, D]``."""
-        w = self.weights
+        w, ct = self.weights, gemm_dtype(rows)
+        if ct != rows.dtype:                # bf16 on a CPU without native bf16: fp32 paths on the same values
+            up = LocalExperts({k: v.to(ct) for k, v in w.items()}, self.first, self.num_experts, self.act, self.matmul)
+            return up.weighted_sum(rows.to(ct), row_of, counts, scale.to(ct)).to(rows.dtype)
         if self.blocked(rows, row_of.shape[0]):
             return weighted_expert_sum(rows, row_of, counts, w["w_gate_up"], w["w_down"], scale=scale)
         out = self.run_sorted(rows.index_select(0, row_of), counts, scale=scale)   # [A, D], weighted

@@ -41,7 +41,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..precision import gemm_dtype
 from ..transforms import vmap_by_loop
 from .buckets import bucket, bucketed, gather_padded
 from .mlp import _gmm, check_groups, swiglu_backward, swiglu_jvp
@@ -212,8 +211,4 @@ def weighted_expert_sum(
     counts = check_groups("weighted_expert_sum", counts, w_gate_up.shape[0], row_of.shape[0], "assignments", scale)
     if not isinstance(block_rows, int) or block_rows < 1:
         raise ValueError(f"weighted_expert_sum: block_rows must be a positive int, got {block_rows!r}")
-    ct = gemm_dtype(rows)
-    if ct != rows.dtype:                # bf16 on a CPU without native bf16: fp32 GEMMs of the same values
-        return weighted_expert_sum(rows.to(ct), row_of, counts, w_gate_up.to(ct), w_down.to(ct),
-                                   None if scale is None else scale.to(ct), block_rows).to(rows.dtype)
     return _BlockedSwiGLU.apply(rows, row_of, scale, w_gate_up, w_down, counts, block_rows)[0]
