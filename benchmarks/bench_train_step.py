@@ -35,6 +35,12 @@ once and reused by every layer, the MoE block's exchange run eagerly between the
 backward by AOTAutograd either way. The loss is the same next-token cross-entropy (the step's
 ``forward_loss`` of ``tokens[:, :-1]`` against ``tokens[:, 1:]``: the same logits, causal attention).
 Compilation happens in the warmup steps (use ``--warmup 3``).
+
+``gemm_floor`` (not a library): each rank runs exactly the matrix products of its fmoe step
+(:func:`step_gemms`: attention projections, router, its local experts' SwiGLU on an even share
+of the routed slots, lm_head; forward, input and weight gradients, fp32) and nothing else,
+between the same barriers as the runners: the step time no implementation of this step on this
+machine goes below, measured in the same run (``--runners fmoe fmoe_compiled gemm_floor ...``).
 Model FLOP/s (:func:`model_flops_per_token` x tokens/s) is reported as a fraction of the
 measured ``torch.mm`` rate of the machine (all cores, fp32, 1024^3).
 
@@ -213,6 +219,35 @@ def _reduce_grads_coalesced(grads, mesh) -> list:
     return [t / mesh.num_batches for t in local]
 
 
+def step_gemms(k: int, layout: dict) -> list[tuple[int, int, int]]:
+    """``(m, k, n)`` of every matrix product one rank's fmoe train step runs (forward, input
+    gradient, weight gradient of each): q/k/v/o projections and the router per layer, the local
+    experts' gate_up and down GEMMs on an even share of the routed slots (``T * k`` slots per rank,
+    as many per local expert), the lm_head; dense weights replicated (``tp == 1`` layouts)."""
+    if layout["tp"] != 1:
+        raise ValueError(f"gemm_floor: layouts with tp == 1 only (single, ep4), got tp={layout['tp']}")
+    H, G, hd = 8, 4, 32
+    T = B * S if layout["world"] > 1 else B * S * SINGLE_BATCHES        # tokens per rank
+    local = E // layout["ep"]
+    rows = T * k // local                  # slots per local expert: T * k received per rank (even routing)
+    prods = []
+    fwd_bwd = lambda m, kk, n: [(m, kk, n), (m, n, kk), (kk, m, n)]  # noqa: E731  y, dX, dW
+    for _ in range(LAYERS):
+        for n_out in (H * hd, G * hd, G * hd, E):
+            prods += fwd_bwd(T, D, n_out)
+        prods += fwd_bwd(T, H * hd, D)
+        for _ in range(local):
+            prods += fwd_bwd(rows, D, 2 * I) + fwd_bwd(rows, I, D)
+    return prods + fwd_bwd(T, D, V)
+
+
+def gemm_floor_step(mats: list) -> float:
+    """The step's matrix products alone (``gemm_floor``); returns 0.0 (no loss)."""
+    for a, b in mats:
+        torch.mm(a, b)
+    return 0.0
+
+
 def _profile(fn, path: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -268,6 +303,13 @@ def run_layout(rank: int, world: int, path: str, layout: dict, names: list, step
             runners[label] = (lambda m: lambda: hf_step(m, tokens))(model)
         elif name == "fmoe_fsdp" and not distributed:
             continue
+        elif name == "gemm_floor":            # the step's matrix products alone
+            if dt != "fp32":
+                continue
+            with open(os.path.join(path, "config.json")) as f:
+                k = json.load(f)["num_experts_per_tok"]
+            mats = [(torch.randn(m, kk), torch.randn(kk, n)) for m, kk, n in step_gemms(k, layout)]
+            runners[label] = (lambda ms: lambda: gemm_floor_step(ms))(mats)
         elif name == "fmoe_compiled":        # the job's --compile: StepConfig(compile=True)
             params, cfg = _fmoe_params(path, mesh)
             runners[label] = (lambda p, c, d: lambda: fmoe_compiled_step(p, c, mesh, tokens, dtype=d))(params, cfg, dt)
@@ -361,6 +403,9 @@ def summarize(per_rank: list[dict], layout_name: str, k: int) -> dict:
                     raise AssertionError(f"{layout_name} K={k}: loss parity failed: {n} {lf!r} vs {hf_of(n)} {lh!r}")
         out["loss_rel_diff_max"] = max(diffs)
         out["loss"] = [r["losses"][hf_of(fm[0])][0] for r in per_rank]
+    if "fmoe" in names:                     # each runner against fmoe eager, step by step
+        out["x_fmoe_median_of_steps"] = {n: statistics.median([a / b for a, b in zip(step[n], step["fmoe"])])
+                                         for n in names if n != "fmoe"}
     out["bf16_over_fp32"] = {n: statistics.median([b / a for a, b in zip(step[n.split("@")[0]], step[n])])
                              for n in names if n.endswith("@bf16") and n.split("@")[0] in names}
     return out
@@ -374,12 +419,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--attn", default="sdpa", help="transformers attn_implementation (its default: sdpa)")
     ap.add_argument("--runners", nargs="+", default=["fmoe", "fmoe_fsdp", "transformers"],
-                    choices=["fmoe", "fmoe_fsdp", "fmoe_compiled", "fmoe_sdpa", "fmoe_exp", "transformers"],
+                    choices=["fmoe", "fmoe_fsdp", "fmoe_compiled", "fmoe_sdpa", "fmoe_exp", "transformers",
+                             "gemm_floor"],
                     help="fmoe: load_hf default plan (dense replicated, grads all-reduced); fmoe_fsdp: dense "
                          "FSDP like transformers; EXPERIMENTS (patched in the benchmark, not the library): "
                          "fmoe_sdpa = fmoe with SDPA attention, fmoe_exp = SDPA attention + coalesced "
-                         "gradient all-reduce; fmoe_compiled: fmoe with torch.compile(forward + loss), "
-                         "backward compiled with it (dense replicated, like fmoe)")
+                         "gradient all-reduce; fmoe_compiled: the job's --compile (StepConfig(compile=True)), "
+                         "backward compiled with it (dense replicated, like fmoe); gemm_floor: the step's matrix "
+                         "products alone (a floor, not a library)")
     ap.add_argument("--dtype", nargs="+", default=["fp32"], choices=list(DTYPES),
                     help="compute dtypes; several: every runner in each, alternated in one loop")
     ap.add_argument("--profile", action="store_true", help="write torch.profiler tables of one step per library")
@@ -429,8 +476,10 @@ def _print_row(r: dict) -> None:
           + (f" loss rel diff {r['loss_rel_diff_max']:.1e}" if "loss_rel_diff_max" in r else ""))
     for n, t in r["median_s"].items():
         ratio = r.get("ratio_median_of_steps", {}).get(n)
+        of_eager = r.get("x_fmoe_median_of_steps", {}).get(n)
         print(f"    {n:>12} {t:7.3f} s/step {r['tokens_per_s'][n]:8,.0f} tok/s  cpu {r['cpu_s_all_ranks'][n]:6.2f} s"
-              + (f"  x{ratio:.3f} of transformers (median of per-step ratios)" if ratio else ""))
+              + (f"  x{ratio:.3f} of transformers (median of per-step ratios)" if ratio else "")
+              + (f"  x{of_eager:.3f} of fmoe eager" if of_eager else ""))
 
 
 def _efficiency(rows: list[dict]) -> list[dict]:

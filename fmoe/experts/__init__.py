@@ -20,8 +20,8 @@ loop        :mod:`fmoe.experts.mlp`: one matmul per    otherwise
             expert
 traced      :mod:`fmoe.experts.ops`: the grouped       under ``torch.func`` transforms and
             GEMMs as ``torch.library`` operators,      ``torch.compile`` (:mod:`fmoe.transforms`),
-            group sizes kept on the device             and as a compiled region of its own
-                                                       (``compile=``: regional compilation)
+            group sizes kept on the device             and, where blocked does not apply, as a
+                                                       compiled region of its own (``compile=``)
 ==========  =========================================  ==========================================
 
 The choice is made from explicit data (``matmul``, the activation's *name*
@@ -70,10 +70,12 @@ class LocalExperts:
         act: activation ``act(gate, up)`` (:mod:`fmoe.experts.activations`; any callable works, only one
             named ``"swiglu"`` takes the fused paths).
         matmul: ``"auto"``, ``"grouped"`` or ``"loop"`` (see the module docstring).
-        compile: ``torch.compile`` options: run the ``"traced"`` path's expert work as one compiled
-            region (row counts dynamic: compiled once for every layer and step), as regional
-            compilation does for a MoE block run eagerly between its layer graphs
-            (:func:`fmoe.nn.remat.region_options`); None: eager paths.
+        compile: ``torch.compile`` options: where the blocked CPU path does not apply, run the
+            ``"traced"`` path's expert work as one compiled region (row counts dynamic: compiled
+            once for every layer and step), as regional compilation does for a MoE block run
+            eagerly between its layer graphs (:func:`fmoe.nn.remat.region_options`); None: eager
+            paths. (The blocked path is hand-fused: on a 2-core CPU in fp32 the compiled region
+            measured 1.06x its time, ``benchmarks/RESULTS.md``.)
 
     Example:
         >>> ex = LocalExperts({"w_gate_up": torch.randn(2, 6, 4), "w_down": torch.randn(2, 4, 3)}, 0, 2)
@@ -117,19 +119,15 @@ class LocalExperts:
             (self.matmul == "auto" and (rows.dtype in (torch.bfloat16, torch.float16)
                                         or num_assignments >= BLOCKED_MIN_ROWS * self.num_local)))
 
-    @property
-    def traced(self) -> bool:
-        """Whether the ``"traced"`` path runs: a ``torch.func`` transform is active or Dynamo is
-        tracing, or the experts compile their own region (``compile``)."""
-        return transforms_active() or self.compile is not None
-
     def path(self, rows: torch.Tensor, num_assignments: int) -> str:
         """The path :meth:`weighted_sum_per_row` takes: ``"traced"``, ``"blocked"``,
         ``"grouped"`` or ``"loop"`` (see the module docstring)."""
-        if self.traced:
+        if transforms_active():
             return "traced"
-        if self.blocked(rows, num_assignments):
+        if self.blocked(rows, num_assignments):     # the hand-fused CPU path: faster than the compiled region
             return "blocked"
+        if self.compile is not None:                # regional compilation: the traced path as a compiled region
+            return "traced"
         w = self.weights
         return "grouped" if use_grouped(rows, w["w_gate_up"], w["w_down"], self.matmul) else "loop"
 
@@ -162,8 +160,10 @@ class LocalExperts:
         Returns:
             ``[N, D]``.
         """
-        if self.traced:                     # torch.func / torch.compile / a compiled region: grouped operators
-            return self._weighted_sum_traced(rows, slot_w, slot_ids, num_used)
+        if self.compile is not None and num_used is None and not transforms_active():
+            num_used = int((slot_ids >= 0).sum())   # the block runs eagerly: a host count costs nothing
+        if self.path(rows, slot_ids.numel() if num_used is None else num_used) == "traced":
+            return self._weighted_sum_traced(rows, slot_w, slot_ids, num_used)   # grouped operators
         k, e = slot_ids.shape[1], self.num_local
         flat = slot_ids.reshape(-1)
         keyed = torch.where(flat >= 0, flat, e)                                     # [N*K], unused -> e

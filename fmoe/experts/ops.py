@@ -106,10 +106,11 @@ def _grouped_mm_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, tra
     b = _bounds(offs)
     if bucketed(x):                                                             # bf16 on CPU: bucket-padded rows
         return buckets.grouped_mm(x, wt, b)
-    out = x.new_zeros((x.shape[0], wt.shape[2]))
+    out = x.new_empty((x.shape[0], wt.shape[2]))                               # every group's rows written below
     for g in range(w.shape[0]):
         if b[g + 1] > b[g]:
             torch.mm(x[b[g]:b[g + 1]], wt[g], out=out[b[g]:b[g + 1]])
+    out[b[-1]:].zero_()                                                         # rows after the last group
     return out
 
 
