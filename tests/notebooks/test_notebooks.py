@@ -47,6 +47,8 @@ def kernel_name(tmp_path, monkeypatch):
     # a notebook's torch.compile runs Dynamo + AOTAutograd (aot_eager), not Inductor's code generation,
     # as the transform matrix's compile cells do (Inductor compiles an MoE model in test_compile.py)
     monkeypatch.setenv("TORCH_COMPILE_OVERRIDE_BACKENDS", ">=0:aot_eager")
+    # 03 trains five routing schemes for 300 steps by default (its curves); 60 run every cell alike
+    monkeypatch.setenv("FMOE_NB03_STEPS", "60")
     return KERNEL
 
 
