@@ -39,8 +39,9 @@ from .. import tree as _tree
 from ..checkpoint import hf as _hf
 from ..fsdp import data_parallel_plan
 from ..mesh import Mesh
-from ..sharding import Plan, check_fused_gate_up
+from ..sharding import Plan
 from ..sharding import shard as _shard
+from .plan_checks import check_sequence_parallel, check_tp_splits
 from .widths import WIDTH_FIELDS, Widths, field_of, read_widths
 
 __all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS", "EXPORTS"]
@@ -208,9 +209,9 @@ class Model:
         default = self.plan(cfg)
         plan = rules if isinstance(rules, Plan) else default if rules is None else default.override(rules)
         shapes = self._shapes(cfg)
-        self._check(cfg, plan, tp, shapes)
+        check_tp_splits(plan, shapes, tp, cfg, self.tp_fields, self.fused_gate_up)
         if mesh is not None and mesh.sp and tp > 1 and plan is not default:
-            self._check_sequence_parallel(plan, default, shapes)
+            check_sequence_parallel(plan, default, shapes)
         if not data_parallel:
             return plan
         if mesh is None:
@@ -227,43 +228,6 @@ class Model:
         """Every parameter as a meta tensor of its shape (from the checkpoint name map)."""
         flat = _tree.flatten(self.hf_specs(cfg))
         return _tree.unflatten({k: torch.empty(tuple(s.shape), device="meta") for k, s in flat.items()})
-
-    def _check(self, cfg: Any, plan: Plan, tp: int, shapes: Any) -> None:
-        problems: dict[str, str] = {}
-        for path, p in _tree.flatten(plan.resolve(shapes)).items():
-            d = p.dim_of("tp")
-            if d is None or tp == 1:
-                continue
-            name = path.split(".", 2)[2] if path.startswith("layers.") else path
-            rule = (plan.match(path) or ("<default>",))[0]
-            if name in self.fused_gate_up:
-                check_fused_gate_up(p, f"check_plan: {path} (rule {rule!r})")
-            fld = self.tp_fields.get((name, d))
-            if fld and getattr(cfg, fld) % tp:
-                problems.setdefault(fld, f"tp={tp} does not divide {fld}={getattr(cfg, fld)} "
-                                         f"({path} is split over tp by rule {rule!r})")
-        if problems:
-            order = list(dict.fromkeys(self.tp_fields.values()))
-            raise ValueError("check_plan: " + "; ".join(problems[f] for f in order if f in problems))
-
-    @staticmethod
-    def _check_sequence_parallel(plan: Plan, default: Plan, shapes: Any) -> None:
-        """Under sequence parallelism a layer's activations are this rank's piece of the sequence
-        between its tensor-parallel blocks: the blocks must start colwise (gathering the sequence)
-        and end rowwise (scattering it), as the default plan splits them. A layer weight the default
-        splits over tp and ``plan`` replicates (attention over the piece only) or gathers (a full
-        sequence added to the piece) would be silently wrong, so it is refused."""
-        given, want = _tree.flatten(plan.resolve(shapes)), _tree.flatten(default.resolve(shapes))
-        for path, p in want.items():
-            d = p.dim_of("tp")
-            if not path.startswith("layers.") or d is None:
-                continue
-            q = given[path]
-            if q.dim_of("tp") != d or q.gather != p.gather:
-                rule = (plan.match(path) or ("<default>",))[0]
-                raise ValueError(f"build_plan: with sequence parallelism (mesh sp=True) {path} must keep the "
-                                 f"default tensor-parallel split {p!r} (blocks start colwise, end rowwise); "
-                                 f"rule {rule!r} places it {q!r}")
 
     # ---------------------------------------------------------------- the wrappers every model shares
     def shard(self, params: dict, cfg: Any, mesh: Mesh, plan: Rules = None) -> dict:
