@@ -130,14 +130,16 @@ def leave_node_line(e: BaseException) -> None:
         pass
 
 
-def node_reason(e: BaseException) -> Optional[NodeStopped]:
+def node_reason(e: BaseException) -> Optional[RuntimeError]:
     """The error the printing rank ends with when a signal stopped it after a sibling's failure.
 
     Args:
         e: what stopped this rank.
     Returns:
-        A :class:`NodeStopped` carrying the sibling's recorded line when ``e`` is a signal's
-        interruption (not an ``Exception``) on the printing rank and a line was recorded; else None.
+        None unless ``e`` is a signal's interruption (not an ``Exception``) on the printing rank;
+        then a :class:`NodeStopped` carrying the line a sibling recorded, or, when the job's first
+        failure is a sibling's of this node (which printed it), a :class:`PeerFailed` with
+        ``same_node`` (printed by nobody); None when neither was recorded.
     """
     store = _store()
     if isinstance(e, Exception) or not _printing_rank() or store is None:
@@ -145,7 +147,13 @@ def node_reason(e: BaseException) -> Optional[NodeStopped]:
     try:
         if store.check([_node_key()]):
             line = store.get(_node_key()).decode()
-            return NodeStopped(line) if line else None
+            if line:
+                return NodeStopped(line)
+        if store.check([KEY]):
+            first = store.get(KEY).decode()
+            who = first.partition(": ")[0]
+            if first and who.endswith(f"(node {_node()})"):
+                return PeerFailed(f"stopped because {who} failed first", first, True)
     except Exception:  # noqa: BLE001
         pass
     return None

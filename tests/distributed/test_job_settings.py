@@ -103,22 +103,23 @@ def _node_line(rank, world):
     import os
 
     from fmoe.collectives import barrier
-    from fmoe.training.failure import NodeStopped, PeerFailed, leave_node_line, node_reason
+    from fmoe.training.failure import NodeStopped, PeerFailed, annotate, leave_node_line, node_reason
 
     os.environ["GROUP_RANK"] = str(rank // 2)                   # two "nodes" of two ranks
     os.environ["LOCAL_RANK"] = str(rank % 2)
     try:
         if rank == 1:                                           # node 0's sibling: found the peer failure first
             leave_node_line(PeerFailed("stopped: a peer rank ended without reporting an error", None, False))
-        if rank == 3:                                           # a failure of its own node: that rank prints
-            leave_node_line(PeerFailed("stopped because rank 2 (node 1) failed first: X", "r", True))
+        if rank == 3:                                           # node 1's first failure: that rank printed it
+            assert annotate(ValueError("bad batch"), rank) is not None
+            leave_node_line(PeerFailed("stopped because rank 3 (node 1) failed first: X", "r", True))
         barrier()
         if rank == 1:
             leave_node_line(PeerFailed("a later echo", None, False))  # first writer wins
         barrier()
         stop = KeyboardInterrupt()                              # the signal torchrun sends the printing rank
         reason = node_reason(stop)
-        got = (type(reason).__name__, str(reason)) if reason is not None else None
+        got = (type(reason).__name__, str(reason), getattr(reason, "same_node", None)) if reason is not None else None
         assert node_reason(ValueError("own")) is None           # an error of its own is not replaced
         assert not isinstance(reason, NodeStopped) or rank % 2 == 0
         return got
@@ -128,6 +129,6 @@ def _node_line(rank, world):
 
 def test_a_printing_rank_stopped_by_torchrun_ends_with_its_siblings_error_line():
     out = on_ranks(_node_line, 4)
-    assert out[0] == ("NodeStopped", "PeerFailed: stopped: a peer rank ended without reporting an error")
-    assert out[1] is None                                       # not a printing rank
-    assert out[2] is None and out[3] is None                    # node 1: its own rank prints the first failure
+    assert out[0] == ("NodeStopped", "PeerFailed: stopped: a peer rank ended without reporting an error", None)
+    assert out[1] is None and out[3] is None                    # not printing ranks
+    assert out[2] == ("PeerFailed", "stopped because rank 3 (node 1) failed first", True)   # rank 3 printed it
