@@ -75,7 +75,7 @@ class LocalExperts:
             once for every layer and step), as regional compilation does for a MoE block run
             eagerly between its layer graphs (:func:`fmoe.nn.remat.region_options`); None: eager
             paths. (The blocked path is hand-fused: on a 2-core CPU in fp32 the compiled region
-            measured 1.06x its time, ``benchmarks/RESULTS.md``.)
+            takes its time, 1.00-1.06x over five runs, ``benchmarks/RESULTS.md``; blocked needs no compile.)
 
     Example:
         >>> ex = LocalExperts({"w_gate_up": torch.randn(2, 6, 4), "w_down": torch.randn(2, 4, 3)}, 0, 2)
@@ -124,7 +124,7 @@ class LocalExperts:
         ``"grouped"`` or ``"loop"`` (see the module docstring)."""
         if transforms_active():
             return "traced"
-        if self.blocked(rows, num_assignments):     # the hand-fused CPU path: faster than the compiled region
+        if self.blocked(rows, num_assignments):     # the hand-fused CPU path: as fast as the compiled region
             return "blocked"
         if self.compile is not None:                # regional compilation: the traced path as a compiled region
             return "traced"
