@@ -40,7 +40,7 @@ from ..memory import fake_splits
 from ..precision import gemm_dtype
 from .activations import Activation, activation_name, clamped_swiglu, swiglu
 from ..transforms import active as transforms_active
-from ..transforms import vmapping
+from ..transforms import compiling, vmapping
 from .blocked import weighted_expert_sum
 from .mlp import check_groups, expert_mlp, grouped_mm_available, use_grouped
 from .ops import check_matmul, expert_mlp_offs, offsets
@@ -181,15 +181,22 @@ class LocalExperts:
         """The ``"traced"`` path: one stable sort of the slots, then :func:`_sorted_expert_sum`
         with the group sizes on the device; no host sync when ``num_used`` is given (the dispatch
         learns it in its split-size exchange; every slot in one process). Otherwise one ``int()``
-        (the ``all_reduce`` dispatch), or under ``vmap``, where no host value exists, unused slots
-        ride along on local expert 0 with weight 0 (adding nothing). With ``self.compile`` (and no
+        (the ``all_reduce`` dispatch) when eager; while Dynamo traces, none (it would break the
+        graph): all ``N * K`` slots go to the grouped operators, the unused ones sorted after the
+        last group, where the operators compute nothing (no FLOPs added; the rows there are masked
+        to zero, :func:`fmoe.experts.ops.expert_mlp_offs`'s ``valid``). Under an eager ``vmap``, where no
+        host value exists, unused slots ride along on local expert 0 with weight 0 (adding nothing). With ``self.compile`` (and no
         transform active) the sort runs eagerly and :func:`_sorted_expert_sum` as a compiled
         region, its row counts marked dynamic."""
         e = self.num_local
         flat = slot_ids.reshape(-1)                                                 # [N*K]
         used = flat >= 0
+        padded = num_used is None and compiling()          # vmapping() is False while tracing
         if num_used is None and vmapping():
             keyed, num_used = torch.where(used, flat, 0), flat.shape[0]
+            slot_w = torch.where(slot_ids >= 0, slot_w, 0)
+        elif padded:                # tracing without a host count: every slot, the unused ones after the last group
+            keyed, num_used = torch.where(used, flat, e), flat.shape[0]
             slot_w = torch.where(slot_ids >= 0, slot_w, 0)
         else:
             keyed = torch.where(used, flat, e)                                      # unused slots sorted last, cut
@@ -203,7 +210,7 @@ class LocalExperts:
             region = torch.compile(_sorted_expert_sum, **{**self.compile, "fullgraph": True})
         return region(rows, slot_w, order, counts[:e], ew["w_gate_up"], ew["w_down"], ew.get("b_gate_up"),
                       ew.get("b_down"), None if activation_name(self.act) == "swiglu" else self.act,
-                      "loop" if self.matmul == "loop" else "auto")
+                      "loop" if self.matmul == "loop" else "auto", padded)
 
     def run_sorted(self, rows: torch.Tensor, counts: list[int], scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Outputs (times ``scale [N]`` if given) for rows already grouped by local expert
@@ -215,14 +222,17 @@ class LocalExperts:
 
 def _sorted_expert_sum(rows: torch.Tensor, slot_w: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: Optional[torch.Tensor],
-                       b_down: Optional[torch.Tensor], act: Optional[Callable], matmul: str) -> torch.Tensor:
+                       b_down: Optional[torch.Tensor], act: Optional[Callable], matmul: str,
+                       padded: bool = False) -> torch.Tensor:
     """``out[n] = sum of slot_w[a] * expert(rows[n])`` over the assignments ``a`` of row ``n``:
     ``order [A]`` the flat ``(row, slot)`` indices into ``slot_w [N, K]`` sorted by local expert,
     ``counts [El]`` (a tensor) assignments per expert. Gather, the grouped expert MLP
     (:func:`fmoe.experts.ops.expert_mlp_offs`), scatter-add: no host sync, so it traces as one
-    graph (the region :class:`LocalExperts` compiles with ``compile``); ``[N, D]``."""
+    graph (the region :class:`LocalExperts` compiles with ``compile``); ``[N, D]``. ``padded``:
+    ``order`` holds every slot, the assignments after ``counts.sum()`` outside every group (zero weight)."""
     row_of = torch.div(order, slot_w.shape[1], rounding_mode="floor")                        # [A]
     w = slot_w.reshape(-1).index_select(0, order).to(rows.dtype)                            # [A]
+    valid = torch.arange(order.shape[0], device=order.device) < counts.sum() if padded else None
     out = expert_mlp_offs(rows.index_select(0, row_of), offsets(counts), w_gate_up, w_down, b_gate_up, b_down,
-                          act=act, scale=w, matmul=matmul)                                   # [A, D]
+                          act=act, scale=w, matmul=matmul, valid=valid)                      # [A, D]
     return out.new_zeros(rows.shape[0], out.shape[-1]).index_add(0, row_of, out)

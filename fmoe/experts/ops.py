@@ -315,7 +315,8 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: 
 
 def expert_mlp_offs(x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                     b_gate_up: Optional[torch.Tensor] = None, b_down: Optional[torch.Tensor] = None,
-                    act=None, scale: Optional[torch.Tensor] = None, matmul: str = "auto") -> torch.Tensor:
+                    act=None, scale: Optional[torch.Tensor] = None, matmul: str = "auto",
+                    valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each expert's MLP on its group of rows, groups given by ``offs`` (no host sync): the
     expert path fmoe takes under ``torch.func`` transforms and ``torch.compile``.
 
@@ -326,6 +327,9 @@ def expert_mlp_offs(x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor
         act: ``act(gate, up)``; None: SwiGLU.
         scale: optional ``[N]`` row weights, applied to the hidden activation.
         matmul: as in :func:`grouped_mm`.
+        valid: optional ``[N]`` bool, False for the rows after the last group (``offs[-1] < N``):
+            the operators compute nothing there and leave those rows unwritten, so they are
+            masked to zero going in and coming out (and their gradients with them).
     Returns:
         ``[N, D]``.
 
@@ -334,11 +338,17 @@ def expert_mlp_offs(x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor
         >>> expert_mlp_offs(x, torch.tensor([1, 3], dtype=torch.int32), wgu, wd).shape
         torch.Size([3, 4])
     """
+    keep = None if valid is None else valid.unsqueeze(-1)                          # [N, 1]
+    if keep is not None:
+        x = torch.where(keep, x, 0)
     h = grouped_mm(x, w_gate_up, offs, matmul=matmul)                              # [N, 2I]
-    if b_gate_up is not None or b_down is not None:
-        group = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype), right=True)
+    if b_gate_up is not None or b_down is not None:                                # rows after the last group: masked
+        group = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device, dtype=offs.dtype),
+                                   right=True).clamp(max=offs.shape[0] - 1)
     if b_gate_up is not None:
         h = h + b_gate_up.index_select(0, group)
+    if keep is not None:
+        h = torch.where(keep, h, 0)
     gate, up = h.chunk(2, dim=-1)                                               # [N, I] each
     a = torch.nn.functional.silu(gate) * up if act is None else act(gate, up)
     if scale is not None:
@@ -347,4 +357,4 @@ def expert_mlp_offs(x: torch.Tensor, offs: torch.Tensor, w_gate_up: torch.Tensor
     if b_down is not None:
         out = out + (b_down.index_select(0, group) if scale is None else
                      b_down.index_select(0, group) * scale.unsqueeze(-1))
-    return out
+    return out if keep is None else torch.where(keep, out, 0)

@@ -185,3 +185,47 @@ def test_compiled_graphs_do_not_grow_with_depth_on_four_ranks():
     MoE block run eagerly): the cold compile does not grow with depth (measured in benchmarks/RESULTS.md)."""
     for graphs in on_ranks(_depths, 4, timeout=600):
         assert graphs[1] == graphs[4] and graphs[1][0] == 3, graphs
+
+
+def _all_reduce_layer(rank, world):
+    """A compiled MoE layer (biased experts) over the ``all_reduce`` dispatch on tp2/ep2, against eager."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from fmoe import P, Plan
+    torch._dynamo.reset()
+    counters.clear()
+    mesh, g = fmoe.Mesh(tp=2, ep=2), torch.Generator().manual_seed(0)
+    e, d, i = 8, 16, 8
+    full = {"router": torch.randn(e, d, generator=g), "w_gate_up": torch.randn(e, 2 * i, d, generator=g) / 4,
+            "w_down": torch.randn(e, d, i, generator=g) / 3, "b_gate_up": torch.randn(e, 2 * i, generator=g),
+            "b_down": torch.randn(e, d, generator=g)}
+    p = fmoe.shard(full, Plan({"w_*": P("ep", None, None), "b_*": P("ep", None)}, default=P()), mesh)
+    router = fmoe.routing.topk(2)
+
+    def layer(p, x):
+        return fmoe.moe(p, x, router=router, mesh=mesh, impl="all_reduce")[0]
+
+    outs = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager")):
+        for n in (12, 7):                        # two token counts: the padded buffer's size is dynamic
+            leaves = {k: v.detach().requires_grad_() for k, v in p.items()}
+            x = torch.randn(n, d, generator=torch.Generator().manual_seed(n)).requires_grad_()
+            y = fn(leaves, x)
+            grads = torch.autograd.grad(y.square().sum(), [x, *leaves.values()])
+            outs.append([y.detach(), *[t.full_tensor() if hasattr(t, "full_tensor") else t for t in grads]])
+    return outs, dict(counters["graph_break"])
+
+
+def test_compiled_all_reduce_layer_traces_without_a_host_count():
+    """The ``all_reduce`` dispatch gives the experts no host count of their used slots: while
+    Dynamo traces, every slot goes to the grouped operators with the unused ones after the last
+    group (computed by none of them, masked to zero), so the layer compiles with no graph break
+    (``int(used.sum())`` broke it, 9 times in the transform matrix's tp2/ep2 compiled forward) and
+    gives eager's output and gradients, biases included."""
+    for outs, breaks in on_ranks(_all_reduce_layer, 2, timeout=600):
+        assert not breaks, breaks
+        eager, compiled = outs[:2], outs[2:]
+        for e, c in zip(eager, compiled):
+            for a, b in zip(c, e):
+                close(a, b, "compiled all_reduce layer vs eager")
