@@ -91,7 +91,8 @@ def grouped_mm(x: torch.Tensor, wt: torch.Tensor, bounds: list[int]) -> torch.Te
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """``out[g] = a_g^T @ b_g`` (``a [N, ka]``, ``b [N, kb]``, groups of rows by ``bounds``: a
     weight gradient, the rows are the contraction), on :func:`bucket` rows: the narrower operand's
-    group copied into one zero-padded buffer, the other's padding rows read after the group.
+    group copied into one zero-padded buffer, the other's padding rows read after the group (a
+    copy where they would run past ``bounds[-1]``: rows of no group may hold anything).
     Returns ``[G, ka, kb]`` (zeros for an empty group).
 
     Example:
@@ -99,7 +100,7 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, bounds: list[int]) -> torch.
         >>> torch.equal(grouped_wgrad(a, b, [0, 2, 5])[1], a[2:].t() @ b[2:])
         True
     """
-    n, flip = a.shape[0], a.shape[1] > b.shape[1]                 # copy the narrower operand
+    flip = a.shape[1] > b.shape[1]                                # copy the narrower operand
     pad, full = (b, a) if flip else (a, b)
     sizes = [(s, e - s) for s, e in zip(bounds[:-1], bounds[1:])]
     out = a.new_empty(len(sizes), a.shape[1], b.shape[1])       # [G, ka, kb]
@@ -111,7 +112,7 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, bounds: list[int]) -> torch.
         rows = bucket(m)
         buf[:m].copy_(pad[s:s + m])
         buf[m:rows].zero_()
-        other = full[s:s + rows] if s + rows <= n else _padded(full[s:s + m])
+        other = full[s:s + rows] if s + rows <= bounds[-1] else _padded(full[s:s + m])   # no row of no group
         if flip:
             torch.mm(other.t(), buf[:rows], out=out[g])
         else:
