@@ -196,7 +196,11 @@ def _gather_bytes(rank, world, dtype):
 
     mesh = fmoe.Mesh(tp=1, ep=2)                                   # fsdp = 2 over the dense weights
     cfg = qwen3_moe.Config.tiny()
-    full = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(True), qwen3_moe.init(cfg, seed=0))
+    # routers 8x the init's scale: top-k gaps wide enough that bf16 rounding (or, on a CPU without native
+    # bf16, fp32 GEMMs summed in the mesh's order) picks the experts fp32 picks; a flipped token would
+    # change its layer's gradients by ~10% and say nothing about the gathers
+    full = fmoe.tree.map_with_path(lambda p, t: (t * 8 if p.endswith("router") else t).detach().requires_grad_(True),
+                                   qwen3_moe.init(cfg, seed=0))
     params = fmoe.shard(full, data_parallel_plan(qwen3_moe.check_plan(cfg, None, 1), full, mesh), mesh)
     tok = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
     with Log():

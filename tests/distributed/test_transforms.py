@@ -160,7 +160,8 @@ def test_compile_fullgraph_equals_eager(dtype):
     """fp32: 1e-5, on Dynamo + AOTAutograd (``aot_eager``; Inductor compiles fp32 forward + backward of
     Qwen3-MoE in ``test_compile.py::test_compiled_step_equals_eager_on_one_process``). bf16, on
     Inductor: it is asked to round like eager (``emulate_precision_casts``), so
-    the logits are bitwise equal; the gradients differ only by the order of bf16 sums (autograd
+    the logits are bitwise equal (on a CPU without native bf16, where GEMMs run in fp32 on the bf16
+    values, within 2 bf16 eps of their scale); the gradients differ only by the order of bf16 sums (autograd
     vs the eager path's hand-written backward): within ``2 eps sqrt(n)`` of their norm (bf16 eps,
     n the longest reduction), and no further from the fp32 gradients than eager bf16 is."""
     import torch._dynamo
@@ -186,7 +187,10 @@ def test_compile_fullgraph_equals_eager(dtype):
         for k in ge:
             near(gc[k], ge[k], f"grad {k}")
         return
-    assert torch.equal(lc, le), "bf16 logits"
+    if fmoe.precision.native_bf16():
+        assert torch.equal(lc, le), "bf16 logits"
+    else:   # fp32 GEMMs of the bf16 values (no native bf16): Inductor's and eager's fp32 sums may differ in order
+        assert float((lc - le).abs().max()) <= 2 * torch.finfo(torch.bfloat16).eps * float(le.abs().max()), "bf16 logits"
     _, g32 = run(fwd, torch.float32)
     # two summation orders of n bf16 terms differ by ~sqrt(n) roundings of eps = 2^-8 each
     # (random-walk rounding); n: the longest reduction of the backward, the vocab / model dim
