@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 from ..training import JobConfig, JobConfigError, run
 from ..training.job import DEFAULT_OUT, FIELDS, flag
 from ..training.jobfile import read_job_file
-from ..training.failure import NodeStopped
+from ..training.failure import NodeStopped, one_line, printing_rank, prints
 from ..training.loop import NonFiniteStep, log_row
 
 __all__ = ["build_parser", "parse_args", "main", "EPILOG"]
@@ -135,12 +135,10 @@ def _raise_interrupted(signum: int, frame) -> None:
 def _describe(e: BaseException) -> str:
     """One line for an error: OSErrors by their message, others as ``Type: message``."""
     if isinstance(e, OSError) and e.strerror:
-        text = e.strerror + (f": {e.filename}" if e.filename else "")
-    elif isinstance(e, (NonFiniteStep, NodeStopped)):
-        text = str(e)
-    else:
-        text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+        return one_line(e, e.strerror + (f": {e.filename}" if e.filename else ""))
+    if isinstance(e, (NonFiniteStep, NodeStopped)):
+        return one_line(e, str(e))
+    return one_line(e)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -157,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         out = cfg.out or cfg.resume or DEFAULT_OUT        # (a resumed run writes into its own directory)
         good = ckpt.latest(out) if os.path.isdir(out) else None
-        if os.environ.get("LOCAL_RANK", "0") == "0":     # under torchrun every rank gets it: one line a node
+        if printing_rank():                               # under torchrun every rank gets it: one line a node
             print(f"fmoe train: error: stopped by {e}; every rank stopped (last complete checkpoint: "
                   f"{good or 'none'}; a save cut short is never used)", file=sys.stderr)
         return 128 + e.signum
@@ -166,12 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         if cfg.debug:
             traceback.print_exc()
-        from ..training.failure import PeerFailed
-        from ..training.settings import SettingsMismatch
-
-        once = isinstance(e, (SettingsMismatch, PeerFailed))      # the same on every rank: once a node,
-        if not (once and os.environ.get("LOCAL_RANK", "0") != "0") and not getattr(e, "same_node", False):
-            print(f"fmoe train: error: {_describe(e)}", file=sys.stderr)   # not where the first failure prints
+        if prints(e):                                     # once a node, not where the first failure prints
+            print(f"fmoe train: error: {_describe(e)}", file=sys.stderr)
         return 1
     finally:
         for s, h in old.items():

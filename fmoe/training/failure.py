@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from ..launch.caller import _SECONDARY
 
-__all__ = ["PeerFailed", "NodeStopped", "annotate", "is_echo", "leave_node_line", "node_reason", "KEY"]
+__all__ = ["PeerFailed", "NodeStopped", "annotate", "is_echo", "one_line", "printing_rank", "prints", "leave_node_line",
+           "node_reason", "KEY"]
 
 KEY = "fmoe/first_failure"     # the store key of the first failure
 
@@ -104,8 +105,37 @@ def _node_key() -> str:
     return f"fmoe/node_line/{_node()}"
 
 
-def _printing_rank() -> bool:
+def one_line(e: BaseException, text: Optional[str] = None) -> str:
+    r"""The one line a program prints for ``e``: ``text`` (default ``Type: message``), its lines
+    joined by `` | ``.
+
+    Example:
+        >>> one_line(ValueError("bad\nvalue"))
+        'ValueError: bad | value'
+    """
+    if text is None:
+        text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def printing_rank() -> bool:
+    """Whether this rank prints its node's lines (local rank 0; every rank of a one-node launch
+    that sets no ``LOCAL_RANK``)."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _once_a_node(e: BaseException) -> bool:
+    """Errors that are the same on every rank (a :class:`PeerFailed`, a ``SettingsMismatch``):
+    printed once a node, by its printing rank."""
+    from .settings import SettingsMismatch
+
+    return isinstance(e, (PeerFailed, SettingsMismatch))
+
+
+def prints(e: BaseException) -> bool:
+    """Whether this rank prints ``e``: not on the node of the first failing rank (which prints its
+    own error: ``same_node``), and an error the same on every rank only on the printing rank."""
+    return not getattr(e, "same_node", False) and (printing_rank() or not _once_a_node(e))
 
 
 def leave_node_line(e: BaseException) -> None:
@@ -117,15 +147,11 @@ def leave_node_line(e: BaseException) -> None:
     Args:
         e: the error this rank ends with.
     """
-    from .settings import SettingsMismatch
-
     store = _store()
-    if _printing_rank() or store is None or getattr(e, "same_node", False) \
-            or not isinstance(e, (PeerFailed, SettingsMismatch)):
+    if store is None or printing_rank() or getattr(e, "same_node", False) or not _once_a_node(e):
         return
-    line = " | ".join(part.strip() for part in f"{type(e).__name__}: {e}".splitlines() if part.strip())
     try:
-        store.compare_set(_node_key(), "", line)
+        store.compare_set(_node_key(), "", one_line(e))
     except Exception:  # noqa: BLE001 - the store may be gone with its node
         pass
 
@@ -142,7 +168,7 @@ def node_reason(e: BaseException) -> Optional[RuntimeError]:
         ``same_node`` (printed by nobody); None when neither was recorded.
     """
     store = _store()
-    if isinstance(e, Exception) or not _printing_rank() or store is None:
+    if isinstance(e, Exception) or not printing_rank() or store is None:
         return None
     try:
         if store.check([_node_key()]):
