@@ -59,7 +59,7 @@ from .routing import Router, call, validate
 from .routing.core import as_stats
 from .nn.remat import region_options
 from .nn.shared_experts import check_shared, shared_expert
-from .precision import gemm_dtype
+from .precision import gemm
 from .sharding import sequence_parallel
 from .transforms import compiling, peel, refuse_compiled_transform
 
@@ -219,8 +219,7 @@ def moe(
     name = _choose(impl, mesh, needs_grad)
     partial = ("tp",) if sp else ()             # sequence parallel: the router saw this rank's tokens only
     router_w = unshard(params["router"], keep=(), partial_grad=partial)
-    ct = gemm_dtype(x)                  # bf16 on a CPU without native bf16: an fp32 GEMM of the same values
-    logits = (x.to(ct) @ router_w.to(ct).t()).to(x.dtype)                       # [T, E]
+    logits = gemm(torch.matmul, x, router_w.t())                                # [T, E]
     if "router_bias" in params:
         logits = logits + unshard(params["router_bias"], keep=(), partial_grad=partial)
     routing = validate(call(router, logits, inputs), x.shape[0], E)

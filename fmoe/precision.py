@@ -47,12 +47,12 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 __all__ = ["at_least_f32", "upcast", "DTYPES", "Precision", "dtype_of", "stochastic_round", "store",
-           "round_generator", "native_bf16", "gemm_dtype"]
+           "round_generator", "native_bf16", "gemm_dtype", "gemm"]
 
 #: policy names (``--dtype``, ``--master-dtype``, ``--optim-dtype``, ``StepConfig.dtype``) -> torch dtypes
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -89,6 +89,22 @@ def gemm_dtype(t: torch.Tensor) -> torch.dtype:
     if t.dtype == torch.bfloat16 and t.device.type == "cpu" and not native_bf16():
         return torch.float32
     return t.dtype
+
+
+def gemm(op: Callable[..., torch.Tensor], x: torch.Tensor, *others: Optional[torch.Tensor]) -> torch.Tensor:
+    """``op(x, *others)`` (a GEMM: ``torch.matmul``, ``F.linear``) in :func:`gemm_dtype` of ``x``,
+    the result in ``x``'s dtype: ``op`` itself, except bf16 on a CPU without native bf16, where
+    it multiplies the same bf16 values in fp32. ``None`` operands (a missing bias) pass through.
+
+    Example:
+        >>> a = torch.ones(2, 3, dtype=torch.bfloat16)
+        >>> gemm(torch.matmul, a, a.t()).dtype, gemm(torch.matmul, a, a.t()).tolist()
+        (torch.bfloat16, [[3.0, 3.0], [3.0, 3.0]])
+    """
+    ct = gemm_dtype(x)
+    if ct == x.dtype:
+        return op(x, *others)
+    return op(x.to(ct), *(None if t is None else t.to(ct) for t in others)).to(x.dtype)
 
 
 def dtype_of(name: str, field: str = "dtype") -> torch.dtype:

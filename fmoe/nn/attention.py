@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 
 from ..collectives import all_gather, grad_sum
-from ..precision import at_least_f32, gemm_dtype
+from ..precision import at_least_f32, gemm
 from ..fsdp import unshard
 from ..sharding import placement_of, sequence_parallel
 from ..transforms import higher_order
@@ -167,8 +167,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         return rearrange(out.to(q.dtype), "b h s d -> b s h d")
     kh = repeat(k, "b s g d -> b (g r) s d", r=rep)  # query head h uses KV head h // rep
     vh = repeat(v, "b s g d -> b (g r) s d", r=rep)
-    ct = gemm_dtype(q)            # bf16 on a CPU without native bf16: fp32 GEMMs of the same values
-    scores = torch.matmul(qh.to(ct), kh.transpose(2, 3).to(ct)).to(q.dtype) * scale  # [B, Hq, S, Sk]
+    scores = gemm(torch.matmul, qh, kh.transpose(2, 3)) * scale  # [B, Hq, S, Sk]; fmoe.precision.gemm
     ok = _mask(S, Sk, causal, window, key_mask, q.device)
     scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
     if sinks is None:
@@ -182,5 +181,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         logits = torch.cat([scores, sink], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
-    out = torch.matmul(probs.to(ct), vh.to(ct)).to(q.dtype)  # [B, Hq, S, hd]
+    out = gemm(torch.matmul, probs, vh)  # [B, Hq, S, hd]
     return rearrange(out, "b h s d -> b s h d")

@@ -20,7 +20,7 @@ is locally ``[gate_r | up_r]``, so ``chunk(2, -1)`` still separates gate from up
 rowwise layer slices a full-width input block by block. Splits over ``fsdp`` / ``efsdp`` /
 ``dp_replicate`` are gathered for the call by :func:`fmoe.fsdp.unshard` (gradients
 reduce-scattered back). bf16 on a CPU without native bf16 multiplies in fp32, on the same bf16
-values (:func:`fmoe.precision.gemm_dtype`).
+values (:func:`fmoe.precision.gemm`).
 
 ``embedding`` does the same for a lookup table ``[V, D]``: replicated, vocabulary-parallel
 ``P("tp", None)`` (each rank looks up the tokens in its row range, others give zeros, the
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ..collectives import all_reduce, grad_sum, gather_slices, gathered_linear
 from ..fsdp import unshard
-from ..precision import gemm_dtype
+from ..precision import gemm
 from ..sharding import chunk_range, chunk_sizes, placement_of
 from ..transforms import data_checks_enabled
 from ._tp import SEQ_DIM, check_tensor, own_part, own_seq, scatter_seq, sp_group, tp_size_rank, unpack_gathered
@@ -73,15 +73,6 @@ def _colwise_bias(b: torch.Tensor, width: int, n: int, r: int, packed: int) -> t
         raise ValueError(f"linear: b has {b.shape[-1]} features but the colwise weight gives "
                          f"{width * n} (local {width}); place b like the weight's rows (style colwise)")
     return bl
-
-
-def _gemm_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` in :func:`fmoe.precision.gemm_dtype` of ``x`` (bf16 on a CPU without native
-    bf16: an fp32 GEMM of the bf16 values, the result back in bf16)."""
-    ct = gemm_dtype(x)
-    if ct == x.dtype:
-        return F.linear(x, w, b)
-    return F.linear(x.to(ct), w.to(ct), None if b is None else b.to(ct)).to(x.dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *,
@@ -120,7 +111,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
             raise ValueError(f"linear: x has {x.shape[-1]} features but w {tuple(w.shape)} expects {wl.shape[1]}")
         if b is not None and placement_of(b).dim_of("tp") is not None and n > 1:
             raise ValueError(f"linear: b is split over tp ({placement_of(b)!r}) but w is not ({p!r})")
-        return _gemm_linear(x, wl, None if b is None else unshard(b, keep=("tp",), partial_grad=partial))
+        return gemm(F.linear, x, wl, None if b is None else unshard(b, keep=("tp",), partial_grad=partial))
     if tp_dim == 0:  # colwise: [out/tp, in]
         if x.shape[-1] != wl.shape[1]:
             raise ValueError(f"linear: colwise w {tuple(w.shape)} needs the full input width "
@@ -129,7 +120,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
         if sp:   # the whole sequence for this rank's features; x's piece (not the gathered x) kept for backward
             y = gathered_linear(x, wl, bl, group, dim=SEQ_DIM)
         else:
-            y = _gemm_linear(grad_sum(x, group), wl, bl)
+            y = gemm(F.linear, grad_sum(x, group), wl, bl)
         if gather or (gather is None and p.gather):
             sizes = [y.shape[-1]] * n if p.packed > 1 else chunk_sizes(w.shape[0], n)  # uneven: torch.chunk
             y = gather_slices(y, group, dim=-1, sizes=sizes)
@@ -149,7 +140,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
     if sp and xl.shape[SEQ_DIM] % n:
         raise ValueError(f"linear: sequence parallelism splits the sequence over tp={n}, but x has "
                          f"{xl.shape[SEQ_DIM]} positions on dim {SEQ_DIM} (shape {tuple(x.shape)})")
-    y = scatter_seq(_gemm_linear(xl, wl), group) if sp else all_reduce(_gemm_linear(xl, wl), group)
+    y = scatter_seq(gemm(F.linear, xl, wl), group) if sp else all_reduce(gemm(F.linear, xl, wl), group)
     if b is not None:
         if placement_of(b).dim_of("tp") is not None:
             raise ValueError(f"linear: a rowwise layer's bias must be replicated over tp, got {placement_of(b)!r}")

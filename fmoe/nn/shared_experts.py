@@ -25,7 +25,7 @@ import torch
 
 from ..experts.activations import Activation, swiglu
 from ..fsdp import unshard
-from ..precision import gemm_dtype
+from ..precision import gemm
 from ..sharding import check_fused_gate_up, placement_of
 from ._tp import sp_group
 from .mlp import swiglu_mlp
@@ -87,6 +87,6 @@ def shared_expert(shared: dict, x: torch.Tensor, act: Activation = swiglu) -> to
     y = swiglu_mlp(x, shared["w_gate_up"], shared["w_down"], act=act)         # [T, D]; tp handled by linear
     if "gate" in shared:
         partial = ("tp",) if sp_group(shared["gate"])[1] > 1 else ()   # sequence parallel: own tokens only
-        gate, ct = unshard(shared["gate"], keep=(), partial_grad=partial), gemm_dtype(x)   # ct: fmoe.precision
-        y = torch.sigmoid((x.to(ct) @ gate.to(ct).t()).to(x.dtype)) * y                   # [T, 1] * [T, D]
+        gate = unshard(shared["gate"], keep=(), partial_grad=partial)
+        y = torch.sigmoid(gemm(torch.matmul, x, gate.t())) * y                # [T, 1] * [T, D]
     return y
