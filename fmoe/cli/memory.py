@@ -106,10 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.optim_in_backward:                      # what the job refuses with it (fmoe.training.parallel)
             from ..training.optim_backward import check
 
-            if args.pp > 1:
-                raise ValueError(f"--optim-in-backward with --pp {args.pp}: the step does not run the optimizer inside "
-                                 "a pipeline's backward")
-            check(args.grad_accum, args.clip or None)
+            check(args.grad_accum, args.clip or None, pp=args.pp)
         cfg = _load_config(model, args)
         plan = memory_plan(model, cfg, nproc=args.nproc, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
                            batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,

@@ -68,10 +68,14 @@ def layer_of(path: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else parts[0]
 
 
-def check(grad_accum: int, max_grad_norm: Optional[float], compile: Any = False) -> None:
-    """``ValueError`` for the refused combinations, both with clipping: more than one micro-batch
-    (module docstring), and a compiled step (AOTAutograd's backward gives its buffers up, so it
-    cannot run twice over one graph). The message names the flags."""
+def check(grad_accum: int, max_grad_norm: Optional[float], compile: Any = False, pp: int = 1) -> None:
+    """``ValueError`` for the refused combinations: a pipeline (``pp > 1``), and with clipping more
+    than one micro-batch (module docstring) or a compiled step (AOTAutograd's backward gives its
+    buffers up, so it cannot run twice over one graph). The message names the flags."""
+    if pp > 1:
+        raise ValueError(f"--optim-in-backward with --pp {pp}: the pipeline's stages run several micro-batches' "
+                         "backward before their one update, which the in-backward update does not schedule; drop "
+                         "one of them")
     if compile and max_grad_norm is not None:
         raise ValueError(f"--optim-in-backward with --clip {max_grad_norm} and --compile: the clip's two backward "
                          "passes run the compiled backward twice, which frees its buffers after the first (AOTAutograd's "

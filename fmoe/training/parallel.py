@@ -46,11 +46,8 @@ def check_options(job: Any, error: Callable[[str], Any], resumed: bool = False) 
     if job.optim_in_backward:
         from .optim_backward import check
 
-        if job.pp > 1:
-            error(f"--optim-in-backward with --pp {job.pp}: the pipeline's stages run several micro-batches' "
-                   "backward before their one update, which the in-backward update does not schedule; drop one of them")
         try:
-            check(job.grad_accum * job.dp_batches, job.clip or None, job.compile)
+            check(job.grad_accum * job.dp_batches, job.clip or None, job.compile, job.pp)
         except ValueError as e:
             error(str(e))
     if job.sp and (job.tp == 1 or job.seq % job.tp):
