@@ -16,8 +16,12 @@ the dims); what only the model knows is checked here:
 Example:
     >>> from fmoe.models import qwen3_moe
     >>> cfg = qwen3_moe.Config.tiny()
-    >>> shapes = qwen3_moe.MODEL._shapes(cfg)
+    >>> shapes = qwen3_moe.init(cfg, seed=0)          # any tree with the shapes (meta tensors do)
     >>> check_tp_splits(qwen3_moe.plan(cfg), shapes, 2, cfg, qwen3_moe.MODEL.tp_fields, ())
+    >>> check_sequence_parallel(qwen3_moe.plan(cfg).override({"layers.*.attn.wo": "replicate"}),
+    ...                         qwen3_moe.plan(cfg), shapes)
+    Traceback (most recent call last):
+    ValueError: build_plan: with sequence parallelism (mesh sp=True) layers.0.attn.wo must keep ...
 """
 
 from __future__ import annotations
