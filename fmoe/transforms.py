@@ -18,6 +18,11 @@ fmoe's layers are pure functions, so ``torch.func.grad``/``vjp``/``jvp``/``vmap`
 3. **Custom autograd Functions.** Each has a ``jvp`` (forward mode) and a vmap rule. Dynamo
    cannot trace a Function that defines ``jvp``, so under ``torch.compile`` fmoe applies a twin
    without it (:func:`without_jvp`, :func:`apply`).
+4. **Split sizes are data.** The expert-parallel exchange sends a data-dependent number of rows
+   to each rank; its split sizes reach the host once per layer (``.tolist()``). By default Dynamo
+   ends the graph there. Under :func:`symbolic_splits` it traces them as unbacked symbolic ints
+   instead: ``torch.compile(forward)`` on a mesh is one graph with the all-to-alls inside, and no
+   routing (empty slices included) causes a recompile, since nothing guards on those ints.
 
 Example:
     >>> data_checks_enabled()
@@ -28,13 +33,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-__all__ = ["refuse_compiled_transform", "vmapping", "compiling", "forward_mode", "higher_order", "func_active", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop"]
+__all__ = ["refuse_compiled_transform", "vmapping", "compiling", "forward_mode", "higher_order", "func_active", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop", "symbolic_splits"]
 
 
 def vmapping() -> bool:
@@ -146,6 +152,25 @@ def without_jvp(cls: type) -> type:
     globals, not classes hung on other classes."""
     attrs = {k: v for k, v in cls.__dict__.items() if k not in ("jvp", "__dict__", "__weakref__")}
     return type(cls.__name__ + "Traced", cls.__bases__, attrs)
+
+
+@contextlib.contextmanager
+def symbolic_splits() -> Iterator[None]:
+    """While active, Dynamo traces the host values of tensors (``.tolist()``, ``.item()``: the
+    expert-parallel exchange's split sizes) as unbacked symbolic ints instead of ending the graph
+    there (``torch._dynamo.config.capture_scalar_outputs``, restored on exit). Compile *and call*
+    the function inside it: the setting is read when Dynamo traces (the first call, and any
+    recompile).
+
+    Example (on one process the forward has no host sync; on a mesh with ``ep > 1`` this is
+    what makes it one graph):
+        >>> f = torch.compile(lambda x: x * x.sum().item(), fullgraph=True, backend="eager")
+        >>> with symbolic_splits():
+        ...     f(torch.ones(2)).tolist()
+        [2.0, 2.0]
+    """
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        yield
 
 
 def apply(fn: type, traced: type, *args: Any) -> Any:
