@@ -56,8 +56,10 @@ def backend(transform: str, model: str) -> str:
     return "inductor" if INDUCTOR.get(transform) == model else "aot_eager"
 
 
-#: torch.compile on a mesh costs 7-30 s of Dynamo tracing per model and mesh on 2 quiet cores, so
-#: compile(forward) runs for one MoE and one dense model on meshes (the cells list them)
+#: torch.compile on a mesh costs 7-17 s of Dynamo tracing per model and mesh on 2 cores (4 ranks), so
+#: compile(forward) runs for one MoE and one dense model on meshes (the cells list them). It runs
+#: under ``fmoe.transforms.symbolic_splits()`` with ``fullgraph=True``: one graph, the exchange's split
+#: sizes traced as unbacked ints (without it Dynamo breaks the graph there: test_transforms.py)
 COMPILED_ON_MESH = {"tp1/ep4": ("qwen3_moe",), "tp2/ep2": ("qwen3_moe", "llama"), "fsdp (tp2/ep2, fsdp2)": ("llama",)}
 
 
@@ -257,10 +259,12 @@ def _mesh_cells(rank, world, setting):
                 jvp(grad(loss), (sh,), (sh,))
             elif transform == "vmap ensemble":
                 vmap(lambda p: model.forward(p, mine, cfg, mesh))(tmap(lambda *xs: torch.stack(xs), sh, sh))
-            elif transform == "compile(forward)":      # graph breaks at the dispatch's split sizes: not fullgraph
+            elif transform == "compile(forward)":      # one graph: the split sizes traced as unbacked ints
                 torch._dynamo.reset()
                 fwd = lambda p: model.forward(p, mine, cfg, mesh)  # noqa: E731
-                close_trees(torch.compile(fwd, backend="aot_eager")(sh), fwd(sh), "compiled forward vs eager on the mesh", 1e-5)
+                with fmoe.transforms.symbolic_splits():
+                    got = torch.compile(fwd, fullgraph=True, backend="aot_eager")(sh)
+                close_trees(got, fwd(sh), "compiled forward vs eager on the mesh", 1e-5)
             elif transform == "compile(grad)":
                 torch._dynamo.reset()
                 torch.compile(grad(loss), fullgraph=True, backend="aot_eager")(sh)

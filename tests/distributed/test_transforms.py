@@ -296,15 +296,20 @@ def _jvp_and_compile_on_meshes(rank, world):
     explained = torch._dynamo.explain(f)(sh, x)
     out["break_lines"] = sorted({(b.user_stack[-1].filename.split("/")[-1], b.user_stack[-1].name)
                                  for b in explained.break_reasons})
+    torch._dynamo.reset()
+    with fmoe.transforms.symbolic_splits():          # the split sizes traced as unbacked ints: no break
+        out["symbolic_breaks"] = len(torch._dynamo.explain(f)(sh, x).break_reasons)
     results = []
     # Inductor on rank 0 (its code generation on a mesh), Dynamo + AOTAutograd on the others: the same
-    # graphs and collectives in the same order, without four identical Inductor compiles on 2 cores
-    for fn in (torch.compile(f, backend="inductor" if rank == 0 else "aot_eager"), f):
-        y = fn(sh, x)
-        y.square().sum().backward()
-        results.append((y.detach(), {k: fmoe.gather(t.grad) for k, t in sh.items()}))
-        for t in sh.values():
-            t.grad = None
+    # graph and collectives in the same order, without four identical Inductor compiles on 2 cores
+    torch._dynamo.reset()
+    with fmoe.transforms.symbolic_splits():
+        for fn in (torch.compile(f, fullgraph=True, backend="inductor" if rank == 0 else "aot_eager"), f):
+            y = fn(sh, x)
+            y.square().sum().backward()
+            results.append((y.detach(), {k: fmoe.gather(t.grad) for k, t in sh.items()}))
+            for t in sh.values():
+                t.grad = None
     (yc, gc), (ye, ge) = results
     near(yc, ye, "compiled output")
     for k in ge:
@@ -315,6 +320,7 @@ def _jvp_and_compile_on_meshes(rank, world):
 def test_jvp_and_compile_on_four_ranks():
     for out in on_ranks(_jvp_and_compile_on_meshes, 4, timeout=900):
         assert out["break_lines"] == [("token_dispatch.py", "_exchange_splits")], out["break_lines"]
+        assert out["symbolic_breaks"] == 0
 
 
 # ------------------------------------------------------------------------------ one process: remat under grad
