@@ -87,14 +87,22 @@ def _keys(node: Any, kind: str) -> list:
     return sorted(node) if kind == "dict" else list(node) if kind == "odict" else list(range(len(node)))
 
 
+_NODES = (dict, list, tuple, collections.deque)      # a child of another type is a leaf (None: no leaf)
+
+
 def _walk(tree: Any, prefix: str, out: dict) -> dict:
-    """``{path: leaf}`` of a plain tree into ``out``, in optree's order (dict keys sorted)."""
+    """``{path: leaf}`` of a plain tree into ``out``, in optree's order (dict keys sorted). Leaves
+    are stored inline, without a call each: what Dynamo traces is one call per node."""
     kind = _kind(tree)
     if kind == "leaf":
         out[prefix] = tree
     elif kind != "none":
         for k in _keys(tree, kind):
-            _walk(tree[k], _join(prefix, k), out)
+            child, path = tree[k], f"{prefix}.{k}" if prefix else str(k)
+            if child is not None and not isinstance(child, _NODES):
+                out[path] = child
+            else:
+                _walk(child, path, out)
     return out
 
 
@@ -102,12 +110,18 @@ def _rebuild(like: Any, prefix: str, flat: dict) -> Any:
     """``like``'s structure with the leaf at each path taken from ``flat`` (dicts keep their
     key order, as optree's unflatten does)."""
     kind = _kind(like)
-    if kind in ("dict", "odict"):
-        return type(like)((k, _rebuild(v, _join(prefix, k), flat)) for k, v in like.items())
-    if kind == "seq":
-        items = [_rebuild(v, _join(prefix, i), flat) for i, v in enumerate(like)]
-        return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
-    return None if kind == "none" else flat[prefix]
+    if kind == "leaf":
+        return flat[prefix]
+    if kind == "none":
+        return None
+    items = []
+    for k in (like if kind != "seq" else range(len(like))):
+        child, path = like[k], f"{prefix}.{k}" if prefix else str(k)
+        items.append(flat[path] if child is not None and not isinstance(child, _NODES) else
+                     _rebuild(child, path, flat))
+    if kind != "seq":
+        return type(like)(zip(like, items))
+    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
 
 
 def _map(fn: Callable[..., Any], tree: Any, rest: tuple, prefix: str, done: dict) -> None:
