@@ -57,11 +57,10 @@ from .mesh import Mesh
 from .routing.global_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
 from .routing.core import as_stats
-from .nn.remat import region_options
 from .nn.shared_experts import check_shared, shared_expert
 from .precision import gemm
 from .sharding import sequence_parallel
-from .transforms import compiling, peel, refuse_compiled_transform
+from .transforms import peel, refuse_compiled_transform
 
 __all__ = ["moe"]
 
@@ -127,8 +126,7 @@ def _choose(impl: str, mesh, needs_grad: bool) -> str:
 
 
 def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> LocalExperts:
-    """This rank's block of experts; under regional compilation (the block runs eagerly between
-    its layer's graphs) the experts compile their own region (:func:`fmoe.nn.remat.region_options`)."""
+    """This rank's block of experts."""
     ep = 1 if mesh is None else mesh.ep
     rng = range(0, E) if mesh is None else mesh.expert_range(E)
     weights = {}
@@ -142,8 +140,7 @@ def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> 
             raise ValueError(f"moe: params[{key!r}] holds {w.shape[0]} experts on this rank, "
                              f"expected {len(rng)} (E={E} over ep={ep})")
         weights[key] = w
-    return LocalExperts(weights, rng.start, E, act=act, matmul=matmul,
-                        compile=None if compiling() else region_options())
+    return LocalExperts(weights, rng.start, E, act=act, matmul=matmul)
 
 
 def _router_inputs(params: dict, router_inputs: Optional[Mapping[str, Any]]) -> dict:

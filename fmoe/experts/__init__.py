@@ -19,9 +19,8 @@ grouped     :mod:`fmoe.experts.mlp`: one               ``matmul="grouped"``, or 
 loop        :mod:`fmoe.experts.mlp`: one matmul per    otherwise
             expert
 traced      :mod:`fmoe.experts.ops`: the grouped       under ``torch.func`` transforms and
-            GEMMs as ``torch.library`` operators,      ``torch.compile`` (:mod:`fmoe.transforms`),
-            group sizes kept on the device             and, where blocked does not apply, as a
-                                                       compiled region of its own (``compile=``)
+            GEMMs as ``torch.library`` operators,      ``torch.compile`` (:mod:`fmoe.transforms`)
+            group sizes kept on the device
 ==========  =========================================  ==========================================
 
 The choice is made from explicit data (``matmul``, the activation's *name*
@@ -70,12 +69,6 @@ class LocalExperts:
         act: activation ``act(gate, up)`` (:mod:`fmoe.experts.activations`; any callable works, only one
             named ``"swiglu"`` takes the fused paths).
         matmul: ``"auto"``, ``"grouped"`` or ``"loop"`` (see the module docstring).
-        compile: ``torch.compile`` options: where the blocked CPU path does not apply, run the
-            ``"traced"`` path's expert work as one compiled region (row counts dynamic: compiled
-            once for every layer and step), as regional compilation does for a MoE block run
-            eagerly between its layer graphs (:func:`fmoe.nn.remat.region_options`); None: eager
-            paths. (The blocked path is hand-fused: on a 2-core CPU in fp32 the compiled region
-            takes its time, 1.00-1.06x over five runs, ``benchmarks/RESULTS.md``; blocked needs no compile.)
 
     Example:
         >>> ex = LocalExperts({"w_gate_up": torch.randn(2, 6, 4), "w_down": torch.randn(2, 4, 3)}, 0, 2)
@@ -84,14 +77,12 @@ class LocalExperts:
     """
 
     def __init__(self, weights: dict, first: int, num_experts: int, act: Union[Activation, Callable] = swiglu,
-                 matmul: str = "auto", compile: Optional[dict] = None):
+                 matmul: str = "auto"):
         check_matmul("LocalExperts", "matmul", matmul)
-        if compile is not None and not isinstance(compile, dict):
-            raise TypeError(f"LocalExperts: compile must be a dict of torch.compile options or None, got {compile!r}")
         self.weights, self.first, self.num_experts = weights, first, num_experts
         self.num_local = weights["w_gate_up"].shape[0]
         self.range = range(first, first + self.num_local)
-        self.act, self.matmul, self.compile = act, matmul, compile
+        self.act, self.matmul = act, matmul
 
     def __call__(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Outputs ``[N, D]`` (unweighted) of expert ``local_ids[n]`` on ``rows[n]``."""
@@ -124,10 +115,8 @@ class LocalExperts:
         ``"grouped"`` or ``"loop"`` (see the module docstring)."""
         if transforms_active():
             return "traced"
-        if self.blocked(rows, num_assignments):     # the hand-fused CPU path: as fast as the compiled region
+        if self.blocked(rows, num_assignments):     # the hand-fused CPU path
             return "blocked"
-        if self.compile is not None:                # regional compilation: the traced path as a compiled region
-            return "traced"
         w = self.weights
         return "grouped" if use_grouped(rows, w["w_gate_up"], w["w_down"], self.matmul) else "loop"
 
@@ -160,8 +149,6 @@ class LocalExperts:
         Returns:
             ``[N, D]``.
         """
-        if self.compile is not None and num_used is None and not transforms_active():
-            num_used = int((slot_ids >= 0).sum())   # the block runs eagerly: a host count costs nothing
         if self.path(rows, slot_ids.numel() if num_used is None else num_used) == "traced":
             return self._weighted_sum_traced(rows, slot_w, slot_ids, num_used)   # grouped operators
         k, e = slot_ids.shape[1], self.num_local
@@ -185,9 +172,7 @@ class LocalExperts:
         graph): all ``N * K`` slots go to the grouped operators, the unused ones sorted after the
         last group, where the operators compute nothing (no FLOPs added; the rows there are masked
         to zero, :func:`fmoe.experts.ops.expert_mlp_offs`'s ``valid``). Under an eager ``vmap``, where no
-        host value exists, unused slots ride along on local expert 0 with weight 0 (adding nothing). With ``self.compile`` (and no
-        transform active) the sort runs eagerly and :func:`_sorted_expert_sum` as a compiled
-        region, its row counts marked dynamic."""
+        host value exists, unused slots ride along on local expert 0 with weight 0 (adding nothing)."""
         e = self.num_local
         flat = slot_ids.reshape(-1)                                                 # [N*K]
         used = flat >= 0
@@ -203,14 +188,11 @@ class LocalExperts:
             num_used = int(used.sum()) if num_used is None else num_used
         order = torch.argsort(keyed, stable=True)[:num_used]                       # [A]
         counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device).scatter_add(0, keyed, torch.ones_like(keyed))
-        ew, region = self.weights, _sorted_expert_sum
-        if self.compile is not None and not transforms_active():
-            for t in (rows, slot_w, order):   # row and assignment counts change every step, 0 and 1 included
-                torch._dynamo.decorators.mark_unbacked(t, 0)
-            region = torch.compile(_sorted_expert_sum, **{**self.compile, "fullgraph": True})
-        return region(rows, slot_w, order, counts[:e], ew["w_gate_up"], ew["w_down"], ew.get("b_gate_up"),
-                      ew.get("b_down"), None if activation_name(self.act) == "swiglu" else self.act,
-                      "loop" if self.matmul == "loop" else "auto", padded)
+        ew = self.weights
+        return _sorted_expert_sum(rows, slot_w, order, counts[:e], ew["w_gate_up"], ew["w_down"],
+                                  ew.get("b_gate_up"), ew.get("b_down"),
+                                  None if activation_name(self.act) == "swiglu" else self.act,
+                                  "loop" if self.matmul == "loop" else "auto", padded)
 
     def run_sorted(self, rows: torch.Tensor, counts: list[int], scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Outputs (times ``scale [N]`` if given) for rows already grouped by local expert
@@ -228,7 +210,7 @@ def _sorted_expert_sum(rows: torch.Tensor, slot_w: torch.Tensor, order: torch.Te
     ``order [A]`` the flat ``(row, slot)`` indices into ``slot_w [N, K]`` sorted by local expert,
     ``counts [El]`` (a tensor) assignments per expert. Gather, the grouped expert MLP
     (:func:`fmoe.experts.ops.expert_mlp_offs`), scatter-add: no host sync, so it traces as one
-    graph (the region :class:`LocalExperts` compiles with ``compile``); ``[N, D]``. ``padded``:
+    graph; ``[N, D]``. ``padded``:
     ``order`` holds every slot, the assignments after ``counts.sum()`` outside every group (zero weight)."""
     row_of = torch.div(order, slot_w.shape[1], rounding_mode="floor")                        # [A]
     w = slot_w.reshape(-1).index_select(0, order).to(rows.dtype)                            # [A]

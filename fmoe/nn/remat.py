@@ -15,13 +15,13 @@ autograd Function keeps only the block's inputs and its backward recomputes the 
 The same marks serve regional compilation: under ``with remat.compiled("layer")`` every
 :func:`call` of that kind runs its block through ``torch.compile`` (each decoder layer is the
 same function on same-shaped weights, so Dynamo compiles it once and every layer reuses the
-graph; the code between blocks stays eager). Under ``compiled("layer")`` a MoE block (kind
-``"moe"``) is not traced into its layer's graph: the expert-parallel exchange needs its split
-sizes on the host, so the block runs eagerly between the layer's graphs and compiles its own
-regions around the exchange with the same options (:func:`region_options`: ``fmoe.moe`` hands
-them to its experts, whose gather, grouped expert MLP and weighted scatter-add are one compiled
-region with dynamic row counts). :func:`fmoe.training.train_step` uses it for
-``StepConfig(compile=True)`` on a multi-rank mesh.
+graph; the code between blocks stays eager). The block's FSDP gather runs eagerly before the
+region (``fmoe.fsdp.unshard_layer``); everything inside is traced, the MoE block included:
+router, dispatch with its expert-parallel exchange, experts, combine. The block is traced and
+run under :func:`fmoe.transforms.symbolic_splits`, so the exchange's host split sizes become
+unbacked symbolic ints: one graph per layer, whatever the routing (empty expert slices and a
+rank receiving no rows included), no recompile, no graph break.
+:func:`fmoe.training.train_step` uses it for ``StepConfig(compile=True)`` on a multi-rank mesh.
 
 The policy lives in a ``contextvars.ContextVar`` (per thread / task, restored on exit), so the
 model keeps its signature and a notebook may mark blocks of its own.
@@ -48,9 +48,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch.distributed.tensor import DTensor
 
-from ..transforms import compiling, func_active, peel
+from ..transforms import compiling, func_active, peel, symbolic_splits
 
-__all__ = ["POLICIES", "policy", "compiled", "region_options", "call", "active"]
+__all__ = ["POLICIES", "policy", "compiled", "call", "active"]
 
 POLICIES = ("none", "layer", "moe")
 _POLICY: contextvars.ContextVar[str] = contextvars.ContextVar("fmoe_remat", default="none")
@@ -69,35 +69,32 @@ def policy(name: str) -> Iterator[None]:
         _POLICY.reset(token)
 
 
-@contextlib.contextmanager
-def compiled(kind: str, **options: Any) -> Iterator[None]:
+def compiled(kind: str, **options: Any) -> "_Regional":
     """Run every block of kind ``kind`` (``"layer"`` or ``"moe"``) as ``torch.compile(block, **options)``.
 
     Args:
         kind: the blocks to compile.
         options: ``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``, ...).
+    Returns:
+        a context manager, reusable (a step enters it once per micro-batch).
     """
     if kind not in POLICIES[1:]:
         raise ValueError(f"remat.compiled: kind must be one of {POLICIES[1:]}, got {kind!r}")
-    token = _COMPILED.set((kind, options))
-    try:
-        yield
-    finally:
-        _COMPILED.reset(token)
+    return _Regional((kind, options))
 
 
-def region_options() -> Optional[dict]:
-    """The ``torch.compile`` options of the active regional compilation (:func:`compiled`), for
-    a block that runs eagerly between the compiled regions and compiles its own pieces (the MoE
-    block's experts); None when none is active. Read eagerly, never while Dynamo traces.
+class _Regional:
+    """The context of :func:`compiled`: sets the regional compilation on enter, restores on exit;
+    reusable and re-entrant (one token per entry)."""
 
-    Example:
-        >>> with compiled("layer", backend="eager"):
-        ...     region_options()
-        {'backend': 'eager'}
-    """
-    regional = _COMPILED.get()
-    return None if regional is None else dict(regional[1])
+    def __init__(self, value: tuple[str, dict]):
+        self.value, self.tokens = value, []
+
+    def __enter__(self) -> None:
+        self.tokens.append(_COMPILED.set(self.value))
+
+    def __exit__(self, *exc: Any) -> None:
+        _COMPILED.reset(self.tokens.pop())
 
 
 @torch.compiler.assume_constant_result
@@ -105,19 +102,6 @@ def active() -> str:
     """The current policy name (read once per trace under ``torch.compile``: Dynamo cannot trace
     ``ContextVar.get``, so a compiled function is specialised on the policy it was traced with)."""
     return _POLICY.get()
-
-
-@torch.compiler.assume_constant_result
-def _regional() -> str:
-    """The kind of block compiled regionally (``""``: none); a constant of the trace."""
-    regional = _COMPILED.get()
-    return "" if regional is None else regional[0]
-
-
-@torch.compiler.disable
-def _eager(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """:func:`call` run eagerly: Dynamo ends the graph before it and resumes after it."""
-    return call(kind, fn, *args, **kwargs)
 
 
 def call(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -131,18 +115,26 @@ def call(kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """
     if kind not in POLICIES[1:]:
         raise ValueError(f"remat.call: kind must be one of {POLICIES[1:]}, got {kind!r}")
-    if compiling():
-        if kind == "moe" and _regional() == "layer":        # the expert-parallel exchange between the graphs
-            return _eager(kind, fn, *args, **kwargs)
-    elif _COMPILED.get() is not None and _COMPILED.get()[0] == kind:
+    regional = None if compiling() else _COMPILED.get()
+    if regional is not None and regional[0] == kind:
         from ..fsdp import unshard_layer      # the FSDP gather (collectives, DTensor specs) stays eager
-        fn = torch.compile(fn, **_COMPILED.get()[1])   # Dynamo's cache is per code object: one graph, all layers
+        fn = _splits_symbolic(torch.compile(fn, **regional[1]))   # cache per code object: one graph, all layers
         args = (unshard_layer(args[0]),) + args[1:]
     if active() != kind or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if func_active() and not compiling():       # saved-tensor hooks do not run under torch.func
         return _recomputed(fn, args, kwargs)
     return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def _splits_symbolic(compiled_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled_fn`` called under :func:`fmoe.transforms.symbolic_splits` (Dynamo reads the
+    setting when it traces: the first call, a recompile, and a recompute in backward all run
+    inside it)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with symbolic_splits():
+            return compiled_fn(*args, **kwargs)
+    return run
 
 
 class _Recompute(torch.autograd.Function):

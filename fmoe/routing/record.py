@@ -63,7 +63,7 @@ def recording(router: Router, calls: list) -> Router:
         return routing
 
     wrapped.__name__ = f"recording({getattr(router, '__name__', 'router')})"
-    return wrapped
+    return torch.compiler.disable(wrapped)   # eager under torch.compile: a traced list append recompiles each call
 
 
 def _id_dtype(num_experts: int) -> torch.dtype:
@@ -151,7 +151,7 @@ def replay(record: Union[str, os.PathLike, Sequence[torch.Tensor]], *, scores: s
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if scores == "sigmoid" else 0.0))
         return Routing(weights * scale, ids, {})
 
-    return router
+    return torch.compiler.disable(router)    # eager under torch.compile: a traced call counter recompiles each call
 
 
 def record_writer(calls: list, path: str, rank: int) -> Callable[[], None]:

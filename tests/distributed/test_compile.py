@@ -12,6 +12,7 @@ from collections import Counter
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.flop_counter import FlopCounterMode
 
 import fmoe
@@ -81,10 +82,12 @@ def test_plain_compile_is_not_a_transform():
 STEPS = 10
 
 
-def _train(mesh, compile, steps=STEPS, layers=None):
+def _train(mesh, compile, steps=STEPS, layers=None, bias=None):
     """``steps`` AdamW steps of tiny Qwen3-MoE (``layers`` decoder layers, default the preset's;
     new tokens every step: the routing changes); returns the losses, the gradients of the first
-    step's loss, and the Dynamo counters."""
+    step's loss, and the Dynamo counters. ``bias(step) -> [E]``: every MoE layer's ``expert_bias``
+    before step ``step`` (0: the gradients' forward), read by the biased top-k router and never
+    updated (``bias_rate=0``): a routing forced step by step."""
     import dataclasses
 
     import torch._dynamo
@@ -100,34 +103,53 @@ def _train(mesh, compile, steps=STEPS, layers=None):
     cfg = dataclasses.replace(qwen3_moe.MODEL.preset("tiny", mesh.tp), output_router_logits=True, router_aux_loss_coef=0.01)
     cfg = cfg if layers is None else dataclasses.replace(cfg, num_hidden_layers=layers)
     full = fmoe.tree.map_with_path(lambda _, t: t.requires_grad_(True), qwen3_moe.init(cfg, seed=0))
+    if bias is not None:
+        for layer in full["layers"]:
+            layer["moe"]["expert_bias"] = torch.zeros(cfg.num_experts)
     params = fmoe.shard(full, data_parallel_plan(qwen3_moe.check_plan(cfg, None, mesh.tp), full, mesh), mesh)
     state, data = adamw_init(params), TokenStream.stdlib(300_000)
-    step_cfg = StepConfig(compile=compile)
+    step_cfg = StepConfig(compile=compile) if bias is None else StepConfig(
+        compile=compile, bias_rate=0.0, router=qwen3_moe.default_router(cfg, biased=True))
+
+    def set_bias(step):
+        for path, t in fmoe.tree.flatten(params).items():
+            if bias is not None and path.endswith("expert_bias"):
+                value = bias(step)
+                if isinstance(t, DTensor):          # placed as fmoe.shard placed the zeros
+                    value = distribute_tensor(value, t.device_mesh, t.placements)
+                with torch.no_grad():
+                    t.copy_(value)
+
+    set_bias(0)
     batch = data.batch(1, mesh.batch_index, 2, 16, 0, num_batches=mesh.num_batches)
     fwd_loss, region = _compiled(step_cfg, mesh)                  # the step's own (compiled) forward + loss
     with region:
         loss, _ = fwd_loss(qwen3_moe, params, *batch, cfg, mesh, step_cfg)
-        leaves = fmoe.tree.flatten(params)
+        leaves = {k: v for k, v in fmoe.tree.flatten(params).items() if v.requires_grad}
         grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
-    grads = {k: v.detach() for k, v in fmoe.tree.flatten(fmoe.gather(fmoe.tree.unflatten(grads, like=params))).items()}
-    losses, graphs = [], []
+    grads = {k: v.detach() for k, v in fmoe.tree.flatten(fmoe.gather(fmoe.tree.unflatten(
+        {**fmoe.tree.flatten(params), **grads}, like=params))).items() if k in grads}
+    losses, graphs, loads = [], [], []
     for step in range(1, steps + 1):
+        set_bias(step)
         batch = data.batch(step, mesh.batch_index, 2, 16, 0, num_batches=mesh.num_batches)
         params, state, m = train_step(qwen3_moe, cfg, params, state, batch, mesh=mesh, step_cfg=step_cfg, lr=3e-3)
         losses.append(m["loss"])
+        loads.append(m["expert_load"][0])
         graphs.append(counters["stats"]["unique_graphs"])
-    return losses, grads, graphs, dict(counters["graph_break"])
+    return losses, grads, graphs, dict(counters["graph_break"]), loads
 
 
 def _check_same(eager, compiled):
-    (le, ge, _, _), (lc, gc, graphs, breaks) = eager, compiled
+    (le, ge, _, _, _), (lc, gc, graphs, breaks, _) = eager, compiled
     print(f"graphs after each step {graphs}, graph breaks {breaks}, losses {lc[0]:.5f} .. {lc[-1]:.5f}")
     for k in ge:
         close(gc[k], ge[k], f"gradient {k}")
     eps = torch.finfo(torch.float32).eps
     for i, (a, b) in enumerate(zip(lc, le)):        # AdamW amplifies rounding over steps: ~84 eps per step
         assert abs(a - b) <= 84 * eps * (i + 1) * abs(b), (i, a, b)
-    assert graphs[1] > 0 and graphs[-1] == graphs[1], f"graphs compiled per step: {graphs} (recompiles after warm-up)"
+    # every graph compiled by the gradients' forward, before the first step: none after, whatever the routing
+    assert graphs[0] > 0 and all(g == graphs[0] for g in graphs), f"graphs compiled per step: {graphs} (recompiles)"
 
 
 def test_compiled_step_equals_eager_on_one_process():
@@ -141,9 +163,11 @@ GROUPED_GRAPHS = []   # per graph a backend compiled: whether it holds the exper
 
 
 def _grouped_graphs_backend(gm, example_inputs):
-    """``aot_eager``, noting whether each Dynamo graph holds the grouped expert GEMMs."""
+    """``aot_eager``, noting whether each Dynamo graph holds the grouped expert GEMMs and an all-to-all."""
     op = torch.ops.fmoe.grouped_mm
-    GROUPED_GRAPHS.append(any(n.target in (op, op.default) for n in gm.graph.nodes))
+    names = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    GROUPED_GRAPHS.append((any(n.target in (op, op.default) for n in gm.graph.nodes),
+                           any("all_to_all" in t for t in names)))
     return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
@@ -151,42 +175,65 @@ if "fmoe_test_grouped_graphs" not in torch._dynamo.list_backends(exclude_tags=()
     torch._dynamo.register_backend(_grouped_graphs_backend, name="fmoe_test_grouped_graphs")
 
 
+def _forced(step, num_experts=8, ep=4):
+    """The ``expert_bias [E]`` of step ``step``: every routing the exchange must survive without a
+    recompile, over ``ep`` ranks of ``num_experts // ep`` experts: free routing; one rank's experts
+    shut (that rank receives no rows, its expert slices empty); every token on one rank's experts
+    (the other ranks receive nothing, each sends all its rows to one rank)."""
+    local, shut = num_experts // ep, torch.full((num_experts,), -1e4)
+    kind, rank = (step + 2) % 3, step % ep           # step 0 (the gradients' forward): all rows to rank 0
+    if kind == 0:
+        return torch.zeros(num_experts)
+    if kind == 1:
+        return torch.zeros(num_experts).index_fill(0, torch.arange(rank * local, (rank + 1) * local), -1e4)
+    return shut.index_fill(0, torch.arange(rank * local, (rank + 1) * local), 0.0)
+
+
 def _four_ranks(rank, world):
     mesh = fmoe.Mesh(ep=4)
     GROUPED_GRAPHS.clear()
-    return _train(mesh, False), _train(mesh, "fmoe_test_grouped_graphs"), list(GROUPED_GRAPHS)
+    out = {"free": (_train(mesh, False), _train(mesh, "fmoe_test_grouped_graphs"), list(GROUPED_GRAPHS))}
+    GROUPED_GRAPHS.clear()
+    out["forced"] = (_train(mesh, False, bias=_forced), _train(mesh, "fmoe_test_grouped_graphs", bias=_forced),
+                     list(GROUPED_GRAPHS))
+    return out
 
 
 def test_compiled_step_equals_eager_on_four_ranks():
-    """ep4, regional compilation (AOTAutograd; Inductor runs in the one-process test): the layer
-    graphs and the MoE block's expert region are compiled in the first step and reused by every
-    layer and step after, while the routing (and so every row count) changes step to step."""
-    for eager, compiled, grouped in on_ranks(_four_ranks, 4, timeout=600):
-        _check_same(eager, compiled)
-        # the only graph break: each compiled layer graph ends at its MoE block (run eagerly) and resumes after
-        assert [r.splitlines()[0] for r in compiled[3]] == ["Skip calling `torch.compiler.disable()`d function"], \
-            compiled[3]
-        # inside the block the expert-parallel exchange runs eagerly, the experts as one compiled region:
-        # the layer graph, its resume after the MoE block, the experts' graph (the grouped GEMMs in it)
-        assert len(grouped) == 3 and sum(grouped) == 1, grouped
+    """ep4, regional compilation (AOTAutograd; Inductor runs in the one-process test): each decoder
+    layer is one graph, its MoE block (router, dispatch with the all-to-all exchange, experts,
+    combine) traced inside under ``symbolic_splits``; compiled once by the first forward and reused
+    by every layer and step after, while the routing (and so every split size) changes step to step
+    ("free"), and while it is forced to empty expert slices, a rank receiving no rows and every row
+    sent to one rank ("forced", :func:`_forced`): losses and every gradient equal eager's."""
+    for out in on_ranks(_four_ranks, 4, timeout=600):
+        for case, (eager, compiled, graphs) in out.items():
+            _check_same(eager, compiled)
+            assert not compiled[3], f"{case}: graph breaks {compiled[3]}"
+            # one graph: the layer, with the grouped expert GEMMs and the exchange's all-to-alls in it
+            assert graphs == [(True, True)], (case, graphs)
+        # the forced routing did what it says: the ranks whose experts took no slot, step by step
+        for step, load in enumerate(out["forced"][1][4], start=1):
+            idle = [r for r in range(4) if sum(load[2 * r:2 * r + 2]) == 0]
+            kind, rank = (step + 2) % 3, step % 4
+            assert rank in idle if kind == 1 else kind == 0 or idle == [r for r in range(4) if r != rank], (step, load)
 
 
 def _depths(rank, world):
     mesh, graphs = fmoe.Mesh(ep=2), {}
     for layers in (1, 4):
-        _, _, per_step, breaks = _train(mesh, "aot_eager", steps=1, layers=layers)
+        _, _, per_step, breaks, _ = _train(mesh, "aot_eager", steps=1, layers=layers)
         graphs[layers] = (per_step[-1], sum(breaks.values()))
     return graphs
 
 
 def test_compiled_graphs_do_not_grow_with_depth_on_two_ranks():
     """Regional compilation compiles each decoder layer's code once: a 4-layer model compiles the
-    same graphs as a 1-layer one, with the same graph breaks (the layer's code is traced once, its
-    MoE block run eagerly): the cold compile does not grow with depth (measured in benchmarks/RESULTS.md).
-    Two ranks (ep2) trace what four do (the exchange between the graphs); the 4-rank test above
-    checks the graphs of the tiny preset's depth."""
+    same one graph as a 1-layer one, with no graph break: the cold compile does not grow with
+    depth (measured in benchmarks/RESULTS.md). Two ranks (ep2) trace what four do (the exchange
+    inside the graph); the 4-rank test above checks the graphs of the tiny preset's depth."""
     for graphs in on_ranks(_depths, 2, timeout=600):
-        assert graphs[1] == graphs[4] and graphs[1][0] == 3, graphs
+        assert graphs[1] == graphs[4] == (1, 0), graphs
 
 
 def _all_reduce_layer(rank, world):
