@@ -31,7 +31,7 @@ library, from the same script invocation (same cores, same tokens per step).
 ``fmoe_compiled``: fmoe compiled as the job's ``--compile`` compiles it (``StepConfig(compile=True)``,
 :func:`fmoe.training.step.forward_loss` through the step's own ``_compiled``): on one process
 forward + loss as one Inductor graph, on a mesh regional compilation (each decoder layer compiled
-once and reused by every layer, the MoE block's exchange run eagerly between the layer's graphs);
+once and reused by every layer, the MoE block and its exchange inside the layer's graph);
 backward by AOTAutograd either way. The loss is the same next-token cross-entropy (the step's
 ``forward_loss`` of ``tokens[:, :-1]`` against ``tokens[:, 1:]``: the same logits, causal attention).
 Compilation happens in the warmup steps (use ``--warmup 3``).

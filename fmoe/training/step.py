@@ -87,8 +87,8 @@ class StepConfig:
         compile: ``torch.compile`` the step's forward and backward (True: Inductor; or a backend
             name such as ``"aot_eager"``). On one process forward + loss compile as one graph
             (backward by AOTAutograd); on a multi-rank mesh each decoder layer is compiled once
-            and reused by every layer, the expert-parallel exchange between the graphs
-            (:func:`fmoe.nn.remat.compiled`; ``docs/transforms.md``). Same numbers as eager.
+            and reused by every layer, its MoE block and expert-parallel exchange inside the
+            layer's graph (:func:`fmoe.nn.remat.compiled`; ``docs/transforms.md``). Same numbers as eager.
     """
 
     opt: AdamWConfig = AdamWConfig()
@@ -132,7 +132,9 @@ class StepConfig:
 def _compiled(step_cfg: StepConfig, mesh: Mesh) -> tuple[Any, Any]:
     """``(forward_loss, region)``: with ``step_cfg.compile``, on one process the compiled
     :func:`forward_loss` and no region; on a multi-rank mesh eager :func:`forward_loss` inside
-    :func:`fmoe.nn.remat.compiled` (each decoder layer compiled once, reused by every layer)."""
+    :func:`fmoe.nn.remat.compiled` (each decoder layer one graph, its MoE block and all-to-all
+    exchange included, compiled once and reused by every layer; the region is a reusable context:
+    the step enters it once per micro-batch)."""
     if not step_cfg.compile:
         return forward_loss, contextlib.nullcontext()
     backend = "inductor" if step_cfg.compile is True else step_cfg.compile
