@@ -301,9 +301,11 @@ def _jvp_and_compile_on_meshes(rank, world):
         out["symbolic_breaks"] = len(torch._dynamo.explain(f)(sh, x).break_reasons)
     results = []
     # Inductor on rank 0 (its code generation on a mesh), Dynamo + AOTAutograd on the others: the same
-    # graph and collectives in the same order, without four identical Inductor compiles on 2 cores
+    # graph and collectives in the same order, without four identical Inductor compiles on 2 cores;
+    # rank 0 compiles its kernels with two workers while the others wait in the first collective
     torch._dynamo.reset()
-    with fmoe.transforms.symbolic_splits():
+    import torch._inductor.config as inductor_config
+    with fmoe.transforms.symbolic_splits(), inductor_config.patch(compile_threads=2 if rank == 0 else 1):
         for fn in (torch.compile(f, fullgraph=True, backend="inductor" if rank == 0 else "aot_eager"), f):
             y = fn(sh, x)
             y.square().sum().backward()
