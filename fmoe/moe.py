@@ -27,7 +27,8 @@ implementations that need a batch shared by the expert group (``all_reduce``) ar
 Routers may take keyword inputs besides the logits (:func:`fmoe.routing.call`): ``expert_bias``
 (from ``params["expert_bias"] [E]``, detached: selection-only state updated by
 ``fmoe.routing.update_bias``, never by gradients) and every entry of ``router_inputs`` (per-batch
-tensors such as ``token_ids [T]`` or ``seq_ids [T]``). ``params["shared"]`` adds shared experts
+tensors such as ``token_ids [T]`` or ``seq_ids [T]``); the inputs every model offers
+(``fmoe.routing.OFFERED``: ``token_ids``, ``layer``) reach only the routers that declare them. ``params["shared"]`` adds shared experts
 (:mod:`fmoe.nn.shared_experts`).
 
 ``aux`` holds the router's own entries, with every :class:`fmoe.routing.global_stats.GlobalStat` (aux
@@ -185,7 +186,8 @@ def moe(
             ``torch._grouped_mm``), ``"loop"`` (one expert at a time; on CPU the fused blocked
             path) or ``"auto"`` (CPU: blocked from ``fmoe.experts.BLOCKED_MIN_ROWS`` rows per
             local expert on, grouped below; CUDA: grouped where aligned). Same numbers on every path.
-        router_inputs: extra keyword inputs for the router, e.g. ``{"token_ids": ids [T]}``.
+        router_inputs: extra keyword inputs for the router, e.g. ``{"token_ids": ids [T], "layer": 0}``
+            (the :data:`fmoe.routing.OFFERED` names are passed only if the router declares them).
     Returns:
         ``(y [T, D], aux)``.
 

@@ -27,7 +27,7 @@ The built-in schemes:
                             (aux-loss-free balancing; :func:`update_bias` after each step)
 ``switch(cf, k)``           top-k with expert capacity, overflow dropped (weight 0)
 ``expert_choice(cf, k)``    each expert picks its top-C tokens
-``hash_router(k)``          fixed experts per token id (``router_inputs={"token_ids": ...}``)
+``hash_router(k)``          fixed experts per token id (``token_ids``: offered by every model)
 ``balanced(k)``             round-robin by position (benchmarks)
 ``random_topk(k, seed)``    random distinct experts (benchmarks)
 ``replay(DIR)``             the ids a ``--record-routing DIR`` run chose, weights recomputed
@@ -51,12 +51,12 @@ from . import aux_losses, balance  # noqa: F401  (submodules: fmoe.routing.aux_l
 from .aux_losses import with_losses
 from .bias import sigmoid_topk, update_bias
 from .capacity import capacity, expert_choice, switch
-from .core import Loss, Router, Routing, call, validate
+from .core import OFFERED, Loss, Router, Routing, call, validate
 from .fixed import balanced, hash_router, random_topk, token_hash
 from .record import replay
 from .spec import ROUTERS, from_spec, parse_spec
 from .topk import group_mask, group_topk, topk, topk_softmax
 
-__all__ = ["Routing", "Router", "Loss", "validate", "call", "topk", "topk_softmax", "group_topk", "group_mask",
+__all__ = ["Routing", "Router", "Loss", "OFFERED", "validate", "call", "topk", "topk_softmax", "group_topk", "group_mask",
            "sigmoid_topk", "update_bias", "switch", "expert_choice", "capacity", "hash_router",
            "token_hash", "balanced", "random_topk", "replay", "with_losses", "ROUTERS", "from_spec", "parse_spec"]

@@ -33,7 +33,7 @@ import torch
 
 from .global_stats import GlobalStat
 from .aux_losses import normalized_sigmoid, softmax_probs
-from .core import Router, Routing, _accepted, call, check_k, check_logits
+from .core import Router, Routing, accepted, call, check_k, check_logits
 from ..precision import upcast
 
 __all__ = ["reads_bias", "SCORES", "biased_topk", "biased_topk_softmax", "with_balance_sums", "global_balance_loss",
@@ -55,7 +55,7 @@ def reads_bias(router: Callable) -> bool:
         >>> reads_bias(fmoe.routing.sigmoid_topk(2)), reads_bias(fmoe.routing.topk(2))
         (True, False)
     """
-    var_kw, names, _ = _accepted(router)
+    var_kw, names, _ = accepted(router)
     return var_kw or "expert_bias" in names
 
 

@@ -219,6 +219,24 @@ def test_layer_passes_expert_bias_detached_and_router_inputs():
     assert torch.equal(aux["load"], want)
 
 
+def test_offered_inputs_reach_only_the_routers_that_declare_them():
+    """token_ids and layer (routing.OFFERED) are passed to a router, or through a wrapper, only
+    when declared."""
+    x, _ = batch(0, 6)
+    tokens, seen = torch.arange(6) * 7, []
+
+    def per_layer(logits, *, layer, token_ids):
+        seen.append(layer)
+        return routing.hash_router(seed=layer)(logits, token_ids=token_ids)
+
+    offered = {"token_ids": tokens, "layer": 3}
+    loads = [fmoe.moe(full_params(), x, router=r, router_inputs=offered)[1]["load"]
+             for r in (routing.topk(2), routing.with_losses(routing.hash_router(), z=1e-3), per_layer)]
+    assert int(loads[0].sum()) == 12 and seen == [3]
+    assert torch.equal(loads[1], torch.bincount(routing.token_hash(tokens, E), minlength=E))
+    assert torch.equal(loads[2], torch.bincount(routing.token_hash(tokens, E, 3), minlength=E))
+
+
 def test_shared_experts_are_added_with_their_gate():
     p = {**full_params(), "shared": shared_params()}
     x, coef = batch(0, 5)
@@ -367,8 +385,8 @@ def test_update_bias_forms_and_layer_loop():
                                       {"load": torch.ones(4)}), 2, 4), TypeError, r"aux\['load'\]: the layer writes"),
     (lambda: fmoe.moe(full_params(), torch.zeros(3, D), router=routing.hash_router()), ValueError,
      r"needs keyword input\(s\) \['token_ids'\]"),
-    (lambda: fmoe.moe(full_params(), torch.zeros(3, D), router=routing.topk(2), router_inputs={"token_ids": 1}),
-     ValueError, r"does not accept keyword input\(s\) \['token_ids'\]"),
+    (lambda: fmoe.moe(full_params(), torch.zeros(3, D), router=routing.topk(2), router_inputs={"positions": 1}),
+     ValueError, r"does not accept keyword input\(s\) \['positions'\]"),
     (lambda: fmoe.moe({**full_params(), "expert_bias": torch.zeros(E)}, torch.zeros(3, D), router=routing.topk(2)),
      ValueError, r"does not accept keyword input\(s\) \['expert_bias'\]"),
     (lambda: fmoe.moe(full_params(), torch.zeros(3, D), router=routing.topk(2), router_inputs=[1]), TypeError,
