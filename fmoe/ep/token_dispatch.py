@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..memory import fake_splits
+from ..experts import fake_splits
 from ..collectives import all_to_all, all_to_all_rows, gather_slices, local_slice
 from ..experts import LocalExperts
 from ..transforms import vmapping
@@ -83,7 +83,7 @@ def _exchange_splits(sizes: torch.Tensor, stats: Optional[torch.Tensor], group, 
     ``stats`` (fp64 ``[S]``, differentiable) also their sum over this rank's ``fsdp`` group in
     the same exchange: the value every rank of the group computes identically (same rows, same
     order), the gradient passed straight to this rank's own stats (``all_reduce``'s backward).
-    On fake tensors (the dry run) the sizes follow :mod:`fmoe.memory.fake_splits` for ``spread =
+    On fake tensors (the dry run) the sizes follow :mod:`fmoe.experts.fake_splits` for ``spread =
     (tokens per TP slice, K)``."""
     n = sizes.shape[0]
     if stats is None:
@@ -102,7 +102,7 @@ def _exchange_splits(sizes: torch.Tensor, stats: Optional[torch.Tensor], group, 
 
 
 def _spread_splits(mesh, spread: tuple[list, int]) -> tuple[list, list, int]:
-    """The split sizes of :func:`_exchange_splits` on fake tensors (:mod:`fmoe.memory.fake_splits`):
+    """The split sizes of :func:`_exchange_splits` on fake tensors (:mod:`fmoe.experts.fake_splits`):
     rows received from / sent to each expert rank and the slots received, for TP slices of
     ``spread[0]`` tokens and top-``spread[1]`` routing."""
     slices, k = spread

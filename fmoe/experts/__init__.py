@@ -35,7 +35,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..memory import fake_splits
+from . import fake_splits
 from ..precision import gemm_dtype
 from .activations import Activation, activation_name, clamped_swiglu, swiglu
 from ..transforms import active as transforms_active
@@ -104,7 +104,7 @@ class LocalExperts:
         bf16 / fp16 at any size: its GEMMs reuse a few oneDNN kernel shapes where the grouped and
         loop paths build a new kernel for every new expert row count (:mod:`fmoe.experts.blocked`).
         Never on fake tensors (the dry run plans a GPU job: it takes the CUDA paths,
-        :mod:`fmoe.memory.fake_splits`)."""
+        :mod:`fmoe.experts.fake_splits`)."""
         return self.plain_swiglu and rows.device.type == "cpu" and not fake_splits.is_fake(rows) and (
             self.matmul == "loop" or
             (self.matmul == "auto" and (rows.dtype in (torch.bfloat16, torch.float16)
@@ -155,7 +155,7 @@ class LocalExperts:
         flat = slot_ids.reshape(-1)
         keyed = torch.where(flat >= 0, flat, e)                                     # [N*K], unused -> e
         order = torch.argsort(keyed, stable=True)
-        if fake_splits.is_fake(keyed):    # dry run: the used slots spread evenly (fmoe.memory.fake_splits)
+        if fake_splits.is_fake(keyed):    # dry run: the used slots spread evenly (fmoe.experts.fake_splits)
             counts = fake_splits.even_counts(flat.shape[0] if num_used is None else num_used, e)
         else:
             counts = torch.bincount(keyed, minlength=e + 1).tolist()[:e]           # one host sync

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .activations import Activation, activation_name, swiglu
 from ..transforms import vmap_by_loop
-from ..memory.fake_splits import is_fake
+from .fake_splits import is_fake
 from .ops import check_matmul, grouped_mm
 
 __all__ = ["expert_mlp", "grouped_mm_available", "use_grouped", "check_matmul", "check_groups"]

@@ -14,7 +14,7 @@ same measure the same, so one of them runs) it:
    the optimizer writing in place as in the trainer — inside a :class:`StepTracker` (memory by
    category at the peak), a :class:`CollectiveBytes` counter and the :class:`HostReads` rule.
 
-Routing cannot depend on data here: split sizes follow :mod:`fmoe.memory.fake_splits` (every token on
+Routing cannot depend on data here: split sizes follow :mod:`fmoe.experts.fake_splits` (every token on
 ``min(K, ep)`` expert ranks, slots even over experts), which :mod:`fmoe.memory.plan` uses too.
 
 The step runs on the device given: ``cpu``, or ``cuda`` on a CUDA build of torch. A CPU-only

@@ -20,7 +20,7 @@ A step's memory peaks at one of five moments, and the plan takes the largest:
 
 Activations, per rank, with ``b`` the activation dtype's bytes (2 for bf16 compute or bf16
 weights), ``T`` tokens per micro-batch, ``q`` / ``kv`` the rank's query / key-value widths
-after tp, ``A`` the routing slots this rank's experts compute (:mod:`fmoe.memory.fake_splits`, the
+after tp, ``A`` the routing slots this rank's experts compute (:mod:`fmoe.experts.fake_splits`, the
 rule the dry run uses)::
 
     MoE layer     b * (T * (8 D + q + kv) + A * (4 D + 3 I))
@@ -55,7 +55,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 from ..precision import Precision
-from . import fake_splits
+from ..experts import fake_splits
 
 __all__ = ["layer_activations", "global_activations", "loss_temporaries", "layer_temporaries", "norm_temporaries",
            "step_peak", "Stage", "rank_peak"]
@@ -181,7 +181,7 @@ def rank_peak(w: dict, mesh: Any, T: int, moe_layers: int, layers: int, pol: Pre
     """The step's predicted peak on one rank (:func:`step_peak` of its phases), from the layer
     widths ``w``, its mesh coordinates, the tokens ``T`` of one micro-batch, its stage's layer
     counts and the byte counts :func:`fmoe.memory.plan.memory_plan` adds up; the routing slots
-    follow :mod:`fmoe.memory.fake_splits`, the rule the dry run uses."""
+    follow :mod:`fmoe.experts.fake_splits`, the rule the dry run uses."""
     from ..ep.token_dispatch import tp_slice_bounds
 
     b = 2 if "bf16" in (pol.compute, pol.master) else 4

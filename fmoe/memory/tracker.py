@@ -18,7 +18,7 @@
   of a value that does not exist): integers read 0, floats 1.0, booleans True. So the step's
   finite-loss check passes, its metrics are placeholders and its optimizer step counter reads
   0; data checks are already off under fake mode (:func:`fmoe.transforms.data_checks_enabled`)
-  and split sizes follow :mod:`fmoe.memory.fake_splits`.
+  and split sizes follow :mod:`fmoe.experts.fake_splits`.
 """
 
 from __future__ import annotations

@@ -287,6 +287,34 @@ def test_every_model_module_declares_one_model(name):
         assert getattr(module, wrapper) == getattr(declared, wrapper), wrapper
 
 
+def private_uses(tree: ast.AST) -> list[str]:
+    """What a model file uses that is not public: an import of a module or a name with a
+    ``_``-prefixed segment (``from . import _common``, ``fmoe.nn._tp``), or an ``fmoe.`` attribute
+    chain through one (dunders aside): a model outside the repo can copy a shipped one."""
+    private = lambda dotted: any(s.startswith("_") and not s.endswith("__") for s in dotted.split("."))  # noqa: E731
+    found, inner = [], {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            names = ["." * node.level + (f"{node.module}." if node.module else "") + a.name for a in node.names]
+        elif isinstance(node, ast.Attribute) and id(node) not in inner and _dotted(node).startswith("fmoe."):
+            names = [_dotted(node)]
+        found += [f"{n} (line {node.lineno})" for n in names if private(n.lstrip("."))]
+    return sorted(set(found))
+
+
+def test_models_import_nothing_private():
+    """The shipped models are written on the public kit (``fmoe.model``), as a user's would be."""
+    found = {n: private_uses(TREES[n]) for n in MODULES if n == "fmoe.models" or n.startswith("fmoe.models.")}
+    assert {k: v for k, v in found.items() if v} == {}
+    old = ast.parse("from __future__ import annotations\nfrom . import _common, _hf\nfrom fmoe.nn._tp import g\n"
+                    "import fmoe\nx = fmoe.nn._tp.group(w)\ny = fmoe.model.__name__\n")
+    assert private_uses(old) == ["._common (line 2)", "._hf (line 2)", "fmoe.nn._tp.g (line 3)",
+                                 "fmoe.nn._tp.group (line 5)"]
+
+
 # ------------------------------------------------------------------------------- no hidden state
 def module_state(tree: ast.AST) -> list[str]:
     """``global`` statements anywhere, and module-level names bound to a mutable container
@@ -332,14 +360,13 @@ def test_no_module_level_mutable_state():
 PROGRAMS = ("fmoe.cli", "fmoe.__main__")
 
 LAYERS = [   # (layer, module prefixes), bottom up; a module may import its own layer or lower ones
-    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.precision",
-         "fmoe.memory", "fmoe.memory.fake_splits")),
+    (0, ("fmoe.tree", "fmoe.mesh", "fmoe.collectives", "fmoe.launch", "fmoe.transforms", "fmoe.precision")),
     (1, ("fmoe.sharding",)),
     (2, ("fmoe.experts", "fmoe.fsdp")),
     (3, ("fmoe.routing", "fmoe.ep")),
     (4, ("fmoe.moe", "fmoe.nn")),
     (5, ("fmoe.model", "fmoe.testing", "fmoe.optim", "fmoe.checkpoint",
-         "fmoe.data", "fmoe.memory.plan", "fmoe.memory.peak", "fmoe.memory.tracker")),
+         "fmoe.data", "fmoe.memory", "fmoe.memory.plan", "fmoe.memory.peak", "fmoe.memory.tracker")),
     (6, ("fmoe.models",)),
     (7, ("fmoe.training", "fmoe.memory.dry_run")),      # the job: a model by name, its step, its run
     (8, PROGRAMS),
@@ -371,6 +398,22 @@ def test_imports_point_down_the_layers():
     assert upward_imports(MODULES) == []
     assert layer_of("fmoe.models.qwen3_moe") == 6 and layer_of("fmoe.experts.blocked") == 2
     assert layer_of("fmoe.cli.train") == 8 and layer_of("fmoe.sharding.plan") == 1 and layer_of("fmoe.training.step") == 7
+
+
+def memory_imports(imports) -> list[str]:
+    """Imports of ``fmoe.memory`` (any module of it) by the dispatch (``fmoe.ep``) or the experts."""
+    return sorted(f"{n} imports {m}" for n, ms in imports.items() if n.startswith(("fmoe.ep", "fmoe.experts"))
+                  for m in ms if m == "fmoe.memory" or m.startswith("fmoe.memory."))
+
+
+def test_dispatch_and_experts_never_import_memory():
+    """The expert-parallel dispatch and the expert layer size their splits on fake tensors with
+    their own rule (``fmoe.experts.fake_splits``): neither imports the memory plan's package, which
+    sits above the models (issue 45: ep -> memory -> training ran against the layers)."""
+    assert memory_imports(IMPORTS) == []
+    assert "fmoe.experts.fake_splits" in IMPORTS["fmoe.ep.token_dispatch"]
+    bad = {"fmoe.ep.token_dispatch": {"fmoe.memory.fake_splits", "fmoe.collectives"}, "fmoe.memory.peak": {"fmoe.memory"}}
+    assert memory_imports(bad) == ["fmoe.ep.token_dispatch imports fmoe.memory.fake_splits"]
 
 
 def test_the_library_and_the_models_import_no_program():
@@ -683,7 +726,7 @@ def test_the_model_file_checks_catch_the_old_form():
 #: module name -> the package that is the one home of its concept (issue 37): a module of that
 #: name anywhere else is a second home (``fmoe/memory_plan.py`` beside ``fmoe/dryrun/``, say).
 CONCEPT_HOMES = {
-    "memory_plan": "fmoe.memory", "memory_peak": "fmoe.memory", "fake_splits": "fmoe.memory",
+    "memory_plan": "fmoe.memory", "memory_peak": "fmoe.memory", "fake_splits": "fmoe.experts",
     "dryrun": "fmoe.memory", "dry_run": "fmoe.memory", "tracker": "fmoe.memory", "memplan": "fmoe.memory",
     "placement": "fmoe.sharding", "dtensor_rules": "fmoe.sharding", "shard": "fmoe.sharding",
     "dtypes": "fmoe.precision", "tree_io": "fmoe.checkpoint", "steps": "fmoe.checkpoint",
@@ -697,7 +740,8 @@ def second_homes(modules) -> list[str]:
 
 
 def test_each_concept_has_one_home():
-    """Memory estimation lives in ``fmoe/memory/`` (plan, peak, dry run, fake splits), the
+    """Memory estimation lives in ``fmoe/memory/`` (plan, peak, dry run), the fake-tensor split
+    rule beside the experts it sizes (``fmoe/experts/fake_splits.py``), the
     placements in ``fmoe/sharding/``, tree I/O and step directories in ``fmoe/checkpoint/``,
     precision in ``fmoe/precision.py``."""
     assert second_homes(MODULES) == []

@@ -3,8 +3,10 @@
 Under ``torch._subclasses.FakeTensorMode`` (``fmoe memory --dry-run``) tensors have shapes
 but no values, so the two places where routing decides a size on the host cannot read it: the
 dispatch's split-size exchange (rows and slots each expert rank receives) and the expert layer's
-rows per local expert. Both then follow this rule instead, and :mod:`fmoe.memory.plan` counts
-with the same functions:
+rows per local expert. Both then follow this rule instead, and the memory plan
+(:mod:`fmoe.memory.peak`) counts with the same functions. It lives with the expert layer, the
+lowest of its users (the dispatch in :mod:`fmoe.ep` imports the experts), so neither the
+dispatch nor the experts import :mod:`fmoe.memory`:
 
 - **spread**: every token's ``K`` routing slots land on ``min(K, ep)`` distinct expert ranks,
   spread evenly, so a dispatching rank sends ``ceil``-balanced ``T * min(K, ep) / ep`` rows to
