@@ -6,13 +6,11 @@
 - :mod:`fmoe.memory.peak`: the step's predicted peak by phase, which the plan reports per rank;
 - :mod:`fmoe.memory.dry_run`: ``dry_run``, the real train step per rank role on fake tensors
   over the fake process group, measured by category (``dry_run_report`` sets it beside the
-  plan, ``format_report`` prints both); :mod:`fmoe.memory.tracker` holds what it measures with;
-- :mod:`fmoe.memory.fake_splits`: the split-size rule on fake tensors (no values), shared by
-  the dispatch, the expert layer and the plan.
+  plan, ``format_report`` prints both); :mod:`fmoe.memory.tracker` holds what it measures with.
 
-The program is ``fmoe memory``. This ``__init__`` imports nothing: the dispatch and the
-expert layer read :mod:`fmoe.memory.fake_splits` (a base-layer module) without loading the
-plan, which sits above the models' interface.
+The split-size rule on fake tensors that the plan counts with lives beside the expert layer
+(:mod:`fmoe.experts.fake_splits`): the dispatch and the experts never import this package.
+The program is ``fmoe memory``. This ``__init__`` imports nothing.
 
 Example:
     >>> from fmoe.memory.plan import memory_plan
