@@ -28,17 +28,15 @@ from einops import rearrange
 import fmoe
 import fmoe.nn as nn
 
-from . import _common, _hf
-from ._hf import Experts
 from fmoe import P, Plan
-from fmoe.model import Model
+from fmoe import model as kit
 from fmoe.checkpoint import Spec
 
 LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm keep the default eps
 
 
 @dataclass(frozen=True)
-class Config(_hf.ModelConfig):
+class Config(kit.ModelConfig):
     """DeepSeek-V3 hyper-parameters, named and defaulted as in transformers' ``DeepseekV3Config``."""
 
     vocab_size: int = 129280
@@ -89,7 +87,7 @@ class Config(_hf.ModelConfig):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def __post_init__(self):
-        _common.check_config(self, kv_heads=None, at_least_zero=("first_k_dense_replace",),
+        kit.check_config(self, kv_heads=None, at_least_zero=("first_k_dense_replace",),
                              rope_dim=self.qk_rope_head_dim)
         E, G, k = self.n_routed_experts, self.n_group, self.topk_group
         if E % G or E // G < 2 or k > G or self.num_experts_per_tok > k * (E // G):
@@ -126,14 +124,14 @@ def shapes(cfg: Config) -> dict[str, tuple]:
     moe = {"moe.router": (E, D), "moe.expert_bias": (E,), "moe.w_gate_up": (E, 2 * I, D), "moe.w_down": (E, D, I),
            "moe.shared.w_gate_up": (2 * Is, D), "moe.shared.w_down": (D, Is)}             # shared experts: one MLP
     mlp = {"mlp.w_gate_up": (2 * Id, D), "mlp.w_down": (D, Id)}                            # the first dense layers
-    return _common.decoder_shapes(cfg, lambda i: {"attn_norm": (D,), **attn, "mlp_norm": (D,),
+    return kit.decoder_shapes(cfg, lambda i: {"attn_norm": (D,), **attn, "mlp_norm": (D,),
                                                   **(moe if cfg.is_sparse(i) else mlp)})
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Random parameters of :func:`shapes`: normal(0, initializer_range) weights, unit norms, zero
     expert bias; the same seed gives the same tree on every process."""
-    return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("expert_bias",))
+    return kit.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("expert_bias",))
 
 
 def init_cache(cfg: Config, batch: int, max_len: int, mesh: Optional[fmoe.Mesh] = None,
@@ -153,7 +151,7 @@ def softmax_scale(cfg: Config) -> float:
     return scale
 
 
-def attention(a: dict, x: torch.Tensor, ctx: _common.Context, entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
+def attention(a: dict, x: torch.Tensor, ctx: kit.Context, entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     """Multi-head latent attention: ``x [B, S, D] -> [B, S, D]``, caching the latent and the rope key."""
     cfg, cos, sin, step = ctx.cfg, ctx.cos, ctx.sin, ctx.step
     n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -178,7 +176,7 @@ def attention(a: dict, x: torch.Tensor, ctx: _common.Context, entry: Optional[di
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry
 
 
-def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Optional[dict]) -> tuple:
+def block(layer: dict, x: torch.Tensor, i: int, ctx: kit.Context, entry: Optional[dict]) -> tuple:
     """Decoder layer ``i``: ``x [B, S, D] -> (x, aux of its MoE block or None, cache entry)``; its
     FSDP-split weights are gathered here, so remat kind "layer" gathers them again in backward."""
     layer, eps = fmoe.unshard_layer(layer), ctx.cfg.rms_norm_eps
@@ -186,8 +184,8 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Opt
     h = x + a
     x = nn.rms_norm(h, layer["mlp_norm"], eps)
     if "moe" not in layer:                                   # the first first_k_dense_replace layers
-        return h + _common.mlp(layer["mlp"], x), None, entry
-    y, aux = nn.remat.call("moe", _common.moe, layer["moe"], x, ctx)  # routed + shared experts
+        return h + kit.mlp(layer["mlp"], x), None, entry
+    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], x, ctx)  # routed + shared experts
     return h + y, aux, entry
 
 
@@ -205,14 +203,14 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
     with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
     ``return_aux``. ``router`` replaces the ``noaux_tc`` router of every MoE layer (it receives
-    ``expert_bias``); the other arguments as :func:`fmoe.models._common.start` takes them."""
-    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, rope_dim=cfg.qk_rope_head_dim, impl=impl,
+    ``expert_bias``); the other arguments as :func:`fmoe.model.start` takes them."""
+    x, ctx, out = kit.start(params, tokens, cfg, mesh, cache, positions, rope_dim=cfg.qk_rope_head_dim, impl=impl,
                            router=router or default_router(cfg), hidden=hidden)  # x: [B, S, D]
     for i, layer in out.layers(params["layers"]):  # all (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
         return out.result(x, return_aux)
-    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), kit.lm_head(params, cfg), gather=True)
     return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 
 
@@ -242,8 +240,8 @@ HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (a li
     "attn.wkv_b": "self_attn.kv_b_proj.weight", "attn.wo": "self_attn.o_proj.weight",
     "mlp.w_gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.w_down": "mlp.down_proj.weight",
     "moe.router": "mlp.gate.weight", "moe.expert_bias": "mlp.gate.e_score_correction_bias",
-    "moe.w_gate_up": Experts("mlp.experts.", "gate_proj", "up_proj"),  # one key per expert, stacked
-    "moe.w_down": Experts("mlp.experts.", "down_proj"),
+    "moe.w_gate_up": kit.Experts("mlp.experts.", "gate_proj", "up_proj"),  # one key per expert, stacked
+    "moe.w_down": kit.Experts("mlp.experts.", "down_proj"),
     "moe.shared.w_gate_up": ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
     "moe.shared.w_down": "mlp.shared_experts.down_proj.weight",
 }
@@ -253,10 +251,10 @@ HF_FUSED = {"moe.w_gate_up": "mlp.experts.gate_up_proj", "moe.w_down": "mlp.expe
 def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
     """Every parameter path -> how it is made of checkpoint tensors: :data:`HF_LAYER` over
     :func:`shapes`, or :data:`HF_FUSED` in the layers where ``keys`` hold the fused names."""
-    return _hf.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
+    return kit.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
 
 
-MODEL = Model("deepseek_v3", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS,
+MODEL = kit.Model("deepseek_v3", Config, init, forward, plan, hf_specs, tp_fields=kit.TP_FIELDS,
               init_cache=init_cache, width_fields={"E": "n_routed_experts", "G": None, "hd": None},
               hf_router=("sigmoid_topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob",
                                           "scale": "routed_scaling_factor", "num_groups": "n_group",

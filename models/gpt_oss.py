@@ -18,9 +18,8 @@ from einops import rearrange
 import fmoe
 import fmoe.nn as nn
 
-from . import _common, _hf
 from fmoe import P, Plan
-from fmoe.model import Model
+from fmoe import model as kit
 from fmoe.checkpoint import Deinterleave, Key, Spec, Transpose
 
 _YARN = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0), ("original_max_position_embeddings", 4096),
@@ -29,7 +28,7 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class Config(_hf.ModelConfig):
+class Config(kit.ModelConfig):
     """gpt-oss hyper-parameters, named and defaulted as in transformers' ``GptOssConfig``
     (gpt-oss-20b has 24 layers and 32 experts, gpt-oss-120b 36 and 128)."""
 
@@ -71,7 +70,7 @@ class Config(_hf.ModelConfig):
         return self.num_local_experts
 
     def __post_init__(self):
-        _common.check_config(self, experts="num_local_experts")
+        kit.check_config(self, experts="num_local_experts")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", tuple(_LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers)))
         if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(_LAYER_TYPES):
@@ -91,7 +90,7 @@ def shapes(cfg: Config) -> dict[str, tuple]:
     attn = {}
     for x, shape in (("q", (q, D)), ("k", (kv, D)), ("v", (kv, D)), ("o", (D, q))):
         attn.update({f"attn.w{x}": shape, **({f"attn.b{x}": shape[:1]} if cfg.attention_bias else {})})
-    return _common.decoder_shapes(cfg, lambda i: {
+    return kit.decoder_shapes(cfg, lambda i: {
         "attn_norm": (D,), **attn, "attn.sinks": (H,), "mlp_norm": (D,), "moe.router": (E, D), "moe.router_bias": (E,),
         "moe.w_gate_up": (E, 2 * I, D), "moe.b_gate_up": (E, 2 * I),  # gate rows first, then up
         "moe.w_down": (E, D, I), "moe.b_down": (E, D)})
@@ -100,10 +99,10 @@ def shapes(cfg: Config) -> dict[str, tuple]:
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Random parameters of :func:`shapes`: normal(0, initializer_range) weights, sinks and router
     bias; unit norms; zero projection and expert biases; the same seed gives the same tree everywhere."""
-    return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("b_*", "b[qkvo]"))
+    return kit.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("b_*", "b[qkvo]"))
 
 
-def attention(a: dict, x: torch.Tensor, ctx: _common.Context, entry: Optional[dict],
+def attention(a: dict, x: torch.Tensor, ctx: kit.Context, entry: Optional[dict],
               window: Optional[int]) -> tuple[torch.Tensor, Optional[dict]]:
     """Grouped-query attention with biases and one sink logit per head, over the last ``window``
     keys (None: all): ``x [B, S, D] -> [B, S, D]``."""
@@ -119,14 +118,14 @@ def attention(a: dict, x: torch.Tensor, ctx: _common.Context, entry: Optional[di
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo")), entry  # [B, S, D]
 
 
-def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Optional[dict]) -> tuple:
+def block(layer: dict, x: torch.Tensor, i: int, ctx: kit.Context, entry: Optional[dict]) -> tuple:
     """Decoder layer ``i``, sliding or full attention by ``layer_types``: ``x [B, S, D] -> (x, aux of
     its MoE block, cache entry)``; FSDP-split weights gathered here (remat "layer" regathers them)."""
     layer, cfg, eps = fmoe.unshard_layer(layer), ctx.cfg, ctx.cfg.rms_norm_eps
     window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
     a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), ctx, entry, window)
     h = x + a
-    y, aux = nn.remat.call("moe", _common.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
+    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
     return h + y, aux, entry                                  # the experts' activation: ctx.act
 
 
@@ -142,22 +141,22 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
             hidden: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
     """Logits ``[B, S, V]``, full on every rank (``(logits, cache)`` with a ``cache``; ``{"moe": [aux
     of each MoE layer]}`` last with ``return_aux``); ``router`` replaces every MoE layer's top-k
-    then softmax; the other arguments as :func:`fmoe.models._common.start` takes them.
+    then softmax; the other arguments as :func:`fmoe.model.start` takes them.
 
     Example:
         >>> cfg = Config.tiny()
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    router = _common.with_aux_loss(router or default_router(cfg), cfg)
+    router = kit.with_aux_loss(router or default_router(cfg), cfg)
     act = fmoe.experts.clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
-    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, act=act,
+    x, ctx, out = kit.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, act=act,
                                 hidden=hidden)
     for i, layer in out.layers(params["layers"]):  # x: [B, S, D]; all layers (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
         return out.result(x, return_aux)
-    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), kit.lm_head(params, cfg), gather=True)
     return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 
 
@@ -197,11 +196,11 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
         >>> hf_specs(Config.tiny())["layers.0.moe.w_gate_up"]
         Transpose(Deinterleave(Key('model.layers.0.mlp.experts.gate_up_proj', (8, 64, 64)), dim=2, n=2), 1, 2)
     """
-    return _hf.hf_specs(shapes(cfg), HF_LAYER, keys)
+    return kit.hf_specs(shapes(cfg), HF_LAYER, keys)
 
 
-MODEL = Model("gpt_oss", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS,
-              init_cache=_common.init_kv_cache, aux_loss_fields=_common.AUX_LOSS_FIELDS,
+MODEL = kit.Model("gpt_oss", Config, init, forward, plan, hf_specs, tp_fields=kit.TP_FIELDS,
+              init_cache=kit.init_kv_cache, aux_loss_fields=kit.AUX_LOSS_FIELDS,
               width_fields={"E": "num_local_experts", "I": "intermediate_size"},
               hf_router=("topk_softmax", {"k": "num_experts_per_tok"}, {}), router=default_router)
 

@@ -25,14 +25,13 @@ from einops import rearrange
 import fmoe
 import fmoe.nn as nn
 
-from . import _common, _hf
 from fmoe import P, Plan
-from fmoe.model import Model
+from fmoe import model as kit
 from fmoe.checkpoint import Spec
 
 
 @dataclass(frozen=True)
-class Config(_hf.ModelConfig):
+class Config(kit.ModelConfig):
     """Llama hyper-parameters, named as in the Hugging Face ``config.json``."""
 
     vocab_size: int = 32000
@@ -59,7 +58,7 @@ class Config(_hf.ModelConfig):
                       num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024)}
 
     def __post_init__(self):
-        _common.check_config(self)
+        kit.check_config(self)
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:
@@ -71,8 +70,8 @@ def shapes(cfg: Config) -> dict[str, tuple]:
     """
     D, I = cfg.hidden_size, cfg.intermediate_size
     mlp = {"mlp.w_gate_up": (2 * I, D), "mlp.w_down": (D, I)}  # gate rows first, then up
-    return _common.decoder_shapes(cfg, lambda i: {
-        "attn_norm": (D,), **_common.attention_shapes(cfg, bias=cfg.attention_bias), "mlp_norm": (D,), **mlp,
+    return kit.decoder_shapes(cfg, lambda i: {
+        "attn_norm": (D,), **kit.attention_shapes(cfg, bias=cfg.attention_bias), "mlp_norm": (D,), **mlp,
         **({"mlp.b_gate_up": (2 * I,), "mlp.b_down": (D,)} if cfg.mlp_bias else {})})
 
 
@@ -84,10 +83,10 @@ def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict
         >>> init(Config.tiny())["layers"][0]["attn"]["wq"].shape
         torch.Size([64, 64])
     """
-    return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("b_*", "b[qkvo]"))
+    return kit.init_params(shapes(cfg), cfg.initializer_range, seed, dtype, zeros=("b_*", "b[qkvo]"))
 
 
-def attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
+def attention(a: dict, x: torch.Tensor, i: int, ctx: kit.Context,
               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     """Grouped-query attention with RoPE: ``x [B, S, D] -> [B, S, D]``."""
     cfg = ctx.cfg
@@ -103,20 +102,20 @@ def attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo")), entry  # [B, S, D]
 
 
-def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Optional[dict]) -> tuple:
+def block(layer: dict, x: torch.Tensor, i: int, ctx: kit.Context, entry: Optional[dict]) -> tuple:
     """Decoder layer ``i``: ``x [B, S, D] -> (x, None, cache entry)`` (no MoE block: no aux); its
     FSDP-split weights are gathered here, so remat kind "layer" gathers them again in backward."""
     layer, eps = fmoe.unshard_layer(layer), ctx.cfg.rms_norm_eps
     a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), i, ctx, entry)
     h = x + a
-    return h + _common.mlp(layer["mlp"], nn.rms_norm(h, layer["mlp_norm"], eps)), None, entry
+    return h + kit.mlp(layer["mlp"], nn.rms_norm(h, layer["mlp_norm"], eps)), None, entry
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe.Mesh] = None, *,
             cache: Optional[dict] = None, positions: Optional[torch.Tensor] = None,
             hidden: Optional[torch.Tensor] = None) -> Any:
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
-    with a ``cache`` (:func:`init_cache`). Arguments as :func:`fmoe.models._common.start` takes
+    with a ``cache`` (:func:`init_cache`). Arguments as :func:`fmoe.model.start` takes
     them (``mesh`` for the common signature: placements travel with the parameters).
 
     Example:
@@ -124,12 +123,12 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, hidden=hidden)  # [B, S, D]
+    x, ctx, out = kit.start(params, tokens, cfg, mesh, cache, positions, hidden=hidden)  # [B, S, D]
     for i, layer in out.layers(params["layers"]):  # all (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
         return out.result(x)
-    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), kit.lm_head(params, cfg), gather=True)
     return out.result(logits)  # logits: [B, S, V], full on every rank
 
 
@@ -178,7 +177,7 @@ def hf_names(cfg: Config) -> dict[str, list[str]]:
         >>> hf_names(Config.tiny())["layers.1.mlp.w_gate_up"]
         ['model.layers.1.mlp.gate_proj.weight', 'model.layers.1.mlp.up_proj.weight']
     """
-    return _hf.hf_names(shapes(cfg), HF_LAYER)
+    return kit.hf_names(shapes(cfg), HF_LAYER)
 
 
 def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spec]:
@@ -189,11 +188,11 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
         >>> hf_specs(Config.tiny())["layers.0.mlp.w_gate_up"].shape
         (256, 64)
     """
-    return _hf.hf_specs(shapes(cfg), HF_LAYER, keys)
+    return kit.hf_specs(shapes(cfg), HF_LAYER, keys)
 
 
-MODEL = Model("llama", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS,
-              init_cache=_common.init_kv_cache, routed=False, remat_blocks=("layer",),
+MODEL = kit.Model("llama", Config, init, forward, plan, hf_specs, tp_fields=kit.TP_FIELDS,
+              init_cache=kit.init_kv_cache, routed=False, remat_blocks=("layer",),
               width_fields={"E": None, "K": None, "I": None})
 
 

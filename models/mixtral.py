@@ -19,15 +19,13 @@ from einops import rearrange
 import fmoe
 import fmoe.nn as nn
 
-from . import _common, _hf
-from ._hf import Experts
 from fmoe import P, Plan
-from fmoe.model import Model
+from fmoe import model as kit
 from fmoe.checkpoint import Spec
 
 
 @dataclass(frozen=True)
-class Config(_hf.ModelConfig):
+class Config(kit.ModelConfig):
     """Mixtral hyper-parameters, named and defaulted as in transformers' ``MixtralConfig``."""
 
     vocab_size: int = 32000
@@ -62,7 +60,7 @@ class Config(_hf.ModelConfig):
         return self.num_local_experts
 
     def __post_init__(self):
-        _common.check_config(self, experts="num_local_experts")
+        kit.check_config(self, experts="num_local_experts")
 
 
 def shapes(cfg: Config) -> dict[str, tuple]:
@@ -73,18 +71,18 @@ def shapes(cfg: Config) -> dict[str, tuple]:
         (8, 64, 32)
     """
     D, E, I = cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
-    return _common.decoder_shapes(cfg, lambda i: {
-        "attn_norm": (D,), **_common.attention_shapes(cfg), "mlp_norm": (D,),
+    return kit.decoder_shapes(cfg, lambda i: {
+        "attn_norm": (D,), **kit.attention_shapes(cfg), "mlp_norm": (D,),
         "moe.router": (E, D), "moe.w_gate_up": (E, 2 * I, D), "moe.w_down": (E, D, I)})  # gate (w1) rows, then up (w3)
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Random parameters of :func:`shapes`: normal(0, initializer_range) weights, unit norms; the
     same seed gives the same tree on every process."""
-    return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype)
+    return kit.init_params(shapes(cfg), cfg.initializer_range, seed, dtype)
 
 
-def attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
+def attention(a: dict, x: torch.Tensor, i: int, ctx: kit.Context,
               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     """Grouped-query attention with RoPE and the optional sliding window: ``x [B, S, D] -> [B, S, D]``."""
     cfg = ctx.cfg
@@ -99,13 +97,13 @@ def attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry  # [B, S, D]
 
 
-def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Optional[dict]) -> tuple:
+def block(layer: dict, x: torch.Tensor, i: int, ctx: kit.Context, entry: Optional[dict]) -> tuple:
     """Decoder layer ``i``: ``x [B, S, D] -> (x, aux of its MoE block, cache entry)``; its FSDP-split
     weights are gathered here, so remat kind "layer" gathers them again in backward."""
     layer, eps = fmoe.unshard_layer(layer), ctx.cfg.rms_norm_eps
     a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), i, ctx, entry)
     h = x + a
-    y, aux = nn.remat.call("moe", _common.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
+    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
     return h + y, aux, entry
 
 
@@ -122,21 +120,21 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
     """Logits ``[B, S, V]`` of the causal language model, full on every rank; ``(logits, cache)``
     with a ``cache`` (:func:`init_cache`); ``{"moe": [aux of each MoE layer]}`` last with
     ``return_aux``. ``router`` replaces the softmax top-k router of every MoE layer; the other
-    arguments as :func:`fmoe.models._common.start` takes them.
+    arguments as :func:`fmoe.model.start` takes them.
 
     Example:
         >>> cfg = Config.tiny()
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    router = _common.with_aux_loss(router or default_router(cfg), cfg)
-    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router,
+    router = kit.with_aux_loss(router or default_router(cfg), cfg)
+    x, ctx, out = kit.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router,
                                 hidden=hidden)  # [B, S, D]
     for i, layer in out.layers(params["layers"]):  # all (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
         return out.result(x, return_aux)
-    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), kit.lm_head(params, cfg), gather=True)
     return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 
 
@@ -160,8 +158,8 @@ HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (the 
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     **{f"attn.w{x}": f"self_attn.{x}_proj.weight" for x in "qkvo"},
     "moe.router": "block_sparse_moe.gate.weight",
-    "moe.w_gate_up": Experts("block_sparse_moe.experts.", "w1", "w3"),  # gate, up: one key per expert, stacked
-    "moe.w_down": Experts("block_sparse_moe.experts.", "w2"),
+    "moe.w_gate_up": kit.Experts("block_sparse_moe.experts.", "w1", "w3"),  # gate, up: one key per expert, stacked
+    "moe.w_down": kit.Experts("block_sparse_moe.experts.", "w2"),
 }
 HF_FUSED = {"moe.router": "mlp.gate.weight", "moe.w_gate_up": "mlp.experts.gate_up_proj",
             "moe.w_down": "mlp.experts.down_proj"}  # transformers' in-memory names, read where a checkpoint holds them
@@ -175,11 +173,11 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
         >>> hf_specs(Config.tiny())["layers.0.moe.router"]
         Key('model.layers.0.block_sparse_moe.gate.weight', (8, 64))
     """
-    return _hf.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
+    return kit.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
 
 
-MODEL = Model("mixtral", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS,
-              init_cache=_common.init_kv_cache, aux_loss_fields=_common.AUX_LOSS_FIELDS,
+MODEL = kit.Model("mixtral", Config, init, forward, plan, hf_specs, tp_fields=kit.TP_FIELDS,
+              init_cache=kit.init_kv_cache, aux_loss_fields=kit.AUX_LOSS_FIELDS,
               width_fields={"E": "num_local_experts", "I": "intermediate_size"},
               hf_router=("topk", {"k": "num_experts_per_tok"}, {"normalize": True}), router=default_router)
 

@@ -19,15 +19,13 @@ from einops import rearrange
 import fmoe
 import fmoe.nn as nn
 
-from . import _common, _hf
-from ._hf import Experts
 from fmoe import P, Plan
-from fmoe.model import Model
+from fmoe import model as kit
 from fmoe.checkpoint import Spec
 
 
 @dataclass(frozen=True)
-class Config(_hf.ModelConfig):
+class Config(kit.ModelConfig):
     """Qwen3-MoE hyper-parameters, named and defaulted as in transformers' ``Qwen3MoeConfig``."""
 
     vocab_size: int = 151936
@@ -64,7 +62,7 @@ class Config(_hf.ModelConfig):
                       num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=1024)}
 
     def __post_init__(self):
-        _common.check_config(self, experts="num_experts")
+        kit.check_config(self, experts="num_experts")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer`` is a mixture of experts (else a dense MLP), as transformers decides."""
@@ -89,18 +87,18 @@ def shapes(cfg: Config) -> dict[str, tuple]:
     D, E, I, Id, hd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size, cfg.head_dim
     moe = {"moe.router": (E, D), "moe.w_gate_up": (E, 2 * I, D), "moe.w_down": (E, D, I)}  # gate rows, then up
     mlp = {"mlp.w_gate_up": (2 * Id, D), "mlp.w_down": (D, Id)}                              # dense layers only
-    return _common.decoder_shapes(cfg, lambda i: {
-        "attn_norm": (D,), **_common.attention_shapes(cfg), "attn.q_norm": (hd,), "attn.k_norm": (hd,),  # all heads
+    return kit.decoder_shapes(cfg, lambda i: {
+        "attn_norm": (D,), **kit.attention_shapes(cfg), "attn.q_norm": (hd,), "attn.k_norm": (hd,),  # all heads
         "mlp_norm": (D,), **(moe if cfg.is_sparse(i) else mlp)})
 
 
 def init(cfg: Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Random parameters of :func:`shapes`: normal(0, initializer_range) weights, unit norms; the
     same seed gives the same tree on every process."""
-    return _common.init_params(shapes(cfg), cfg.initializer_range, seed, dtype)
+    return kit.init_params(shapes(cfg), cfg.initializer_range, seed, dtype)
 
 
-def attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
+def attention(a: dict, x: torch.Tensor, i: int, ctx: kit.Context,
               entry: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     """Grouped-query attention with RMSNorm per head on q and k: ``x [B, S, D] -> [B, S, D]``."""
     cfg = ctx.cfg
@@ -117,7 +115,7 @@ def attention(a: dict, x: torch.Tensor, i: int, ctx: _common.Context,
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry  # [B, S, D]
 
 
-def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Optional[dict]) -> tuple:
+def block(layer: dict, x: torch.Tensor, i: int, ctx: kit.Context, entry: Optional[dict]) -> tuple:
     """Decoder layer ``i``: ``x [B, S, D] -> (x, aux of its MoE block or None, cache entry)``; its
     FSDP-split weights are gathered here, so remat kind "layer" gathers them again in backward."""
     layer, eps = fmoe.unshard_layer(layer), ctx.cfg.rms_norm_eps
@@ -125,8 +123,8 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: _common.Context, entry: Opt
     h = x + a
     x = nn.rms_norm(h, layer["mlp_norm"], eps)
     if "moe" not in layer:                                   # mlp_only_layers, decoder_sparse_step
-        return h + _common.mlp(layer["mlp"], x), None, entry
-    y, aux = nn.remat.call("moe", _common.moe, layer["moe"], x, ctx)
+        return h + kit.mlp(layer["mlp"], x), None, entry
+    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], x, ctx)
     return h + y, aux, entry
 
 
@@ -142,20 +140,20 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, mesh: Optional[fmoe
             hidden: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple]:
     """Logits ``[B, S, V]``, full on every rank (``(logits, cache)`` with a ``cache``; ``{"moe": [aux
     of each MoE layer]}`` last with ``return_aux``); ``router`` replaces every MoE layer's softmax
-    top-k; the other arguments as :func:`fmoe.models._common.start` takes them.
+    top-k; the other arguments as :func:`fmoe.model.start` takes them.
 
     Example:
         >>> cfg = Config.tiny()
         >>> forward(init(cfg), torch.zeros(2, 5, dtype=torch.long), cfg).shape
         torch.Size([2, 5, 128])
     """
-    router = _common.with_aux_loss(router or default_router(cfg), cfg)
-    x, ctx, out = _common.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, hidden=hidden)
+    router = kit.with_aux_loss(router or default_router(cfg), cfg)
+    x, ctx, out = kit.start(params, tokens, cfg, mesh, cache, positions, impl=impl, router=router, hidden=hidden)
     for i, layer in out.layers(params["layers"]):  # x: [B, S, D]; all layers (a pipeline stage: its own)
         x = out.keep(*nn.remat.call("layer", block, layer, x, i, ctx, out.entry(i)))
     if out.hands_on(params):  # a pipeline stage before the last: x [B, S, D] goes on to the next stage
         return out.result(x, return_aux)
-    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), _common.lm_head(params, cfg), gather=True)
+    logits = nn.linear(nn.rms_norm(x, params["norm"], cfg.rms_norm_eps), kit.lm_head(params, cfg), gather=True)
     return out.result(logits, return_aux)  # logits: [B, S, V], full on every rank
 
 
@@ -183,8 +181,8 @@ HF_LAYER = {  # parameter of layer N -> its key(s) after "model.layers.N." (a li
     "attn.q_norm": "self_attn.q_norm.weight", "attn.k_norm": "self_attn.k_norm.weight",
     "mlp.w_gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.w_down": "mlp.down_proj.weight",
     "moe.router": "mlp.gate.weight",
-    "moe.w_gate_up": Experts("mlp.experts.", "gate_proj", "up_proj"),  # one key per expert, stacked
-    "moe.w_down": Experts("mlp.experts.", "down_proj"),
+    "moe.w_gate_up": kit.Experts("mlp.experts.", "gate_proj", "up_proj"),  # one key per expert, stacked
+    "moe.w_down": kit.Experts("mlp.experts.", "down_proj"),
 }
 HF_FUSED = {"moe.w_gate_up": "mlp.experts.gate_up_proj", "moe.w_down": "mlp.experts.down_proj"}
 
@@ -198,11 +196,11 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
         >>> hf_specs(Config.tiny())["layers.0.moe.w_down"].shape
         (8, 64, 32)
     """
-    return _hf.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
+    return kit.hf_specs(shapes(cfg), HF_LAYER, keys, fused=HF_FUSED)
 
 
-MODEL = Model("qwen3_moe", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS,
-              init_cache=_common.init_kv_cache, aux_loss_fields=_common.AUX_LOSS_FIELDS,
+MODEL = kit.Model("qwen3_moe", Config, init, forward, plan, hf_specs, tp_fields=kit.TP_FIELDS,
+              init_cache=kit.init_kv_cache, aux_loss_fields=kit.AUX_LOSS_FIELDS,
               hf_router=("topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob"}, {}),
               router=default_router)
 

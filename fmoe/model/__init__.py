@@ -1,9 +1,24 @@
-"""The model interface: what a generic loader and trainer need from a model, declared once.
+"""The public model kit: the declared model interface and everything a model file is built from.
 
-Each model module (``fmoe.models.qwen3_moe`` and friends) declares one :class:`Model` and
-offers its shared methods as module attributes through a PEP 562 module ``__getattr__``::
+A model is a module (shipped in ``fmoe.models`` or anywhere else) written on this kit, imported
+as ``from fmoe import model as kit`` (``docs/adding-a-model.md``):
 
-    MODEL = Model("qwen3_moe", Config, init, forward, plan, hf_specs, tp_fields=_common.TP_FIELDS)
+- :mod:`fmoe.model.config`: :class:`ModelConfig` (the ``Config`` base: presets as data,
+  ``config.json`` both ways), :func:`check_config`, :func:`rope`, :func:`rope_from_hf`,
+  :func:`from_hf_fields`, :func:`to_hf_fields`;
+- :mod:`fmoe.model.shapes`: one shape table (:func:`decoder_shapes`, :func:`attention_shapes`)
+  feeding :func:`init_params`; :func:`init_kv_cache`; :data:`TP_FIELDS`;
+- :mod:`fmoe.model.decoder`: the forward scaffold (:func:`start`, :class:`Context`,
+  :class:`Outputs`, :func:`moe`, :func:`mlp`, :func:`lm_head`), the router-loss switch
+  (:func:`with_aux_loss`, :data:`AUX_LOSS_FIELDS`; its formula against transformers');
+- :mod:`fmoe.model.hf_names`: the checkpoint name map (:func:`hf_specs`, :func:`hf_names`,
+  :class:`Experts`, :data:`HF_TOP`);
+- here: :class:`Model`, what a generic loader and trainer need from a model, declared once.
+
+Each model module declares one :class:`Model` and offers its shared methods as module
+attributes through a PEP 562 module ``__getattr__``::
+
+    MODEL = kit.Model("qwen3_moe", Config, init, forward, plan, hf_specs, tp_fields=kit.TP_FIELDS)
 
     def __getattr__(name):               # qwen3_moe.load_hf, .save_hf, .shard, .check_plan
         return MODEL.attribute(__name__, name)
@@ -41,10 +56,18 @@ from ..fsdp import data_parallel_plan
 from ..mesh import Mesh
 from ..sharding import Plan
 from ..sharding import shard as _shard
+from .config import ModelConfig, check_config, from_hf_fields, rope, rope_from_hf, to_hf_fields
+from .decoder import AUX_LOSS_FIELDS, Context, Outputs, lm_head, mlp, moe, start, with_aux_loss
+from .hf_names import HF_TOP, Experts, Names, hf_names, hf_specs
 from .plan_checks import check_sequence_parallel, check_tp_splits
+from .shapes import TP_FIELDS, attention_shapes, decoder_shapes, init_kv_cache, init_params
 from .widths import WIDTH_FIELDS, Widths, field_of, read_widths
 
-__all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS", "EXPORTS"]
+__all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS", "EXPORTS",
+           "ModelConfig", "check_config", "rope", "rope_from_hf", "from_hf_fields", "to_hf_fields",
+           "TP_FIELDS", "decoder_shapes", "attention_shapes", "init_params", "init_kv_cache",
+           "AUX_LOSS_FIELDS", "Context", "Outputs", "start", "moe", "mlp", "lm_head", "with_aux_loss",
+           "HF_TOP", "Names", "Experts", "hf_specs", "hf_names"]
 
 Rules = Union[Plan, Mapping, None]
 

@@ -7,7 +7,7 @@ first stage also the embedding, the last the final norm and the output head: its
 is the model's with every other leaf left out (:func:`stage_tree`; the other layers are None),
 so the model's own ``forward`` runs a stage: ``forward(stage_params, tokens, cfg, mesh,
 hidden=x)`` starts from the previous stage's output instead of the embedding and, before the
-last stage, returns the residual stream instead of logits (:mod:`fmoe.models._common`). Every
+last stage, returns the residual stream instead of logits (:mod:`fmoe.model.decoder`). Every
 other axis (tp, fsdp, ep, dp_replicate) lives inside a stage, unchanged.
 
 A step splits each rank's batch into ``M`` micro-batches (``--microbatches``) and runs their

@@ -1,4 +1,4 @@
-"""The shared model skeleton (``models/_common.py``, ``models/_hf.py``): one shape table per model
+"""The public model kit (``fmoe.model``) the models share: one shape table per model
 feeds both ``init`` and the checkpoint name map, the config checks come from the field
 annotations, and the fused in-memory expert layout is read where a checkpoint holds it."""
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.models import _common, deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
+from fmoe import model as kit
+from fmoe.models import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
 
 CONFIGS = [
     (qwen3_moe, qwen3_moe.Config.tiny()),
@@ -80,7 +81,7 @@ def test_the_router_loss_switch_adds_the_weighted_loss_to_every_moe_layer():
     for a, b in zip(aux["moe"], half["moe"]):
         torch.testing.assert_close(a["load_balance_loss"], 2 * b["load_balance_loss"])
     router = fmoe.routing.topk(2)
-    assert _common.with_aux_loss(router, mixtral.Config.tiny()) is router          # switch off: the router itself
+    assert kit.with_aux_loss(router, mixtral.Config.tiny()) is router          # switch off: the router itself
 
 
 def test_remat_policies_leave_logits_and_gradients_unchanged():
