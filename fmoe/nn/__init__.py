@@ -16,6 +16,9 @@ linear            rowwise ``P(None, "tp")``         slice a full-width input if 
 linear            ``packed=2``                      as above, each ``[gate | up]`` half split
 embedding         vocab ``P("tp", None)``           own rows, others zero, ``all_reduce``
 rms_norm          ``P()``                           nothing (input replicated)
+rms_norm          ``P("tp")`` (a projection's       sum of squares ``all_reduce``d over tp: the
+                  norm on its tp-split features)    mean over the full width
+embedding         ``padding_idx=``                  the pad row gets no gradient (every placement)
 head_rms_norm     ``P()`` on tp-split heads         weight gradient marked partial over tp
 attention         sinks ``P("tp")`` (local)         nothing: heads are independent
 any               ``fsdp`` / ``dp_replicate`` split gathered for the call (``fmoe.fsdp.unshard``),
@@ -28,6 +31,10 @@ over tp on the sequence: a colwise ``linear`` all-gathers its input (``dx`` redu
 rowwise one and the vocabulary-parallel ``embedding`` reduce-scatter instead of all-reducing,
 and a replicated weight on the sequence piece (``rms_norm``, a replicated ``linear``) gets a
 gradient ``Partial`` over tp (:mod:`fmoe.nn.linear`).
+
+A layer a model author writes asks a weight for its groups the same way: :func:`axis_group`
+(``axis_group(w, "tp")``) and :func:`tp_size_rank` (``(group, size, rank)`` of the tp group), then
+calls :mod:`fmoe.collectives`.
 
 So changing one plan rule (say, a projection made ``colwise_gather``, or attention replicated)
 changes the communication without touching the model, and every plan gives the numbers of a
@@ -43,6 +50,7 @@ Example:
 """
 
 from . import cache, remat
+from ._tp import axis_group, tp_size_rank
 from .attention import attention, shared_by_heads, visible
 from .linear import embedding, linear
 from .loss import cross_entropy
@@ -52,4 +60,4 @@ from .rope import ROPE_TYPES, apply_rope, rope_cos_sin, rope_frequencies, yarn_m
 
 __all__ = ["linear", "embedding", "rms_norm", "head_rms_norm", "rope_frequencies", "rope_cos_sin",
            "apply_rope", "yarn_mscale", "ROPE_TYPES", "attention", "visible", "shared_by_heads", "cache", "remat",
-           "swiglu", "swiglu_mlp", "cross_entropy"]
+           "swiglu", "swiglu_mlp", "cross_entropy", "axis_group", "tp_size_rank"]

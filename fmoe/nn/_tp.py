@@ -1,6 +1,7 @@
-"""Private helpers shared by the layer functions: which tensor-parallel group a parameter lives
-in, how to cut this rank's part out of a replicated activation, and the sequence-parallel
-moves of an activation.
+"""Helpers shared by the layer functions: which tensor-parallel group a parameter lives in
+(public as :func:`fmoe.nn.axis_group` and :func:`fmoe.nn.tp_size_rank`, for layers a model
+author writes), how to cut this rank's part out of a replicated activation, and the
+sequence-parallel moves of an activation.
 
 A parameter's process groups come from the parameter itself (a DTensor knows its DeviceMesh),
 so layer functions never need a mesh argument: a plain tensor means "single process". So does
@@ -33,7 +34,22 @@ def check_tensor(fn: str, name: str, t: object, ndim: Optional[int] = None) -> N
 
 
 def axis_group(t: torch.Tensor, axis: str = "tp") -> Optional[dist.ProcessGroup]:
-    """The process group of mesh axis ``axis`` that DTensor ``t`` lives on (None otherwise)."""
+    """The process group of mesh axis ``axis`` that a parameter ``t`` lives on: a leaf of
+    :func:`fmoe.shard` (a DTensor, also under ``torch.func``'s wrappers) on a mesh with that
+    axis; None for a plain tensor (one process) or a mesh without the axis. A layer a model
+    author writes asks its weight, never a mesh argument (as :func:`fmoe.nn.linear` does).
+
+    Args:
+        t: a parameter leaf (plain tensor or DTensor).
+        axis: a mesh dim name: ``"tp"``, ``"fsdp"``, ``"dp_replicate"`` (dense mesh) or
+            ``"ep"``, ``"efsdp"`` (expert mesh).
+    Returns:
+        the ``torch.distributed`` process group, or None.
+
+    Example:
+        >>> axis_group(torch.ones(4)) is None     # a plain tensor: single process
+        True
+    """
     t = peel(t)                      # the DTensor under torch.func's wrappers
     if isinstance(t, DTensor) and axis in (t.device_mesh.mesh_dim_names or ()):
         return t.device_mesh.get_group(axis)
@@ -69,7 +85,19 @@ def unpack_gathered(y: torch.Tensor, n: int, packed: int) -> torch.Tensor:
 
 
 def tp_size_rank(t: torch.Tensor) -> tuple[Optional[dist.ProcessGroup], int, int]:
-    """``(group, size, rank)`` of the tp group ``t`` lives on (``(None, 1, 0)`` when none)."""
+    """``(group, size, rank)`` of the tp group a parameter ``t`` lives on (:func:`axis_group`):
+    what a layer needs to combine its local slice with the other tp ranks' (e.g. an all-reduce
+    through :mod:`fmoe.collectives`, which are no-ops for ``None``).
+
+    Args:
+        t: a parameter leaf (plain tensor or DTensor).
+    Returns:
+        ``(group, size, rank)``; ``(None, 1, 0)`` when ``t`` is not on a tp group.
+
+    Example:
+        >>> tp_size_rank(torch.ones(4))
+        (None, 1, 0)
+    """
     g = axis_group(t, "tp")
     return g, group_size(g), rank_of(g)
 

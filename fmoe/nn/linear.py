@@ -24,7 +24,8 @@ values (:func:`fmoe.precision.gemm`).
 
 ``embedding`` does the same for a lookup table ``[V, D]``: replicated, vocabulary-parallel
 ``P("tp", None)`` (each rank looks up the tokens in its row range, others give zeros, the
-partial lookups are all-reduced) or split on ``D`` (local lookup, features gathered).
+partial lookups are all-reduced) or split on ``D`` (local lookup, features gathered). Its
+``padding_idx`` row gets no gradient on any placement (the rank holding that row drops it).
 
 Sequence parallelism (a weight placed on ``fmoe.Mesh(tp=n, sp=True)``,
 :func:`fmoe.sharding.sequence_parallel`): between tensor-parallel layers the activations are
@@ -148,25 +149,33 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *
     return y
 
 
-def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def embedding(tokens: torch.Tensor, table: torch.Tensor, padding_idx: Optional[int] = None) -> torch.Tensor:
     """Look up ``tokens`` in ``table [V, D]``, replicated or sharded over tp (see module doc).
 
     Args:
         tokens: integer ids ``[...]`` in ``[0, V)``.
         table: ``[V, D]``: plain, vocabulary-parallel ``P("tp", None)`` or ``P(None, "tp")``.
+        padding_idx: as ``torch.nn.Embedding(padding_idx=)`` (transformers passes the config's
+            ``pad_token_id``): row ``padding_idx`` gets no gradient; the output is unchanged. None:
+            every row learns.
     Returns:
         ``[..., D]``, identical on every rank of the tp group; with sequence parallelism this
         rank's piece ``[..., S / tp, D]`` of the sequence (the last dim of ``tokens``).
 
     Example:
-        >>> embedding(torch.tensor([[1, 0]]), torch.eye(3)).tolist()
-        [[[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]]
+        >>> table = torch.eye(3, requires_grad=True)
+        >>> embedding(torch.tensor([[1, 0]]), table, padding_idx=0).sum().backward()
+        >>> table.grad.tolist()
+        [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
     """
     check_tensor("embedding", "tokens", tokens)
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise TypeError(f"embedding: tokens must be an integer tensor, got dtype {tokens.dtype}")
     _check_weight("embedding", "table", table, 2)
     vocab = table.shape[0]
+    if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
+                                    or not 0 <= padding_idx < vocab):
+        raise ValueError(f"embedding: padding_idx must be None or an int in [0, {vocab}), got {padding_idx!r}")
     if tokens.numel() and data_checks_enabled() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise ValueError(f"embedding: token ids must lie in [0, {vocab}), got min {int(tokens.min())}, "
                          f"max {int(tokens.max())}")
@@ -178,13 +187,14 @@ def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
                          f"the sequence length, got tokens of shape {tuple(tokens.shape)}")
     tl = unshard(table, keep=("tp",))
     if tp_dim is None or n == 1:
-        out = F.embedding(tokens, tl)
+        out = F.embedding(tokens, tl, padding_idx)
         return own_seq(out, group, n) if sp else out
     if tp_dim == 1:  # features split: local lookup, gather the features
-        out = gather_slices(F.embedding(tokens, tl), group, dim=-1, sizes=chunk_sizes(table.shape[1], n))
+        out = gather_slices(F.embedding(tokens, tl, padding_idx), group, dim=-1, sizes=chunk_sizes(table.shape[1], n))
         return own_seq(out, group, n) if sp else out
     first, rows = chunk_range(vocab, n, r)  # vocabulary-parallel: rows [first, first + rows) (torch.chunk)
     local = tokens - first
     outside = (local < 0) | (local >= rows)
-    out = F.embedding(local.masked_fill(outside, 0), tl).masked_fill(outside.unsqueeze(-1), 0.0)
+    pad = None if padding_idx is None or not first <= padding_idx < first + rows else padding_idx - first
+    out = F.embedding(local.masked_fill(outside, 0), tl, pad).masked_fill(outside.unsqueeze(-1), 0.0)
     return scatter_seq(out, group) if sp else all_reduce(out, group)

@@ -15,16 +15,25 @@ is a *partial* sum over tp. ``head_rms_norm`` infers that from the number of hea
 versus the configured ``num_heads`` and marks the gradient ``Partial`` (summed by
 :func:`fmoe.gather` / DTensor reductions); with replicated attention the gradient is already
 complete on every rank. Either way gathered gradients equal single-process gradients.
+
+A norm over a whole projection (OLMoE's q / k norms: ``w [H*hd]`` on ``q [..., H*hd]``, before
+the heads are split) meets the projection's tp split: its weight is placed like the
+projection's rows (``P("tp")``), each rank holds a slice of the features, and ``rms_norm`` then
+sums the squares of its slice and all-reduces the sums over the weight's tp group
+(:func:`fmoe.collectives.all_reduce`; in backward the sum's gradient, a part on each rank, is
+summed by :func:`fmoe.collectives.grad_sum`), so the mean is over the full width, as on one process; each rank scales its features by its slice of ``w`` (whose gradient is complete:
+every rank sees every token).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..precision import upcast
+from ..collectives import all_reduce, gather_slices, grad_sum
 from ..fsdp import unshard
-from ..sharding import placement_of
-from ._tp import check_tensor, sp_group
+from ..precision import upcast
+from ..sharding import chunk_sizes, placement_of
+from ._tp import check_tensor, sp_group, tp_size_rank
 
 __all__ = ["rms_norm", "head_rms_norm"]
 
@@ -37,12 +46,12 @@ def _norm(x: torch.Tensor, wl: torch.Tensor, eps: float) -> torch.Tensor:
     return wl * h.to(dtype)
 
 
-def _check(fn: str, x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+def _check(fn: str, x: torch.Tensor, w: torch.Tensor, eps: float, split: bool = False) -> None:
     check_tensor(fn, "x", x)
     check_tensor(fn, "w", w, 1)
-    if placement_of(w).dim_of("tp") is not None:
+    if placement_of(w).dim_of("tp") is not None and not split:
         raise ValueError(f"{fn}: w must be replicated over tp, got placement {placement_of(w)!r}")
-    if x.shape[-1] != w.shape[0]:
+    if not split and x.shape[-1] != w.shape[0]:
         raise ValueError(f"{fn}: x has last dim {x.shape[-1]} but w has {w.shape[0]} entries")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"{fn}: eps must be a number >= 0, got {eps!r}")
@@ -52,19 +61,35 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
     """RMS-normalise the last dim of ``x`` and scale by ``w``.
 
     Args:
-        x: ``[..., D]`` (replicated over tp; with sequence parallelism this rank's piece of the sequence).
-        w: ``[D]``, replicated (or split over fsdp: gathered for the call).
+        x: ``[..., D]`` (replicated over tp; with sequence parallelism this rank's piece of the
+            sequence), or with a tp-split ``w`` this rank's features ``[..., D / tp]`` (a colwise
+            projection's output; the full ``[..., D]`` is normalised with ``w`` gathered).
+        w: ``[D]``, replicated or split over tp (``P("tp")``: the mean of squares all-reduced
+            over its tp group); a split over fsdp is gathered for the call.
         eps: added to the mean square.
     Returns:
-        ``[..., D]`` in ``x``'s dtype (times ``w``'s dtype promotion).
+        ``[..., D]`` (``[..., D / tp]`` for local features) in ``x``'s dtype (times ``w``'s dtype promotion).
 
     Example:
         >>> rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), eps=0.0)
         tensor([[0.8485, 1.1314]])
     """
-    _check("rms_norm", x, w, eps)
-    partial = ("tp",) if sp_group(w)[1] > 1 else ()   # sequence parallel: this rank's tokens only
-    return _norm(x, unshard(w, keep=("tp",), partial_grad=partial), eps)
+    group, n, _ = tp_size_rank(w)
+    split = placement_of(w).dim_of("tp") is not None and n > 1
+    _check("rms_norm", x, w, eps, split)
+    if not split:
+        partial = ("tp",) if sp_group(w)[1] > 1 else ()   # sequence parallel: this rank's tokens only
+        return _norm(x, unshard(w, keep=("tp",), partial_grad=partial), eps)
+    wl, width = unshard(w, keep=("tp",)), w.shape[0]      # wl: this rank's slice [D / tp]
+    if x.shape[-1] == width:                              # full-width features: the whole weight
+        return _norm(x, gather_slices(wl, group, dim=0, sizes=chunk_sizes(width, n)), eps)
+    if x.shape[-1] != wl.shape[0]:
+        raise ValueError(f"rms_norm: x has last dim {x.shape[-1]} but w, split over tp={n}, has {wl.shape[0]} "
+                         f"entries on this rank ({width} in all)")
+    h = upcast(x)
+    # [..., 1] over the full width; each rank scales only its features by it, so its gradient is summed too
+    square_sum = grad_sum(all_reduce(h.pow(2).sum(-1, keepdim=True), group), group)
+    return wl * (h * torch.rsqrt(square_sum / width + eps)).to(x.dtype)
 
 
 def head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, num_heads: int) -> torch.Tensor:
