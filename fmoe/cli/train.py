@@ -27,7 +27,7 @@ import traceback
 from typing import Optional, Sequence
 
 from ..training import JobConfig, JobConfigError, run
-from ..training.job import DEFAULT_OUT, FIELDS, flag
+from ..training.job import DEFAULT_OUT, DEFAULTS, FIELDS, flag
 from ..training.jobfile import read_job_file
 from ..training.failure import NodeStopped, one_line, printing_rank, prints
 from ..training.loop import NonFiniteStep, log_row
@@ -62,12 +62,14 @@ The same job from Python: fmoe.training.run(fmoe.training.JobConfig(model=..., n
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
-    """Appends ``(default: X)`` to a flag whose help does not say its default."""
+    """Appends ``(default: X)`` to a flag whose help does not say its default (the value the job
+    uses when the flag is not given: :data:`fmoe.training.job.DEFAULTS`)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if action.option_strings and action.dest != "help" and "(default: " not in text:
-            text += f" (default: {'none' if action.default is None else '%(default)s'})"
+            value = DEFAULTS.get(action.dest)
+            text += f" (default: {'none' if value is None else value})"
         return text
 
 
@@ -93,13 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         meta = f.metadata
         kind, *arg = meta["check"]
         g = groups[meta["group"]]
-        if kind == "bool":
-            g.add_argument(flag(name), action="store_true", help=meta["help"])
+        if kind == "bool":                             # --sp / --no-sp: a job file's switch can be undone
+            g.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=None, help=meta["help"])
         elif kind == "choice":
-            g.add_argument(flag(name), choices=arg[0], default=f.default, help=meta["help"])
+            g.add_argument(flag(name), choices=arg[0], default=None, help=meta["help"])
         else:
-            g.add_argument(flag(name), metavar=meta["metavar"], default=f.default, help=meta["help"],
-                           type=_number(kind) if kind in ("int", "float") else None)
+            g.add_argument(flag(name), metavar=meta["metavar"], default=None, help=meta["help"],
+                           type=_number("int" if kind == "int" else "float") if kind in ("int", "float", "fraction")
+                           else None)
     return ap
 
 

@@ -24,12 +24,13 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence, Union
 
+from .identity import data_digest
 from .shards import is_shard_dir, open_shards, read_header, write_shards
 from .sources import document_pieces, documents, list_files, stdlib_bytes, token_dtype, tokenize
 from .stream import TokenStream
 from .tokenizer import TOKENIZER_FILES, ByteTokenizer, HFTokenizer, find_tokenizer_file, load_tokenizer
 
-__all__ = ["TokenStream", "open_data", "prepare", "load_tokenizer", "find_tokenizer_file", "ByteTokenizer",
+__all__ = ["TokenStream", "open_data", "data_digest", "prepare", "load_tokenizer", "find_tokenizer_file", "ByteTokenizer",
            "HFTokenizer", "TOKENIZER_FILES", "documents", "document_pieces", "list_files", "tokenize", "token_dtype",
            "stdlib_bytes", "write_shards", "open_shards", "is_shard_dir", "read_header"]
 

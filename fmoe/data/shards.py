@@ -4,7 +4,7 @@ Layout of a shard directory (what ``fmoe data prepare`` writes)::
 
     DIR/header.json        {"format": "fmoe-tokens", "version": 1, "dtype": "uint16",
                             "vocab_size": V, "eos_id": ..., "tokenizer": ...,
-                            "shards": [{"file": "shard-00000.bin", "tokens": N0}, ...]}
+                            "shards": [{"file": "shard-00000.bin", "tokens": N0, "sha256": ...}, ...]}
     DIR/shard-00000.bin    N0 ids, little-endian ``dtype``, no header (as nanoGPT's train.bin)
 
 :func:`write_shards` writes the whole directory atomically (:mod:`fmoe.checkpoint.atomic`): into
@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -94,10 +95,11 @@ def write_shards(out: str, chunks: Iterable[np.ndarray], *, vocab_size: int, eos
 
 
 def _write(out, chunks, vocab_size, eos_id, tokenizer, shard_tokens, dtype, extra) -> ShardInfo:
-    info, f, n_in = ShardInfo(out), None, 0
+    info, f, n_in, sums = ShardInfo(out), None, 0, []
 
     def open_next():
         info.shards.append(0)
+        sums.append(hashlib.sha256())                 # each shard's digest, as it is written
         name = os.path.join(out, f"shard-{len(info.shards) - 1:05d}.bin")
         return os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb")
 
@@ -113,7 +115,9 @@ def _write(out, chunks, vocab_size, eos_id, tokenizer, shard_tokens, dtype, extr
                     f = (f.close(), open_next())[1] if f else open_next()
                     n_in = 0
                 take = chunk[: shard_tokens - n_in]
-                take.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tofile(f)
+                data = take.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()
+                f.write(data)
+                sums[-1].update(data)
                 n_in += take.size
                 info.shards[-1] += int(take.size)
                 chunk = chunk[take.size:]
@@ -122,7 +126,8 @@ def _write(out, chunks, vocab_size, eos_id, tokenizer, shard_tokens, dtype, extr
             f.close()
     info.header = {"format": FORMAT, "version": 1, "dtype": dtype, "vocab_size": int(vocab_size),
                    "eos_id": eos_id, "tokenizer": tokenizer, "tokens": int(sum(info.shards)),
-                   "shards": [{"file": f"shard-{i:05d}.bin", "tokens": n} for i, n in enumerate(info.shards)],
+                   "shards": [{"file": f"shard-{i:05d}.bin", "tokens": n, "sha256": sums[i].hexdigest()}
+                              for i, n in enumerate(info.shards)],
                    **(extra or {})}
     with os.fdopen(os.open(os.path.join(out, HEADER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644),
                    "w") as h:

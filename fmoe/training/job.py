@@ -30,7 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import os
+import re
 from typing import Any, Optional
+
+import numpy
 
 from ..model import PRESETS
 from ..models import NAMES
@@ -60,10 +65,13 @@ def flag(name: str) -> str:
 
 
 # (check kind, argument): "int" (low, high or None), "float" (low, strict), "fraction" (open (0, 1)),
-# "choice" (values), "str", "bool" (optional: a check of what switching it on needs), "steps" ("A:B")
+# "choice" (values), "str" (a path-like as its text), "bool" (optional: a check of what switching it on
+# needs), "steps" ("A:B"), "layers" ("3,2")
+# Every field is None unless given ("not given" is how a --resume tells a setting to keep from one
+# to change); ``default`` is the value the job uses then (:data:`DEFAULTS`).
 def _f(group: str, check: tuple, help: str, default: Any = None, metavar: Optional[str] = None) -> Any:
-    return dataclasses.field(default=default, metadata={"group": group, "check": check, "help": help,
-                                                        "metavar": metavar})
+    return dataclasses.field(default=None, metadata={"group": group, "check": check, "help": help,
+                                                     "metavar": metavar, "default": default})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +100,7 @@ class JobConfig:
     upcycle: Optional[str] = _f("model", ("str",), "with --model mixtral --init-hf LLAMA_DIR: start from the dense "
                                 "model, each MLP copied into E experts, top-K routing (fmoe.training.upcycle)",
                                 metavar="E,K")
-    impl: str = _f("model", ("str",), "MoE dispatch implementation (a name registered in fmoe.ep)", "auto", "NAME")
+    impl: Optional[str] = _f("model", ("str",), "MoE dispatch implementation (a name registered in fmoe.ep)", "auto", "NAME")
     # mesh
     # (None: 1, or with --resume the checkpoint's mesh: fmoe.training.resume.MESH)
     nproc: Optional[int] = _f("mesh", ("int", 1, None), "local ranks to spawn (ignored under torchrun) (default: 1; "
@@ -103,18 +111,18 @@ class JobConfig:
                            "and no --tp: the checkpoint's)", metavar="N")
     dp_replicate: Optional[int] = _f("mesh", ("int", 1, None), "data-parallel replicas (HSDP); fsdp = nproc / (pp * tp "
                                      "* dp_replicate) (default: 1; with --resume: the checkpoint's)", metavar="N")
-    pp: int = _f("mesh", ("int", 1, None), "pipeline stages (the outermost axis: stage s holds a contiguous block of "
+    pp: Optional[int] = _f("mesh", ("int", 1, None), "pipeline stages (the outermost axis: stage s holds a contiguous block of "
                  "the decoder layers, the first also the embedding, the last the norm, head and loss; "
                  "fmoe.training.pipeline)", 1, "N")
     microbatches: Optional[int] = _f("mesh", ("int", 1, None), "micro-batches of each --batch that run through the "
                                      "pipeline (with --pp > 1; the same update as --grad-accum M) (default: --pp)",
                                      metavar="M")
-    pp_layers: Optional[str] = _f("mesh", ("str",), "decoder layers of each stage, e.g. 3,2 (the last stage also "
+    pp_layers: Optional[str] = _f("mesh", ("layers",), "decoder layers of each stage, e.g. 3,2 (the last stage also "
                                   "holds the head and the loss) (default: equal blocks; --pp must divide the layers)",
                                   metavar="N,N")
-    pp_schedule: str = _f("mesh", ("choice", ("1f1b", "gpipe")), "pipeline schedule: 1f1b (one forward, one backward: "
+    pp_schedule: Optional[str] = _f("mesh", ("choice", ("1f1b", "gpipe")), "pipeline schedule: 1f1b (one forward, one backward: "
                           "at most pp micro-batches in flight) or gpipe (all forwards, then all backwards)", "1f1b")
-    sp: bool = _f("mesh", ("bool",), "sequence parallelism: between tensor-parallel blocks the residual stream, norms "
+    sp: Optional[bool] = _f("mesh", ("bool",), "sequence parallelism: between tensor-parallel blocks the residual stream, norms "
                   "and elementwise work are split over --tp on the sequence dimension (needs --tp > 1)", False)
     # data
     batch: Optional[int] = _f("data", ("int", 1, None), "sequences per data-parallel batch (default: 4)", metavar="N")
@@ -126,14 +134,14 @@ class JobConfig:
                              metavar="PATH")
     tokenizer: Optional[str] = _f("data", ("str",), "'bytes' or a Hugging Face tokenizer.json (file or directory) "
                                   "(default: bytes, or the tokenizer.json in --init-hf DIR)", metavar="T")
-    eval_every: int = _f("data", ("int", 0, None), "evaluate on the held-out split every N steps (0: never)", 0, "N")
-    eval_batches: int = _f("data", ("int", 1, None), "held-out batches per data-parallel rank", 4, "N")
+    eval_every: Optional[int] = _f("data", ("int", 0, None), "evaluate on the held-out split every N steps (0: never)", 0, "N")
+    eval_batches: Optional[int] = _f("data", ("int", 1, None), "held-out batches per data-parallel rank", 4, "N")
     eval_fraction: Optional[float] = _f("data", ("fraction",), "tail of the data held out for evaluation "
                                         "(default: 0.05)", metavar="X")
-    eval_seed: int = _f("data", ("int", 0, SEED_MAX), "seed of the held-out batches, apart from --seed so runs of "
+    eval_seed: Optional[int] = _f("data", ("int", 0, SEED_MAX), "seed of the held-out batches, apart from --seed so runs of "
                         "different seeds evaluate on the same tokens", 0, "N")
     # optimization
-    steps: int = _f("optimization", ("int", 1, None), "train until this step (with --resume: the step to reach, "
+    steps: Optional[int] = _f("optimization", ("int", 1, None), "train until this step (with --resume: the step to reach, "
                     "beyond the saved one)", 20, "N")
     lr: Optional[float] = _f("optimization", ("float", 0.0, True), "peak learning rate (linear warmup, then cosine "
                              "to 0.1 * lr at --steps) (default: 0.003)", metavar="X")
@@ -142,17 +150,17 @@ class JobConfig:
                                        "(default: 0.1)", metavar="X")
     clip: Optional[float] = _f("optimization", ("float", 0.0, False), "global gradient-norm clip (default: 1.0; 0: "
                                "no clipping)", metavar="X")
-    skip_nonfinite: int = _f("optimization", ("int", 0, None), "skip up to N steps whose loss or gradient norm is "
+    skip_nonfinite: Optional[int] = _f("optimization", ("int", 0, None), "skip up to N steps whose loss or gradient norm is "
                              "NaN/Inf (no update); one more stops the job. 0: the first one stops the job", 0, "N")
     grad_accum: Optional[int] = _f("optimization", ("int", 1, None), "micro-batches per step (each --batch rows) "
                                    "(default: 1)", metavar="N")
-    dp_batches: int = _f("optimization", ("int", 1, None), "one process reads exactly the batches of an N-rank "
+    dp_batches: Optional[int] = _f("optimization", ("int", 1, None), "one process reads exactly the batches of an N-rank "
                          "data-parallel run with the same other flags, each rank's batch as its own micro-batches, and "
                          "trains as that run does (--nproc 1 only; docs/routing-research.md)", 1, "N")
-    optim_in_backward: bool = _f("optimization", ("bool",), "update each layer's parameters as soon as their "
+    optim_in_backward: Optional[bool] = _f("optimization", ("bool",), "update each layer's parameters as soon as their "
                                  "gradients are reduced in backward, so full gradients never coexist "
                                  "(fmoe.training.optim_backward)", False)
-    loss_chunks: int = _f("optimization", ("int", 1, None), "compute the loss by N chunks of tokens, each "
+    loss_chunks: Optional[int] = _f("optimization", ("int", 1, None), "compute the loss by N chunks of tokens, each "
                           "recomputed in backward (no whole fp32 [tokens, vocab] log-softmax; fmoe.nn.chunked_loss)",
                           1, "N")
     router: Optional[str] = _f("optimization", ("str",), "NAME[:k=v,...] of fmoe.routing, or "
@@ -165,11 +173,11 @@ class JobConfig:
                                      "rounding (fmoe.precision) (default: fp32)")
     optim_dtype: Optional[str] = _f("precision", ("choice", PRECISIONS), "dtype of AdamW's two moments "
                                     "(default: fp32)")
-    device: str = _f("precision", ("choice", ("auto", "cpu", "cuda")), "cuda: one GPU per local rank over NCCL; "
+    device: Optional[str] = _f("precision", ("choice", ("auto", "cpu", "cuda")), "cuda: one GPU per local rank over NCCL; "
                      "auto: cuda when available", "auto")
-    remat: str = _f("precision", ("choice", ("none", "layer", "moe")), "recompute each layer / MoE block in "
+    remat: Optional[str] = _f("precision", ("choice", ("none", "layer", "moe")), "recompute each layer / MoE block in "
                     "backward instead of keeping activations", "none")
-    compile: bool = _f("precision", ("bool",), "torch.compile the step: one process compiles forward + loss whole, a "
+    compile: Optional[bool] = _f("precision", ("bool",), "torch.compile the step: one process compiles forward + loss whole, a "
                        "multi-rank mesh each decoder layer once (the MoE exchange eager between the graphs; "
                        "docs/transforms.md). Same numbers as eager (default: eager)", False)
     memory_gb: Optional[float] = _f("precision", ("float", 0.0, True), "warn when the memory plan exceeds this "
@@ -178,29 +186,29 @@ class JobConfig:
     out: Optional[str] = _f("checkpoints and output", ("str",), "run directory: log.jsonl, step-N/ checkpoints, "
                             ".lock; a --resume without --out continues in the checkpoint's run directory "
                             f"(default: {DEFAULT_OUT})", metavar="DIR")
-    save_every: int = _f("checkpoints and output", ("int", 0, None), "checkpoint every N steps (0: only at the end)",
+    save_every: Optional[int] = _f("checkpoints and output", ("int", 0, None), "checkpoint every N steps (0: only at the end)",
                          0, "N")
     profile_steps: Optional[str] = _f("checkpoints and output", ("steps",), "profile steps A to B with torch.profiler: "
                                       "a Chrome trace per rank in OUT/profile/rank-R.json", metavar="A:B")
-    tensorboard: bool = _f("checkpoints and output", ("bool", check_tensorboard), "also write the log rows as TensorBoard "
+    tensorboard: Optional[bool] = _f("checkpoints and output", ("bool", check_tensorboard), "also write the log rows as TensorBoard "
                            "scalars in OUT/tensorboard (needs pip install 'fmoe[tensorboard]')", False)
-    keep_last: int = _f("checkpoints and output", ("int", 0, None), "keep only the N newest complete checkpoints "
+    keep_last: Optional[int] = _f("checkpoints and output", ("int", 0, None), "keep only the N newest complete checkpoints "
                         "in --out, removing older ones after each save (never the one --resume continues from; 0: "
                         "keep all)", 0, "N")
     resume: Optional[str] = _f("checkpoints and output", ("str",), "continue from a step-N checkpoint, or from the "
                                "latest one in a run directory (default: start a new run)", metavar="PATH")
     export_hf: Optional[str] = _f("checkpoints and output", ("str",), "write a Hugging Face checkpoint here at the "
                                   "end", metavar="DIR")
-    overwrite: bool = _f("checkpoints and output", ("bool",), "replace the previous run in --out (its log.jsonl and "
+    overwrite: Optional[bool] = _f("checkpoints and output", ("bool",), "replace the previous run in --out (its log.jsonl and "
                          "step-N/ only; resuming an older checkpoint of --out: its newer checkpoints and log rows) and "
                          "let --export-hf replace checkpoint files in a directory holding other files (default: "
                          "refuse)", False)
     # runtime
-    timeout: float = _f("runtime", ("float", 0.0, True), "collective timeout, seconds", 1800.0, "X")
+    timeout: Optional[float] = _f("runtime", ("float", 0.0, True), "collective timeout, seconds", 1800.0, "X")
     threads: Optional[int] = _f("runtime", ("int", 1, None), "intra-op threads per rank (default: the usable cores "
                                 "/ the local ranks, at least 1; fmoe.training.threads)", metavar="N")
-    quiet: bool = _f("runtime", ("bool",), "no progress bar (default: a progress bar on rank 0)", False)
-    debug: bool = _f("runtime", ("bool",), "print the full traceback of an error (default: one line)", False)
+    quiet: Optional[bool] = _f("runtime", ("bool",), "no progress bar (default: a progress bar on rank 0)", False)
+    debug: Optional[bool] = _f("runtime", ("bool",), "print the full traceback of an error (default: one line)", False)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -215,8 +223,9 @@ class JobConfig:
         return DEFAULTS.get(name) if value is None else value
 
 
-#: name -> dataclass field of every setting (its metadata: group, check, help, metavar)
+#: name -> dataclass field of every setting (its metadata: group, check, help, metavar, default)
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
+DEFAULTS.update({n: f.metadata["default"] for n, f in FIELDS.items() if f.metadata["default"] is not None})
 
 
 def check_value(name: str, value: Any) -> Any:
@@ -227,13 +236,14 @@ def check_value(name: str, value: Any) -> Any:
     """
     kind, *arg = FIELDS[name].metadata["check"]
     said = flag(name)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # numpy's numbers count as numbers (not numpy's bools); a path-like as its text
+    number = isinstance(value, numbers.Real) and not isinstance(value, (bool, numpy.bool_))
     if kind == "int":
         low, high = arg
         valid = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-        if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        if not (number and isinstance(value, numbers.Integral)) or value < low or (high is not None and value > high):
             raise ValueError(f"{said} must be {valid}, got {value!r}")
-        return value
+        return int(value)
     if kind == "float":
         low, strict = arg
         valid = f"a finite number {'>' if strict else '>='} {low:g}"
@@ -252,11 +262,19 @@ def check_value(name: str, value: Any) -> Any:
         parse_steps(value, said)
         return value
     if kind == "bool":
-        if not isinstance(value, bool):
+        if not isinstance(value, (bool, numpy.bool_)):
             raise ValueError(f"{said} is a switch (True / False), got {value!r}")
         if value and arg:                              # a switch that needs an optional extra
             arg[0](said)
+        return bool(value)
+    if kind == "layers":                               # --pp-layers: ASCII digits only ('²' is a digit too)
+        if not isinstance(value, str) or not re.fullmatch(r"\s*[1-9][0-9]*\s*(,\s*[1-9][0-9]*\s*)*", value):
+            raise ValueError(f"{said} must be comma-separated layer counts >= 1, e.g. 3,2, got {value!r}")
         return value
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if not isinstance(value, str) or not value:
         raise ValueError(f"{said} must be a non-empty string, got {value!r}")
+    if "\0" in value:
+        raise ValueError(f"{said} must not hold a NUL byte, got {value!r}")
     return value

@@ -33,16 +33,11 @@ def stage_sizes(text: Optional[str]) -> Optional[list[int]]:
         raise ValueError(f"--pp-layers {text!r} must be comma-separated layer counts, e.g. 3,2") from None
 
 
-def check_options(job: Any, error: Callable[[str], Any], resumed: bool = False) -> None:
+def check_options(job: Any, error: Callable[[str], Any]) -> None:
     """``--sp``, ``--pp``, ``--microbatches``, ``--pp-schedule`` and ``--optim-in-backward`` against
-    the other flags (the layer count is :func:`check_stages`'). A checkpoint records a pipeline's
-    ``--batch B --microbatches M`` as the ``--batch B/M --grad-accum M`` that reads the same rows
-    the same way; resumed with ``--pp`` such a kept pair becomes ``--batch B --microbatches M``."""
-    if resumed and job.pp > 1 and job.grad_accum > 1 and "grad_accum" not in job.explicit:
-        if job.microbatches not in (None, job.grad_accum):
-            error(f"--microbatches {job.microbatches}: the checkpoint's steps ran {job.grad_accum} micro-batches of "
-                   f"{job.batch} rows; a resumed run keeps them (drop --microbatches)")
-        job.batch, job.microbatches, job.grad_accum = job.batch * job.grad_accum, job.grad_accum, 1
+    the other flags (the layer count is :func:`check_stages`'). A resume has already made a
+    pipeline's ``--batch B --microbatches M`` and ``--batch B/M --grad-accum M`` one batch shape
+    (:func:`fmoe.training.resume.batch_shape`)."""
     if job.optim_in_backward:
         from .optim_backward import check
 

@@ -60,7 +60,7 @@ def resolve(cfg: JobConfig) -> Job:
     """
     if not isinstance(cfg, JobConfig):
         raise TypeError(f"fmoe.training: the job is a fmoe.training.JobConfig, got {type(cfg).__name__}")
-    explicit = {n for n, f in FIELDS.items() if f.default is None and getattr(cfg, n) is not None}
+    explicit = {n for n in FIELDS if getattr(cfg, n) is not None}
     job = Job(**{n: cfg.get(n) for n in FIELDS}, config=cfg, explicit=explicit, step_config=None)
     if job.resume and job.init_hf:
         _error("--resume and --init-hf are exclusive")
@@ -92,7 +92,8 @@ def resolve(cfg: JobConfig) -> Job:
         _check_resume(job, *found)
     else:
         _check_sizes(job, 256)
-    parallel.check_options(job, _error, found is not None)
+        _identify_data(job)
+    parallel.check_options(job, _error)
     balancing.resolve(job, _error, {n: get(n) for n in NAMES})   # after a resume filled in the kept settings
     _check_upcycle(job)
     parallel.check_stages(job, _error, found)
@@ -139,6 +140,20 @@ def _check_sizes(job: Job, vocab: int) -> None:
         _error(f"--batch {job.batch} x --seq {job.seq} x vocabulary {vocab}: one step's logits and their gradient "
                f"need {need / 1e9:.3g} GB, more than this machine's {memory_bytes() / 1e9:.3g} GB; lower --batch "
                "or --seq (or use --grad-accum)")
+
+
+def _identify_data(job: Job) -> None:
+    """``--data`` as an absolute path with its content digest (:func:`fmoe.data.data_digest`): what
+    ``meta.json`` records, so a resume finds the same corpus from any directory or refuses another."""
+    from ..data import data_digest
+
+    job.data_digest = None
+    if job.data is not None:
+        job.data = os.path.abspath(job.data)
+        try:
+            job.data_digest = data_digest(job.data)
+        except (OSError, ValueError) as e:
+            _error(f"--data {job.data!r}: {e}")
 
 
 def _find_resume(job: Job) -> tuple[str, dict]:

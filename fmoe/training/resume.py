@@ -1,19 +1,39 @@
 """What ``--resume`` keeps, what it may change, and the check that enforces it.
 
-A checkpoint's ``meta.json`` records the job that wrote it. Resuming continues *that* job, so:
+A checkpoint's ``meta.json`` records the job that wrote it: ``settings``, every
+:class:`~fmoe.training.job.JobConfig` setting with the value the job used (defaults and filled-in
+values resolved). Resuming continues *that* job: a setting not given takes the checkpoint's value,
+never a default. Every setting is in exactly one of these groups (``tests/cli/test_resume_job.py``
+walks them all):
 
-- **kept** (:data:`KEPT`): model, preset, seed, batch, seq, learning-rate schedule, optimizer
-  settings, aux-loss weight. A flag not given on the command line takes the checkpoint's value;
-  a flag given with another value is an error naming both. The model config itself comes from
-  the checkpoint (``hf_config``), never from the flags;
-- **may change**: the mesh (``--nproc --tp --ep --dp-replicate``: the checkpoint is resharded)
-  as long as the number of data-parallel batches per step stays the same (otherwise each step
-  would see other data). A mesh flag not given takes the checkpoint's value (:data:`MESH`,
-  :func:`take_mesh`; ``--ep`` only when ``--tp`` is not given either, else it follows ``--tp``),
-  so ``--resume OUT --steps N`` continues on the mesh the run had; ``--steps`` (must be beyond the saved step; equal to it with
-  ``--export-hf``: export the checkpoint without training), ``--out`` (default: the
-  checkpoint's own run directory, so a resumed run continues there),
-  ``--save-every``, ``--impl``, ``--timeout``, ``--quiet``, ``--debug``, ``--export-hf``;
+- **kept** (:data:`KEPT`): what each step computes — model, preset, seed, batch (with the
+  micro-batches of ``--grad-accum`` / ``--microbatches`` / ``--dp-batches``), seq, the data, its
+  tokenizer and held-out cut (``--eval-fraction --eval-seed``), learning-rate schedule, optimizer,
+  router, balancing and precision settings. A flag given with another value is an error naming
+  both. ``--data`` and ``--tokenizer`` are compared by content (the checkpoint records the data's
+  absolute path and digest, :func:`fmoe.data.data_digest`, and the tokenizer's digest), so a moved
+  corpus is the same data and an edited one is refused, naming the file. The model config itself
+  comes from the checkpoint (``hf_config``), never from the flags. A pipeline's ``--batch B
+  --microbatches M`` and ``--batch B/M --grad-accum M`` read the same rows the same way: they are
+  one batch shape (:func:`batch_shape`), so the original command line plus ``--resume`` works,
+  and so does a resume from ``--pp`` to ``--grad-accum`` and back;
+- **may change** (:data:`CHANGEABLE`: they do not change what a step computes, or change it to
+  float noise only, or only watch the run): ``--steps`` (beyond the saved step; equal to it with
+  ``--export-hf``: export the checkpoint without training), ``--save-every --keep-last
+  --eval-every --eval-batches --profile-steps --tensorboard --memory-gb --skip-nonfinite --impl
+  --compile --remat --loss-chunks --optim-in-backward --pp-schedule --device --timeout``; left
+  out, they too take the checkpoint's values;
+- **the mesh** (:data:`MESH`: ``--nproc --tp --ep --dp-replicate --pp``, with ``--sp`` following
+  ``--tp`` and ``--pp-layers`` following ``--pp``): the checkpoint is resharded, as long as the
+  number of data-parallel batches per step stays the same (``world / (tp * pp) * --dp-batches``);
+  a mesh flag not given takes the checkpoint's value (:func:`take_mesh`; ``--ep`` only when
+  ``--tp`` is not given either, else it follows ``--tp``), so ``--resume OUT --steps N``
+  continues on the mesh the run had, pipeline included;
+- **this invocation's** (:data:`FRESH`, never taken from the checkpoint): ``--resume --out``
+  (default: the checkpoint's own run directory) ``--overwrite --export-hf --record-routing
+  --threads --quiet --debug``;
+- **refused** (:data:`REFUSED`): ``--init-hf`` and ``--upcycle`` choose the starting weights,
+  which a resume takes from the checkpoint;
 - **nothing from a checkpoint is run, and every kept value is checked like its flag**: a kept
   value must pass the flag's own type and range check (``lr`` NaN or negative is refused naming
   ``meta.json``, the field and the value); a recorded ``--router`` is only a *name* of
@@ -26,43 +46,48 @@ A checkpoint's ``meta.json`` records the job that wrote it. Resuming continues *
   11..20 at the lr of step 10, with no jump.
 
 Example:
-    >>> KEPT["seed"]
-    'seed'
+    >>> "seed" in KEPT and "steps" in CHANGEABLE and "pp" in MESH
+    True
+    >>> batch_shape({"pp": 2, "batch": 4, "microbatches": 2}), batch_shape({"pp": 1, "batch": 2, "grad_accum": 2})
+    ((2, 2), (2, 2))
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from .job import DEFAULTS, check_value, flag
+from .job import DEFAULTS, FIELDS, check_value, flag
 
-__all__ = ["KEPT", "MESH", "take_mesh", "apply", "check_router", "check_kept_value", "schedule_record"]
+__all__ = ["KEPT", "CHANGEABLE", "MESH", "FRESH", "REFUSED", "take_mesh", "apply", "batch_shape", "check_router",
+           "check_kept_value", "schedule_record"]
 
-#: flag dest -> meta.json key of the settings a resumed run keeps (extend for new flags)
-KEPT: dict[str, str] = {
-    "model": "model", "preset": "preset", "seed": "seed", "batch": "batch", "seq": "seq",
-    "lr": "lr", "warmup": "warmup", "weight_decay": "weight_decay", "clip": "clip",
-    "aux_weight": "aux_weight",
-    # the data stream (fmoe.training.options): same files, tokenizer, held-out cut and rows per step
-    "data": "data", "tokenizer": "tokenizer_flag", "eval_fraction": "eval_fraction", "grad_accum": "grad_accum",
-    "router": "router",
-    # load balancing (fmoe.training.balancing)
-    "balance": "balance", "z_weight": "z_weight", "bias_rate": "bias_rate", "bias_update": "bias_update",
-    # the precision policy (fmoe.precision): the checkpoint holds weights and moments in these dtypes
-    "dtype": "dtype", "master_dtype": "master_dtype", "optim_dtype": "optim_dtype",
-}
-
-#: mesh flag dest -> key of meta.json's ``mesh`` record: the mesh a resumed run keeps unless given
-MESH: dict[str, str] = {"nproc": "world", "tp": "tp", "ep": "ep", "dp_replicate": "dp_replicate"}
+#: settings a resumed run keeps (taken from the checkpoint; another value given is refused)
+KEPT = ("model", "preset", "seed", "batch", "seq", "data", "tokenizer", "eval_fraction", "eval_seed",
+        "lr", "warmup", "weight_decay", "clip", "grad_accum", "microbatches", "dp_batches", "router",
+        "aux_weight", "balance", "z_weight", "bias_rate", "bias_update", "dtype", "master_dtype", "optim_dtype")
+#: settings a resumed run may change (taken from the checkpoint when not given)
+CHANGEABLE = ("steps", "save_every", "keep_last", "eval_every", "eval_batches", "profile_steps", "tensorboard",
+              "memory_gb", "skip_nonfinite", "impl", "compile", "remat", "loss_chunks", "optim_in_backward",
+              "pp_schedule", "device", "timeout")
+#: mesh flag dest -> key of meta.json's ``mesh`` record: the mesh a resumed run keeps unless given;
+#: ``--sp`` and ``--pp-layers`` (:data:`MESH_FOLLOWERS`) come with the ``--tp`` / ``--pp`` they need
+MESH: dict[str, str] = {"nproc": "world", "tp": "tp", "ep": "ep", "dp_replicate": "dp_replicate", "pp": "pp"}
+MESH_FOLLOWERS = {"sp": "tp", "pp_layers": "pp"}
+#: this invocation's own settings, never taken from a checkpoint
+FRESH = ("resume", "out", "overwrite", "export_hf", "record_routing", "threads", "quiet", "debug")
+#: settings a resume refuses (they choose the starting weights)
+REFUSED = ("init_hf", "upcycle")
+_BATCH = ("batch", "grad_accum", "microbatches", "dp_batches")     # compared as one batch shape
+_BY_CONTENT = ("data", "tokenizer")                                 # compared by their digests
 
 MIN_RATIO = 0.1     # the cosine ends at MIN_RATIO * lr
-
 
 def take_mesh(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> list[str]:
     """Fill in the mesh settings not given from the checkpoint's ``mesh`` record (before the mesh
     is checked); ``--ep`` comes from it only when ``--tp`` does too (a given ``--tp`` brings the
-    default ``--ep`` = ``--tp``).
+    default ``--ep`` = ``--tp``), ``--pp`` only when ``--nproc`` does too (``--nproc 1`` is one
+    process, no pipeline).
 
     Args:
         job: the resolved job (``job.explicit``: the settings given).
@@ -78,7 +103,7 @@ def take_mesh(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> 
         error(f"--resume: {file}: 'mesh' is {mesh!r}, not the mesh record fmoe train writes")
     taken = []
     for dest, key in MESH.items():
-        if dest in job.explicit or (dest == "ep" and "tp" in job.explicit):
+        if dest in job.explicit or (dest == "ep" and "tp" in job.explicit) or (dest == "pp" and "nproc" in job.explicit):
             continue
         try:
             value = check_value(dest, mesh.get(key))
@@ -142,8 +167,108 @@ def check_router(saved: Any, job: Any, file: str) -> Optional[str]:
     return None
 
 
+def batch_shape(settings: Mapping[str, Any]) -> tuple[int, int]:
+    """``(rows, micro-batches)`` of one data-parallel batch per step: ``--batch B --microbatches M``
+    under ``--pp`` is ``(B / M, M)``, as ``--batch B/M --grad-accum M`` without a pipeline."""
+    if (settings.get("pp") or 1) > 1:
+        m = settings.get("microbatches") or settings["pp"]
+        return settings["batch"] // m, m
+    return settings["batch"], settings.get("grad_accum") or 1
+
+
+def _settings(meta: dict, where: str, error: Callable[[str], Any]) -> dict:
+    """The checkpoint's recorded settings, each checked like its flag."""
+    file = os.path.join(where, "meta.json")
+    saved = meta.get("settings")
+    if not isinstance(saved, dict):
+        error(f"--resume {where}: meta.json has no 'settings' record; it was not written by this version of "
+              "fmoe and cannot be continued")
+    recorded = FRESH + REFUSED + tuple(MESH)
+    for name in FIELDS:
+        if name in recorded or name in ("nproc", "threads"):
+            continue
+        if name not in saved:
+            error(f"--resume {where}: meta.json's settings have no {name!r}; it was not written by this version "
+                  "of fmoe and cannot be continued")
+        # (the router is checked against the job's --router by apply)
+        problem = None if name == "router" else check_kept_value(name, f"settings.{name}", saved[name], file)
+        if problem:
+            error(f"--resume: {problem}")
+    return saved
+
+
+def _refuse(where: str, names: list[str], saved: Any, given: Any) -> str:
+    flags = " ".join(flag(n) for n in names)
+    return (f"--resume {where} was trained with {flags} {saved}, this run has {flags} {given}; a resumed run "
+            "keeps it (drop the flag, or start a new run). Changeable on resume: the mesh (--nproc --tp --ep "
+            "--dp-replicate --pp, the same data-parallel batches), " + " ".join(flag(n) for n in CHANGEABLE + FRESH))
+
+
+def _restore_batch(job: Any, saved: dict, where: str, error: Callable[[str], Any]) -> None:
+    """The batch settings: one shape (:func:`batch_shape`) under any ``--pp``; ``--dp-batches``
+    the checkpoint's on one process (the data-parallel batches are :func:`apply`'s check)."""
+    rows0, micro0 = batch_shape(saved)
+    own = "microbatches" if job.pp > 1 else "grad_accum"            # the mesh's micro-batch flag
+    micro = getattr(job, own) if own in job.explicit else micro0
+    rows = job.batch if "batch" in job.explicit else rows0 * (micro if job.pp > 1 else 1)
+    rows = rows // micro if job.pp > 1 and rows % micro == 0 else (rows if job.pp == 1 else None)
+    if (rows, micro) != (rows0, micro0):
+        had = (f"--batch {saved['batch']} --microbatches {micro0} (--pp {saved['pp']})" if (saved.get("pp") or 1) > 1
+               else f"--batch {rows0} --grad-accum {micro0}")
+        has = " ".join(f"{flag(n)} {getattr(job, n)}" for n in ("batch", own) if n in job.explicit)
+        error(f"--resume {where} was trained with {had}: {micro0} micro-batches of {rows0} rows per step; this run "
+              f"has {has} (--pp {job.pp}); a resumed run keeps its batches (drop the flags, or give the same: under "
+              "--pp, --batch counts the rows of all --microbatches)")
+    if "dp_batches" not in job.explicit:
+        job.dp_batches = (saved.get("dp_batches") or 1) if job.world == 1 else 1
+    if job.pp > 1:                                  # a --grad-accum given stays, for the mesh check to refuse
+        job.batch, job.microbatches = rows0 * micro0, micro0
+        job.grad_accum = job.grad_accum if "grad_accum" in job.explicit else 1
+    else:
+        job.batch, job.grad_accum = rows0, micro0
+        job.microbatches = job.microbatches if "microbatches" in job.explicit else None
+
+
+def _restore_by_content(job: Any, saved: dict, meta: dict, where: str, error: Callable[[str], Any]) -> None:
+    """``--data`` and ``--tokenizer``: the same content as the checkpoint's (by digest), wherever it is."""
+    from ..data import data_digest
+
+    path = job.data if "data" in job.explicit else saved.get("data")
+    if path is not None:
+        if not os.path.exists(path):
+            error(f"--resume {where}: the run's --data {path!r} is not there any more; pass --data PATH (the same "
+                  "corpus)" if "data" not in job.explicit else f"--data {path!r} does not exist")
+        path = os.path.abspath(path)
+        digest = data_digest(path)
+        if digest != saved.get("data_digest"):
+            was = f"{saved.get('data')!r} (digest {saved.get('data_digest')})" if saved.get("data") else \
+                "the built-in corpus (no --data)"
+            error(f"--resume {where}: --data {path!r} (digest {digest}) is not the data the run trained on, {was}; "
+                  "a resumed run trains on the same corpus (restore the file, or start a new run)")
+        job.data, job.data_digest = path, digest
+    elif "data" not in job.explicit:
+        job.data, job.data_digest = None, None
+    if "tokenizer" not in job.explicit:
+        tokenizer = saved.get("tokenizer")
+        if tokenizer is None and meta.get("tokenizer") not in (None, "bytes") and job.data is None:
+            tokenizer = meta.get("tokenizer")              # found by the run (in its --init-hf directory)
+        job.tokenizer = tokenizer
+    want = meta.get("tokenizer_digest")
+    if job.tokenizer is not None and want is not None:
+        from ..data import find_tokenizer_file, load_tokenizer
+
+        if job.tokenizer != "bytes" and find_tokenizer_file(job.tokenizer) is None:
+            error(f"--resume {where}: the run's tokenizer {job.tokenizer!r} is not there any more; pass "
+                  "--tokenizer T (the same tokenizer.json)")
+        got = load_tokenizer(job.tokenizer).digest
+        if got != want:
+            error(f"--resume {where}: --tokenizer {job.tokenizer!r} (digest {got}) is not the tokenizer the run "
+                  f"trained with ({meta.get('tokenizer')!r}, digest {want})")
+
+
 def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None:
-    """Check a resume against the checkpoint's ``meta`` and fill in the kept settings.
+    """Check a resume against the checkpoint's ``meta`` and fill in every setting not given
+    (module docstring: kept, changeable, mesh followers).
 
     Args:
         job: the resolved job (:class:`fmoe.training.resolve.Job`; ``job.explicit``: the settings given).
@@ -152,20 +277,26 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
         error: called with the message of a mismatch; raises (a usage error).
     """
     file = os.path.join(where, "meta.json")
-    for dest, key in KEPT.items():
-        if key not in meta:
-            error(f"--resume {where}: meta.json has no {key!r}; it was not written by this version of "
-                  "fmoe and cannot be checked")
-        saved = meta[key]
-        problem = check_router(saved, job, file) if dest == "router" else check_kept_value(dest, key, saved, file)
-        if problem:
-            error(f"--resume: {problem}")
-        if dest in job.explicit and getattr(job, dest) != saved:
-            error(f"--resume {where} was trained with {flag(dest)} {saved!r}, this run has "
-                  f"{flag(dest)} {getattr(job, dest)!r}; a resumed run keeps it (drop the flag, or "
-                  "start a new run). Changeable on resume: the mesh (same number of data-parallel "
-                  "batches), --steps, --out, --save-every, --impl, --timeout, --quiet, --export-hf")
-        setattr(job, dest, saved)
+    saved = _settings(meta, where, error)
+    for name in REFUSED:
+        if name in job.explicit:
+            error(f"{flag(name)} chooses the starting weights; --resume {where} continues from the checkpoint's")
+    for name in KEPT + CHANGEABLE + tuple(MESH_FOLLOWERS):
+        if name in _BATCH or name in _BY_CONTENT:
+            continue
+        if name in MESH_FOLLOWERS and getattr(job, MESH_FOLLOWERS[name]) != saved.get(MESH_FOLLOWERS[name]):
+            continue                                   # another --tp / --pp: its followers are this run's own
+        value = saved[name]
+        if name == "router":
+            problem = check_router(value, job, file)
+            if problem:
+                error(f"--resume: {problem}")
+        if name not in job.explicit:
+            setattr(job, name, value)
+        elif name in KEPT and getattr(job, name) != value:
+            error(_refuse(where, [name], repr(value), repr(getattr(job, name))))
+    _restore_batch(job, saved, where, error)
+    _restore_by_content(job, saved, meta, where, error)
     step = meta["step"]
     if job.steps < step or (job.steps == step and not job.export_hf):
         error(f"--steps {job.steps} is not beyond the checkpoint's step {step} ({where}); pass "
@@ -173,11 +304,15 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
     mesh = meta.get("mesh")
     if not isinstance(mesh, dict):
         error(f"--resume: {file}: 'mesh' is {mesh!r}, not the mesh record fmoe train writes")
-    batches = job.world // (job.tp * job.pp)
-    if mesh.get("num_batches") != batches:
-        error(f"--resume {where} was trained with {mesh.get('num_batches')} data-parallel batches per step "
-              f"(mesh {mesh}); this mesh (world {job.world}, --tp {job.tp}, --pp {job.pp}) has {batches}: every "
-              f"step would see other data. Choose --nproc/--tp/--pp with world / (tp * pp) = {mesh.get('num_batches')}")
+    batches = job.world // (job.tp * job.pp) * job.dp_batches
+    had = mesh.get("num_batches")
+    if isinstance(had, int) and not isinstance(had, bool):
+        had *= saved.get("dp_batches") or 1
+    if had != batches:
+        error(f"--resume {where} was trained with {had} data-parallel batches per step "
+              f"(mesh {mesh}, --dp-batches {saved.get('dp_batches')}); this mesh (world {job.world}, --tp {job.tp}, "
+              f"--pp {job.pp}, --dp-batches {job.dp_batches}) has {batches}: every step would see other data. Choose "
+              f"--nproc/--tp/--pp with world / (tp * pp) = {had}")
     schedule = meta.get("schedule")
     total = schedule.get("total") if isinstance(schedule, dict) else None
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:

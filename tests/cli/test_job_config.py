@@ -75,6 +75,8 @@ def test_the_flags_are_the_fields():
     assert dests == set(FIELDS)                                                                      # holds fields
     for a in ap._actions:
         if a.option_strings and a.dest not in ("help", "config"):
-            assert a.option_strings == ["--" + a.dest.replace("_", "-")]
-    cfg = parse_args(["--bias-rate", "0.01", "--nproc", "2", "--ep", "2", "--overwrite"])
-    assert cfg == JobConfig(bias_rate=0.01, nproc=2, ep=2, overwrite=True)
+            name = "--" + a.dest.replace("_", "-")             # a switch also has its --no- form
+            assert a.option_strings == ([name, "--no-" + name[2:]] if FIELDS[a.dest].metadata["check"][0] == "bool"
+                                        else [name])
+    cfg = parse_args(["--bias-rate", "0.01", "--nproc", "2", "--ep", "2", "--overwrite", "--eval-fraction", "0.1"])
+    assert cfg == JobConfig(bias_rate=0.01, nproc=2, ep=2, overwrite=True, eval_fraction=0.1)   # once refused: '0.1'
