@@ -1,7 +1,7 @@
 """Shared test settings: small thread counts keep many gloo ranks workable on 2 cores, under
 pytest-xdist workers too (the README's test command runs two).
 
-The fmoe pytest plugin (``fmoe.testing.plugin``: ``@pytest.mark.ranks``, the ``fmoe_pools``
+The fmoe pytest plugin (``fmoe_pytest``: ``@pytest.mark.ranks``, the ``fmoe_pools``
 fixture) is loaded through its ``pytest11`` entry point once fmoe is installed; a checkout whose
 installed metadata predates the entry point loads it here."""
 
@@ -20,8 +20,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
-_INSTALLED = any(ep.value == "fmoe.testing.plugin" for ep in entry_points(group="pytest11"))
-pytest_plugins = ["pytester"] + ([] if _INSTALLED else ["fmoe.testing.plugin"])
+_INSTALLED = any(ep.value.split()[0] == "fmoe_pytest" for ep in entry_points(group="pytest11"))
+pytest_plugins = ["pytester"] + ([] if _INSTALLED else ["fmoe_pytest"])
 
 
 @pytest.fixture(scope="session", autouse=True)

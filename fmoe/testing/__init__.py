@@ -5,8 +5,9 @@
 - :class:`Pool` (``pool.py``): N ranks kept alive, each call on a clean slate; milliseconds.
 - :func:`assert_parity` (``parity.py``): a function of a parameter tree on one process equals
   itself sharded by a plan on each mesh: outputs and the gathered gradients of every leaf.
-- ``plugin.py``: the pytest plugin (entry point ``pytest11``): ``@pytest.mark.ranks(4)`` and the
-  session fixture ``fmoe_pool``.
+- the pytest plugin (entry point ``pytest11``: ``@pytest.mark.ranks(4)`` and the session fixture
+  ``fmoe_pools``) is the top-level module ``fmoe_pytest``, outside this package, so that loading it
+  imports neither torch nor fmoe.
 
 All of them start ranks through :mod:`fmoe.launch`: loopback only, ``FileStore`` rendezvous, the
 first failing rank's traceback re-raised, timeouts, no orphans.

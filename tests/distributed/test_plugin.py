@@ -41,7 +41,7 @@ def test_fails_on_rank_one(rank):
 
 def test_a_users_suite_gets_the_marker_and_per_rank_failures(pytester):
     pytester.makepyfile(test_user=USER_TESTS)
-    plugin = [] if pytester._request.config.pluginmanager.has_plugin("fmoe") else ["-p", "fmoe.testing.plugin"]
+    plugin = [] if pytester._request.config.pluginmanager.has_plugin("fmoe") else ["-p", "fmoe_pytest"]
     result = pytester.runpytest_subprocess(*plugin, "-p", "no:cacheprovider", timeout=600)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*ValueError: [[]rank 1[]] rank one disagrees*"])

@@ -74,7 +74,8 @@ def test_the_wheel_holds_exactly_the_source_tree(tmp_path):
                           "-w", str(tmp_path / "wheel"), str(src)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = (tmp_path / "wheel").glob("fmoe-*.whl")
-    held = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("fmoe/")}
+    held = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("fmoe/") or n == "fmoe_pytest.py"}
+    want.add("fmoe_pytest.py")                        # the pytest plugin, a top-level module
     assert held == want, (f"in the tree, not in the wheel: {sorted(want - held)}; "
                           f"in the wheel, not in the tree: {sorted(held - want)}")
     assert {"fmoe/__init__.py", "fmoe/models/__init__.py", "fmoe/optim/__init__.py",
@@ -83,7 +84,9 @@ def test_the_wheel_holds_exactly_the_source_tree(tmp_path):
 
 def test_import_fmoe_does_not_import_the_test_harness():
     """``import fmoe`` loads no test harness (pool, spawn, launcher): ``fmoe.testing`` is imported
-    on first use, and the pytest plugin (entry point ``fmoe.testing.plugin``) still loads it."""
+    on first use. The pytest plugin (entry point ``fmoe_pytest``, a top-level module) imports
+    neither torch nor fmoe when it loads, nor when an unrelated test runs: an unrelated pytest run
+    in an environment with fmoe installed pays for one small module."""
     import subprocess
     import sys
 
@@ -92,7 +95,11 @@ def test_import_fmoe_does_not_import_the_test_harness():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr
     plugins = _pyproject()["project"]["entry-points"]["pytest11"]
-    assert "fmoe.testing.plugin" in plugins.values()
+    assert plugins == {"fmoe": "fmoe_pytest"}
+    code = ("import sys, fmoe_pytest, pytest; fmoe_pytest.Pools();"
+            " print(sorted(m.split('.')[0] for m in sys.modules if m.split('.')[0] in ('torch', 'fmoe', 'numpy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["[]"], out.stdout + out.stderr
 
 
 

@@ -1,4 +1,10 @@
-"""The pytest plugin (entry point ``pytest11: fmoe``): test bodies on warm gloo ranks.
+"""The fmoe pytest plugin (entry point ``pytest11: fmoe``): test bodies on warm gloo ranks.
+
+A top-level module of the fmoe distribution, beside the ``fmoe`` package and not inside it, so
+that every pytest run in an environment with fmoe installed pays only for this file: importing
+``fmoe`` imports torch (seconds), and this module imports neither until a test asks for ranks
+(``tests/unit/test_packaging.py`` checks ``sys.modules`` after loading it). Disable it with
+``-p no:fmoe``.
 
 Installed with fmoe, so a user's suite gets, without any import:
 
@@ -33,29 +39,34 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from fmoe.testing.pool import Pool
-
 __all__ = ["Pools"]
 
 
 class Pools:
-    """The session's warm ranks: one :class:`Pool` of at least ``min_size`` ranks, replaced by a
-    bigger one when a test asks for more ranks than it has (smaller worlds run on its first ranks).
+    """The session's warm ranks: one :class:`fmoe.testing.Pool` of at least ``min_size`` ranks,
+    started on first use (torch and fmoe are imported then) and replaced by a bigger one when a
+    test asks for more ranks than it has (smaller worlds run on its first ranks).
+
+    Example:
+        >>> Pools().pool is None            # nothing started, nothing heavy imported
+        True
     """
 
     def __init__(self, min_size: int = 4) -> None:
-        self.pool: Optional[Pool] = None
+        self.pool: Optional[Any] = None
         self.min_size = min_size
 
-    def get(self, world: int) -> Pool:
-        """A pool with at least ``world`` ranks."""
+    def get(self, world: int) -> Any:
+        """A :class:`fmoe.testing.Pool` with at least ``world`` ranks."""
         if self.pool is None or self.pool.size < world:
+            from fmoe.testing.pool import Pool        # the first test that asks for ranks pays for torch
+
             self.close()
             self.pool = Pool(max(world, self.min_size))
         return self.pool
 
     def run(self, fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, **kw: Any) -> list[Any]:
-        """``fn(rank, world, *args)`` on ``world`` warm ranks (:meth:`Pool.run`)."""
+        """``fn(rank, world, *args)`` on ``world`` warm ranks (:meth:`fmoe.testing.Pool.run`)."""
         return self.get(world).run(fn, *args, timeout=timeout, world=world, **kw)
 
     def close(self) -> None:
