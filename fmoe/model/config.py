@@ -25,7 +25,7 @@ and written by :func:`to_hf_fields`.
 from __future__ import annotations
 
 import typing
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import torch
@@ -40,8 +40,9 @@ def check_config(cfg: Any, *, kv_heads: Optional[str] = "num_key_value_heads", e
     """The checks every ``Config.__post_init__`` shares, read from the field annotations.
 
     In field order: an ``int`` field is an int >= 1 (>= 0 if named in ``at_least_zero``), an
-    ``Optional[int]`` None or that, a ``tuple`` a tuple; then query heads a multiple of
-    ``kv_heads``, top-k at most ``experts``, and the rope settings valid (:func:`rope`).
+    ``Optional[int]`` None or that, a ``tuple`` a tuple; then ``pad_token_id`` None or a token id
+    in ``[0, vocab_size)``, query heads a multiple of ``kv_heads``, top-k at most ``experts``, and
+    the rope settings valid (:func:`rope`).
 
     Args:
         cfg: the config being built (call from its ``__post_init__``).
@@ -60,12 +61,15 @@ def check_config(cfg: Any, *, kv_heads: Optional[str] = "num_key_value_heads", e
     """
     hints = typing.get_type_hints(type(cfg))
     for f in fields(cfg):
-        v, hint, low = getattr(cfg, f.name), hints[f.name], 0 if f.name in at_least_zero else 1
+        v, hint, low = getattr(cfg, f.name), hints[f.name], 0 if f.name in (*at_least_zero, "pad_token_id") else 1
         if hint is int or (hint == Optional[int] and v is not None):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"Config: {f.name} must be {'None or ' * (hint is not int)}an int >= {low}, got {v!r}")
         elif hint is tuple and not isinstance(v, tuple):
             raise TypeError(f"Config: {f.name} must be a tuple, got {v!r}")
+    if cfg.pad_token_id is not None and cfg.pad_token_id >= cfg.vocab_size:
+        raise ValueError(f"Config: pad_token_id={cfg.pad_token_id} must be None or a token id below "
+                         f"vocab_size={cfg.vocab_size}")
     if kv_heads is not None and cfg.num_attention_heads % getattr(cfg, kv_heads):
         raise ValueError(f"Config: num_attention_heads={cfg.num_attention_heads} must be a multiple of "
                          f"{kv_heads}={getattr(cfg, kv_heads)}")
@@ -175,16 +179,24 @@ def to_hf_fields(cfg: Any, head: Mapping[str, Any]) -> dict:
     return {**head, **out, "rope_parameters": params}
 
 
+@dataclass(frozen=True)
 class ModelConfig:
-    """The base of every model's frozen ``Config`` dataclass (it adds no field).
+    """The base of every model's frozen ``Config`` dataclass.
 
     A subclass states two tables: ``HF``, the fixed ``config.json`` fields of transformers' class
     (``model_type``, ``architectures``, ...: written by :meth:`to_hf`, and :meth:`from_hf` refuses
     another value), and ``PRESETS``, preset name -> field values (``Config.tiny(**changes)``).
+
+    Attributes:
+        pad_token_id: the one field every model shares, as transformers' ``PretrainedConfig``:
+            the token whose embedding row gets no gradient (:func:`fmoe.model.start` passes it to
+            ``fmoe.nn.embedding(padding_idx=)``, as transformers' ``nn.Embedding(padding_idx=)``);
+            None: every row learns. A subclass may redeclare its default (OLMoE's is 1).
     """
 
     HF: ClassVar[Mapping[str, Any]] = {}
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    pad_token_id: Optional[int] = None
 
     @classmethod
     def preset(cls, name: str, **changes: Any) -> Any:

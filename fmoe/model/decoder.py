@@ -60,6 +60,9 @@ class Context:
         cfg, cos, sin: the config; rotary tables of the new tokens' positions.
         step: the cache step (:class:`fmoe.nn.cache.Step`: start slot, key mask).
         mesh, impl, router, act: passed to every ``fmoe.moe`` block (:func:`moe`).
+        token_ids: ``[T]`` the ids of the tokens this rank's MoE blocks route, in their row order
+            (this rank's piece of the sequence under sequence parallelism), offered to every
+            router with the layer index (:data:`fmoe.routing.OFFERED`).
     """
 
     cfg: Any
@@ -70,6 +73,7 @@ class Context:
     impl: str = "auto"
     router: Any = None
     act: Activation = swiglu
+    token_ids: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -114,6 +118,9 @@ def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh] = N
           ) -> tuple[torch.Tensor, Context, Outputs]:
     """A forward call's start: checks, ``x = embed(tokens)`` (or ``hidden``), the :class:`Context` and :class:`Outputs`.
 
+    The embedding's ``padding_idx`` is ``cfg.pad_token_id`` (:class:`fmoe.model.ModelConfig`): its
+    row gets no gradient, as in transformers.
+
     Args:
         params: tree from the model's ``init`` / ``load_hf`` (plain, or sharded by a plan).
         tokens: ``[B, S]`` integer ids (the same on every rank of a tp group).
@@ -148,9 +155,13 @@ def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh] = N
     if (hidden is None) != ("embed" in params):     # a pipeline stage: hidden= exactly when no embed
         raise ValueError(f"forward: hidden= is the input of a pipeline stage whose params hold no embed, and only "
                          f"of one; got embed: {'embed' in params}, hidden: {hidden is not None}")
-    x = nn.embedding(tokens, params["embed"]) if hidden is None else hidden  # [B, S, D]
+    x = nn.embedding(tokens, params["embed"], cfg.pad_token_id) if hidden is None else hidden  # [B, S, D]
     cos, sin = nn.rope_cos_sin(step.positions, inv_freq, scaling, x.dtype)
-    return x, Context(cfg, cos, sin, step, mesh, impl, router, act), Outputs(cache, step)
+    ids = tokens
+    if mesh is not None and mesh.sp:               # the layers hold this tp rank's piece of the sequence
+        S, n, r = tokens.shape[1], mesh.tp, mesh.rank_in("tp")
+        ids = tokens[:, r * S // n:(r + 1) * S // n]
+    return x, Context(cfg, cos, sin, step, mesh, impl, router, act, ids.reshape(-1)), Outputs(cache, step)
 
 
 def with_aux_loss(router: Any, cfg: Any) -> Any:
@@ -175,14 +186,16 @@ def with_aux_loss(router: Any, cfg: Any) -> Any:
     return with_losses(router, load_balance=getattr(cfg, coef)) if getattr(cfg, switch) else router
 
 
-def moe(m: dict, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict]:
+def moe(m: dict, x: torch.Tensor, ctx: Context, i: int) -> tuple[torch.Tensor, dict]:
     """The routed experts, ``fmoe.moe`` over the ``(b s)`` tokens (the call a model's block wraps
-    in ``nn.remat.call("moe", ...)``).
+    in ``nn.remat.call("moe", ...)``); the router is offered ``token_ids`` and ``layer`` (it gets
+    them if it declares them: :data:`fmoe.routing.OFFERED`).
 
     Args:
         m: the layer's MoE parameters (``router``, ``w_gate_up``, ``w_down``, optional ``shared``).
         x: ``[B, S, D]`` normed hidden states.
-        ctx: the call's :class:`Context` (mesh, impl, router, activation).
+        ctx: the call's :class:`Context` (mesh, impl, router, activation, token ids).
+        i: the decoder layer's index (offered to the router as ``layer``).
     Returns:
         ``(y [B, S, D], aux)``.
 
@@ -190,11 +203,11 @@ def moe(m: dict, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict]:
         >>> from fmoe.models import mixtral
         >>> cfg = mixtral.Config.tiny()
         >>> _, ctx, _ = start(mixtral.init(cfg), torch.zeros(1, 3, dtype=torch.long), cfg, router=mixtral.default_router(cfg))
-        >>> moe(mixtral.init(cfg)["layers"][0]["moe"], torch.randn(1, 3, 64), ctx)[0].shape
+        >>> moe(mixtral.init(cfg)["layers"][0]["moe"], torch.randn(1, 3, 64), ctx, 0)[0].shape
         torch.Size([1, 3, 64])
     """
     y, aux = _moe(m, rearrange(x, "b s d -> (b s) d"), router=ctx.router, mesh=ctx.mesh, impl=ctx.impl,
-                  act=ctx.act)  # [T, D]
+                  act=ctx.act, router_inputs={"token_ids": ctx.token_ids, "layer": i})  # [T, D]
     return rearrange(y, "(b s) d -> b s d", b=x.shape[0]), aux
 
 

@@ -64,11 +64,21 @@ def test_config_checks_follow_the_field_annotations(model):
                 with pytest.raises(ValueError, match=f"{f.name} must be an int >= {low}, got {bad!r}"):
                     dataclasses.replace(tiny, **{f.name: bad})
         elif hints[f.name] == typing.Optional[int]:
-            with pytest.raises(ValueError, match=f"{f.name} must be None or an int >= 1, got 0"):
-                dataclasses.replace(tiny, **{f.name: 0})
+            low = 0 if f.name == "pad_token_id" else 1      # a token id may be 0
+            with pytest.raises(ValueError, match=f"{f.name} must be None or an int >= {low}, got {low - 1}"):
+                dataclasses.replace(tiny, **{f.name: low - 1})
         elif hints[f.name] is tuple:
             with pytest.raises(TypeError, match=f"{f.name} must be a tuple, got \\[\\]"):
                 dataclasses.replace(tiny, **{f.name: []})
+
+
+@pytest.mark.parametrize("model", [qwen3_moe, mixtral, gpt_oss, llama, deepseek_v3])
+def test_pad_token_id_is_a_token_id_and_read_and_written_through_config_json(model):
+    cfg = model.Config.tiny(pad_token_id=0)
+    assert cfg.to_hf()["pad_token_id"] == 0 and model.Config.from_hf(cfg.to_hf()) == cfg
+    assert model.Config.from_hf(model.Config.tiny().to_hf()).pad_token_id is None
+    with pytest.raises(ValueError, match=f"pad_token_id={cfg.vocab_size} must be None or a token id below"):
+        model.Config.tiny(pad_token_id=cfg.vocab_size)
 
 
 def test_the_router_loss_switch_adds_the_weighted_loss_to_every_moe_layer():
