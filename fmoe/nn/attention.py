@@ -21,7 +21,13 @@ denominator but has no value: ``p = softmax([scores, sink])[:-1]``. The sink par
 like the heads (style ``local``, ``P("tp")``), so each rank uses its own slice.
 
 The math is plain matmul + fp32 softmax in the same order as transformers' eager attention, so
-fp32 results match to rounding.
+fp32 results match to rounding. Three paths, chosen by data: torch's fused SDPA where no mask
+table is needed (plain causal or full attention: its CPU kernel works by blocks); by blocks with
+an online softmax (:mod:`fmoe.nn.blocked_attention`) when a mask, sinks or a key mask meet a
+sequence whose ``[B, Hq, S, Sk]`` scores exceed one block's budget (:func:`blocked_path`), so
+temporaries stay bounded instead of growing with ``S x Sk``; the plain scores otherwise, and
+under the transforms the blocked Function does not serve (``vmap``, forward mode, second
+derivatives, ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -36,10 +42,11 @@ from ..collectives import all_gather, grad_sum
 from ..precision import at_least_f32, gemm
 from ..fsdp import unshard
 from ..sharding import placement_of, sequence_parallel
-from ..transforms import higher_order
+from ..transforms import compiling, higher_order, vmapping
 from ._tp import check_tensor, tp_size_rank
+from .blocked_attention import SCORE_BUDGET, Layout, blocked_attention, block_sizes
 
-__all__ = ["attention", "visible", "shared_by_heads"]
+__all__ = ["attention", "visible", "shared_by_heads", "blocked_path"]
 
 
 def visible(q_len: int, k_len: int, causal: bool = True, window: Optional[int] = None,
@@ -101,6 +108,21 @@ def shared_by_heads(x: torch.Tensor, heads_weight: torch.Tensor) -> torch.Tensor
     return grad_sum(x, group)
 
 
+def blocked_path(batch: int, heads: int, q_len: int, k_len: int) -> bool:
+    """Whether :func:`attention` computes by blocks when it needs a mask or sinks: the whole
+    ``[batch, heads, q_len, k_len]`` score table is larger than one block's budget
+    (:data:`fmoe.nn.blocked_attention.SCORE_BUDGET`) and no transform the blocked Function does
+    not serve is active.
+
+    Example:
+        >>> blocked_path(1, 4, 128, 128), blocked_path(1, 4, 32768, 32768)
+        (False, True)
+    """
+    if batch * heads * q_len * k_len <= SCORE_BUDGET:
+        return False
+    return not (vmapping() or higher_order() or compiling())
+
+
 def _check(q, k, v, window, sinks, num_kv_groups, key_mask) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor("attention", name, t, 4)
@@ -122,6 +144,15 @@ def _check(q, k, v, window, sinks, num_kv_groups, key_mask) -> None:
         raise ValueError(f"attention: window must be None or an int >= 1, got {window!r}")
     if sinks is not None:
         check_tensor("attention", "sinks", sinks, 1)
+
+
+def _local_sinks(sinks: torch.Tensor, heads: int) -> torch.Tensor:
+    """This rank's ``[Hq_local]`` sink logits (gathered over the data axes, kept over tp)."""
+    sl = unshard(sinks, keep=("tp",))
+    if sl.shape[0] != heads:
+        raise ValueError(f"attention: sinks has {sl.shape[0]} local entries but q has {heads} "
+                         "heads; place sinks like the query heads (style 'local')")
+    return sl
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -154,11 +185,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     rep = q.shape[2] // k.shape[2]
     qh = rearrange(q, "b s h d -> b h s d")
     S, Sk = q.shape[1], k.shape[1]
+    plain_causal = causal and window is None and S == Sk and key_mask is None
+    no_table = plain_causal or (not causal and window is None and key_mask is None)
+    if not (sinks is None and no_table) and blocked_path(q.shape[0], q.shape[2], S, Sk):
+        lay = Layout(((Sk - S, S),), 0, causal, window, scale, *block_sizes(q.shape[0], q.shape[2], S, Sk))
+        sl = None if sinks is None else _local_sinks(sinks, q.shape[2])
+        out = blocked_attention(qh, rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d"), lay,
+                                sinks=sl, key_mask=key_mask)
+        return rearrange(out, "b h s d -> b s h d")
     if sinks is None and not higher_order():  # fused kernel (no forward AD / double backward on CPU): no [S, Sk] probabilities kept
         kt, vt = rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d")
-        plain_causal = causal and window is None and S == Sk and key_mask is None
-        plain = plain_causal or (not causal and window is None and key_mask is None)
-        mask = None if plain else _mask(S, Sk, causal, window, key_mask, q.device)
+        mask = None if no_table else _mask(S, Sk, causal, window, key_mask, q.device)
         # On CPU the fused kernel's bf16 backward runs ~3x slower than its fp32 one (no AMX path;
         # benchmarks/RESULTS.md), so the core computes in fp32 there; the projections stay bf16.
         core = at_least_f32(q.dtype) if q.device.type == "cpu" else q.dtype
@@ -173,10 +210,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if sinks is None:
         probs = F.softmax(scores, dim=-1, dtype=at_least_f32(scores.dtype)).to(q.dtype)
     else:
-        sl = unshard(sinks, keep=("tp",))
-        if sl.shape[0] != q.shape[2]:
-            raise ValueError(f"attention: sinks has {sl.shape[0]} local entries but q has {q.shape[2]} "
-                             "heads; place sinks like the query heads (style 'local')")
+        sl = _local_sinks(sinks, q.shape[2])
         sink = repeat(sl, "h -> b h s 1", b=q.shape[0], s=q.shape[1]).to(scores.dtype)
         logits = torch.cat([scores, sink], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
