@@ -185,7 +185,7 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: kit.Context, entry: Optiona
     x = nn.rms_norm(h, layer["mlp_norm"], eps)
     if "moe" not in layer:                                   # the first first_k_dense_replace layers
         return h + kit.mlp(layer["mlp"], x), None, entry
-    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], x, ctx)  # routed + shared experts
+    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], x, ctx, i)  # routed + shared experts
     return h + y, aux, entry
 
 

@@ -125,7 +125,7 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: kit.Context, entry: Optiona
     window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
     a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), ctx, entry, window)
     h = x + a
-    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
+    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx, i)
     return h + y, aux, entry                                  # the experts' activation: ctx.act
 
 

@@ -103,7 +103,7 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: kit.Context, entry: Optiona
     layer, eps = fmoe.unshard_layer(layer), ctx.cfg.rms_norm_eps
     a, entry = attention(layer["attn"], nn.rms_norm(x, layer["attn_norm"], eps), i, ctx, entry)
     h = x + a
-    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx)
+    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], nn.rms_norm(h, layer["mlp_norm"], eps), ctx, i)
     return h + y, aux, entry
 
 

@@ -124,7 +124,7 @@ def block(layer: dict, x: torch.Tensor, i: int, ctx: kit.Context, entry: Optiona
     x = nn.rms_norm(h, layer["mlp_norm"], eps)
     if "moe" not in layer:                                   # mlp_only_layers, decoder_sparse_step
         return h + kit.mlp(layer["mlp"], x), None, entry
-    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], x, ctx)
+    y, aux = nn.remat.call("moe", kit.moe, layer["moe"], x, ctx, i)
     return h + y, aux, entry
 
 

@@ -51,3 +51,25 @@ def test_a_loss_named_anything_trains_and_a_statistic_is_logged(tmp_path):
 def test_an_entry_that_is_neither_is_an_error_naming_it(tmp_path):
     with pytest.raises(TypeError, match=r"aux\['note'\] is str"):
         run(tmp_path / "bad", penalized(1.0, {"note": "hello"}))
+
+
+def test_hash_router_trains_through_the_job_on_every_mesh(tmp_path):
+    """``--router hash_router`` (it declares ``token_ids``, which every model offers): one data
+    batch on tp2/ep2, tp2/ep2 --sp (a rank routes its piece of the sequence, so its token ids must
+    be that piece's) and two pipeline stages equals one process, loss and expert load; ep2 (two
+    batches) routes every token of both."""
+    from helpers import close
+
+    flags = dict(FLAGS, router="hash_router:k=2")
+    rows = {}
+    for name, mesh in {"one": dict(nproc=1), "tp2/ep2": dict(nproc=2, tp=2, ep=2),
+                       "tp2/ep2 sp": dict(nproc=2, tp=2, ep=2, sp=True), "pp2": dict(nproc=2, pp=2, microbatches=2),
+                       "ep2": dict(nproc=2, ep=2)}.items():
+        out = tmp_path / name.replace("/", "").replace(" ", "")
+        fmoe.training.run(JobConfig(out=str(out), **flags, **mesh))
+        rows[name] = read_log(out)[-1]
+    one = rows.pop("one")
+    for name in ("tp2/ep2", "tp2/ep2 sp", "pp2"):
+        close(torch.tensor(rows[name]["loss"]), torch.tensor(one["loss"]), name)
+        assert rows[name]["expert_load"] == one["expert_load"], name
+    assert [sum(layer) for layer in rows["ep2"]["expert_load"]] == [2 * 2 * 2 * 16] * 2    # k * batches * B * S
