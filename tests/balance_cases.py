@@ -9,7 +9,7 @@ import torch
 import fmoe
 from fmoe.fsdp import data_parallel_plan
 from fmoe.model import model_of
-from fmoe.models import NAMES, get
+from fmoe.models import SHIPPED
 from fmoe.training import balancing
 from fmoe.optim import AdamWConfig, lr_at
 from fmoe.optim.adamw import init as adamw_init
@@ -29,7 +29,7 @@ def settings(model, balance, **flags):
     def error(msg):
         raise ValueError(msg)
 
-    balancing.resolve(args, error, {n: get(n) for n in NAMES})
+    balancing.resolve(args, error, dict(SHIPPED))
     return args
 
 

@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from ..models import NAMES, get
+from ..models import get, hf_model, recorded
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=None, help="default: tp")
     ap.add_argument("--impl", default="auto", help="MoE dispatch implementation")
+    ap.add_argument("--model", default=None, metavar="NAME", help="the model, a name of fmoe.models or module:attr: "
+                    "needed for a training checkpoint of a model fmoe does not ship (code is never imported from a "
+                    "checkpoint; it must name the recorded model) or an HF checkpoint whose model_type is not registered")
     ap.add_argument("--router", default=None, help="only to pass again a module:function router the checkpoint "
                     "records (code is never imported from a checkpoint)")
     ap.add_argument("--tokenizer", default=None, help="the checkpoint's tokenizer.json when the recorded one is "
@@ -78,7 +81,29 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      names={"tp": "--tp", "ep": "--ep", "world": "WORLD_SIZE" if launched else "--nproc"})
     except ValueError as e:
         ap.error(str(e))
+    try:                              # the model, before any rank starts: no code a checkpoint names
+        args.declared = _choose_model(args.ckpt, args.model)
+    except (ValueError, TypeError) as e:
+        ap.error(f"--model: {e}" if args.model is not None and "--model" not in str(e) else str(e))
     return args
+
+
+def _choose_model(ckpt: str, given: Optional[str]) -> Any:
+    """The model of ``ckpt``: an HF checkpoint's ``model_type`` through the registry
+    (:func:`fmoe.models.hf_model`), a training checkpoint's recorded model (:func:`fmoe.models.recorded`),
+    or None when the checkpoint cannot be read yet (:func:`load` reports it)."""
+    from fmoe.checkpoint import training as tckpt
+
+    if os.path.isfile(os.path.join(ckpt, "config.json")):
+        return get(hf_model(ckpt, given))
+    step = tckpt.latest(ckpt)
+    try:
+        meta = tckpt.read_meta(step) if step is not None else None
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        return None if given is None else get(given)
+    return recorded(meta.get("model"), given, os.path.join(step, "meta.json"))
 
 
 def _read_json(file: str) -> Any:
@@ -145,13 +170,11 @@ def load(ckpt: str, mesh: Any, args: Optional[argparse.Namespace] = None) -> tup
 
     given_router = getattr(args, "router", None)
     given_tok = getattr(args, "tokenizer", None)
+    declared = getattr(args, "declared", None)        # chosen by parse_args before the ranks started
     config_file = os.path.join(ckpt, "config.json")
     if os.path.isfile(config_file):
         config = _read_json(config_file)
-        kind = config.get("model_type") if isinstance(config, dict) else None
-        if kind not in NAMES:                       # a checkpoint's model_type is the registry name
-            raise ValueError(f"--ckpt {ckpt!r}: model_type {kind!r} is not supported; supported: {sorted(NAMES)}")
-        model = get(kind)
+        model = declared or get(hf_model(ckpt))     # a checkpoint's model_type is the registry name
         params, cfg = model.load_hf(ckpt, mesh=mesh if mesh.world > 1 else None)
         _check_finite(params, ckpt)
         record_file = os.path.join(ckpt, "fmoe.json")
@@ -172,9 +195,7 @@ def load(ckpt: str, mesh: Any, args: Optional[argparse.Namespace] = None) -> tup
                          "training checkpoint")
     meta = tckpt.read_meta(step)
     file = os.path.join(step, "meta.json")
-    if meta.get("model") not in NAMES:
-        raise ValueError(f"{file}: 'model' is {meta.get('model')!r}, not one of {sorted(NAMES)}")
-    model = get(meta["model"])
+    model = declared or recorded(meta.get("model"), None, file)
     if "hf_config" not in meta:
         raise ValueError(f"{file}: no 'hf_config' (the model config); not written by fmoe train")
     cfg = config_from_dict(model, meta["hf_config"], f"{file} 'hf_config'", fits=True)

@@ -28,7 +28,7 @@ from ..checkpoint.config_check import read_config
 from ..memory.dry_run import dry_run_report, format_report
 from ..memory.plan import format_plan, memory_plan
 from ..model import PRESETS, Model
-from ..models import NAMES, get
+from ..models import get
 from ..training.job import check_value
 from ..training.parallel import stage_sizes
 
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags of ``fmoe memory``."""
     ap = argparse.ArgumentParser(prog="fmoe memory",
                                  description="Per-rank memory and traffic of a training job, before running it.")
-    ap.add_argument("--model", choices=NAMES, default="qwen3_moe", help="a model of fmoe.models")
+    ap.add_argument("--model", default="qwen3_moe", metavar="NAME", help="the model: a name of fmoe.models (shipped, "
+                    "registered or an installed entry point) or module:attr, an import path to an fmoe.model.Model")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=PRESETS, default="tiny")
     src.add_argument("--config", default=None, help="a Hugging Face config.json")
@@ -101,7 +102,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 check_value(name, getattr(args, name))
             except ValueError as e:
                 ap.error(str(e))
-    model = get(args.model)
+    try:
+        model = get(args.model)
+    except (ValueError, TypeError) as e:
+        ap.error(f"--model: {e}")
     try:
         if args.optim_in_backward:                      # what the job refuses with it (fmoe.training.parallel)
             from ..training.optim_backward import check

@@ -34,12 +34,12 @@ __all__ = ["FMOE_RECORD", "hf_router_fields", "export_hf"]
 FMOE_RECORD = "fmoe.json"
 
 
-def hf_router_fields(model: str, spec: Optional[str]) -> Optional[dict]:
+def hf_router_fields(model: Any, spec: Optional[str]) -> Optional[dict]:
     """The Hugging Face config fields that express router ``spec`` on ``model``; None when its
     config cannot (another scheme, or arguments it has no field for); ``{}`` for no spec.
 
     Args:
-        model: the model name (``--model``).
+        model: the model (a name or module:attr of ``fmoe.models``, or its Model).
         spec: the ``--router`` value (None: the model's own router).
     Returns:
         ``{config field: value}`` or None.
@@ -94,7 +94,7 @@ def export_hf(model: Any, params: Any, cfg: Any, path: str, *, model_name: str, 
     from ..checkpoint.hf import save_hf
     from ..model import model_of
 
-    fields = hf_router_fields(model_name, router)
+    fields = hf_router_fields(model_of(model), router)
     record = {"format": "fmoe-export/1", "model": model_name, "router": router,
               "router_in_hf_config": fields is not None, "tokenizer": tokenizer.name,
               "tokenizer_digest": tokenizer.digest, "step": step}

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import numpy
 
 from ..model import PRESETS
-from ..models import NAMES
+from ..models import text_of
 from .observe import check_tensorboard, parse_steps
 
 __all__ = ["JobConfig", "JobConfigError", "FIELDS", "DEFAULTS", "DEFAULT_OUT", "SEED_MAX", "flag", "check_value"]
@@ -65,8 +65,8 @@ def flag(name: str) -> str:
 
 
 # (check kind, argument): "int" (low, high or None), "float" (low, strict), "fraction" (open (0, 1)),
-# "choice" (values), "str" (a path-like as its text), "bool" (optional: a check of what switching it on
-# needs), "steps" ("A:B"), "layers" ("3,2")
+# "choice" (values), "model" (fmoe.models.text_of), "str" (a path-like as its text), "bool" (optional: a
+# check of what switching it on needs), "steps" ("A:B"), "layers" ("3,2")
 # Every field is None unless given ("not given" is how a --resume tells a setting to keep from one
 # to change); ``default`` is the value the job uses then (:data:`DEFAULTS`).
 def _f(group: str, check: tuple, help: str, default: Any = None, metavar: Optional[str] = None) -> Any:
@@ -79,7 +79,10 @@ class JobConfig:
     """The main job's settings (module docstring); every field is a flag of ``fmoe train``."""
 
     # model
-    model: Optional[str] = _f("model", ("choice", NAMES), "model family (fmoe.models)")
+    model: Optional[str] = _f("model", ("model",), "the model: a name of fmoe.models (shipped, registered or an "
+                              "installed entry point; with --init-hf default: the checkpoint's model_type) or "
+                              "module:attr, an import path to an fmoe.model.Model (in the library call, the Model "
+                              "itself, recorded by its name)", metavar="NAME")
     preset: Optional[str] = _f("model", ("choice", PRESETS), "model size preset")
     init_hf: Optional[str] = _f("model", ("str",), "start from this Hugging Face checkpoint (config and weights; "
                                 "weights cast to fp32 master weights) instead of a random --preset model", metavar="DIR")
@@ -258,6 +261,11 @@ def check_value(name: str, value: Any) -> Any:
         if value not in arg[0]:
             raise ValueError(f"{said} must be one of {', '.join(arg[0])}, got {value!r}")
         return value
+    if kind == "model":                                # a name or module:attr, as text (a Model: its name)
+        try:
+            return text_of(value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{said}: {e}") from None
     if kind == "steps":
         parse_steps(value, said)
         return value

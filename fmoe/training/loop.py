@@ -107,7 +107,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     from fmoe.training.pipeline import stage_plan, stage_tree
 
     torch.set_num_threads(threads_of(job))            # --threads (fmoe.training.threads)
-    model = get(job.model)                            # the declared Model, from the registry
+    model = job.declared                              # the declared Model, resolved before the ranks started
     mesh = fmoe.Mesh(tp=job.tp, ep=job.ep, dp_replicate=job.dp_replicate, pp=job.pp, sp=job.sp)
     device = options.resolve_device(job.device, int(os.environ.get("LOCAL_RANK", rank)))
     if job.init_hf and job.upcycle:    # a dense llama checkpoint, MLPs copied into experts

@@ -19,7 +19,7 @@ import types
 from typing import Any, Callable, Optional
 
 from ..mesh import check_layout
-from ..models import NAMES, get
+from ..models import SHIPPED, get, hf_model
 from . import balancing, parallel, resume
 from .job import FIELDS, JobConfig, JobConfigError
 
@@ -32,8 +32,10 @@ class Job(types.SimpleNamespace):
     """The resolved job: every :class:`JobConfig` field by name, with the value in use, and
     ``config`` (the JobConfig as given), ``explicit`` (the fields given, not None), ``world``
     (ranks), ``schedule_total`` (the step the lr schedule ends at), ``resume_path`` /
-    ``resume_meta`` (the checkpoint continued, or None) and ``step_config`` (a replacing
-    :class:`fmoe.training.StepConfig`, or None)."""
+    ``resume_meta`` (the checkpoint continued, or None), ``step_config`` (a replacing
+    :class:`fmoe.training.StepConfig`, or None) and ``declared`` (the model's
+    :class:`fmoe.model.Model`, resolved once here: the ranks run it, so a model registered in
+    this process reaches spawned ranks)."""
 
 
 def _error(message: str) -> None:
@@ -76,6 +78,8 @@ def resolve(cfg: JobConfig) -> Job:
                          "another mesh)" if taken else ""))
     if job.init_hf and not os.path.isdir(job.init_hf):
         _error(f"--init-hf {job.init_hf!r} is not a directory")
+    if job.init_hf and not job.upcycle:                # config.json's model_type names the model (fmoe.models)
+        _check_init_hf(job)
     if job.impl != "auto":
         import fmoe.ep
         if job.impl not in fmoe.ep.registered():
@@ -94,7 +98,8 @@ def resolve(cfg: JobConfig) -> Job:
         _check_sizes(job, 256)
         _identify_data(job)
     parallel.check_options(job, _error)
-    balancing.resolve(job, _error, {n: get(n) for n in NAMES})   # after a resume filled in the kept settings
+    job.declared = get(job.model)                      # the Model the ranks run (a registered one reaches them)
+    balancing.resolve(job, _error, {**SHIPPED, job.model: job.declared})   # after a resume filled in the kept settings
     _check_upcycle(job)
     parallel.check_stages(job, _error, found)
     _check_out(job)
@@ -170,9 +175,6 @@ def _find_resume(job: Job) -> tuple[str, dict]:
         meta = ckpt.read_meta(path)
     except ValueError as e:
         _error(f"--resume: {e}")
-    file = os.path.join(path, "meta.json")
-    if meta.get("model") not in NAMES:
-        _error(f"--resume: {file}: 'model' is {meta.get('model')!r}, not one of {list(NAMES)}")
     return path, meta
 
 
@@ -194,6 +196,14 @@ def _check_resume(job: Job, path: str, meta: dict) -> None:
     if "out" not in job.explicit:                      # continue in the run's own directory
         job.out = os.path.dirname(os.path.abspath(path))
     job.resume_path, job.resume_meta = path, meta
+
+
+def _check_init_hf(job: Job) -> None:
+    """The model of ``--init-hf DIR``: its ``model_type``, or the ``--model`` given, which must load it."""
+    try:
+        job.model = hf_model(job.init_hf, job.model if "model" in job.explicit else None)
+    except (ValueError, TypeError) as e:
+        _error(f"--init-hf: {e}")
 
 
 def _check_upcycle(job: Job) -> None:
@@ -252,4 +262,3 @@ def _check_out(job: Job) -> None:
             check_target(job.export_hf, overwrite=job.overwrite, what="--export-hf")
         except ValueError as e:
             _error(str(e))
-

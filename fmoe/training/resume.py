@@ -39,7 +39,8 @@ walks them all):
   ``meta.json``, the field and the value); a recorded ``--router`` is only a *name* of
   :mod:`fmoe.routing` with literal arguments, rebuilt and re-validated. A ``module:function``
   router names code, which a checkpoint never chooses: it must be passed again as ``--router``
-  on the command line (:func:`check_router`);
+  on the command line (:func:`check_router`); so must ``--model`` for a model fmoe does not ship
+  (:func:`check_model`: registered, an entry point or ``module:attr``), a mismatch refused by name;
 - **schedule rule**: the warmup + cosine schedule stays the one of the run that was started
   (its ``--steps``, recorded as ``schedule.total``); steps beyond that total train at the final
   learning rate (``0.1 * --lr``). So ``--steps 10`` then ``--resume --steps 20`` trains steps
@@ -60,7 +61,7 @@ from typing import Any, Callable, Mapping, Optional
 from .job import DEFAULTS, FIELDS, check_value, flag
 
 __all__ = ["KEPT", "CHANGEABLE", "MESH", "FRESH", "REFUSED", "take_mesh", "apply", "batch_shape", "check_router",
-           "check_kept_value", "schedule_record"]
+           "check_model", "check_kept_value", "schedule_record"]
 
 #: settings a resumed run keeps (taken from the checkpoint; another value given is refused)
 KEPT = ("model", "preset", "seed", "batch", "seq", "data", "tokenizer", "eval_fraction", "eval_seed",
@@ -167,6 +168,18 @@ def check_router(saved: Any, job: Any, file: str) -> Optional[str]:
     return None
 
 
+def check_model(saved: Any, job: Any, file: str) -> Optional[str]:
+    """Why the recorded model ``saved`` cannot be used, or None (:func:`fmoe.models.recorded`: a
+    model fmoe does not ship needs ``--model`` from the user; a mismatch is refused by name)."""
+    from ..models import recorded
+
+    try:
+        recorded(saved, job.model if "model" in job.explicit else None, file)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+
 def batch_shape(settings: Mapping[str, Any]) -> tuple[int, int]:
     """``(rows, micro-batches)`` of one data-parallel batch per step: ``--batch B --microbatches M``
     under ``--pp`` is ``(B / M, M)``, as ``--batch B/M --grad-accum M`` without a pipeline."""
@@ -190,8 +203,8 @@ def _settings(meta: dict, where: str, error: Callable[[str], Any]) -> dict:
         if name not in saved:
             error(f"--resume {where}: meta.json's settings have no {name!r}; it was not written by this version "
                   "of fmoe and cannot be continued")
-        # (the router is checked against the job's --router by apply)
-        problem = None if name == "router" else check_kept_value(name, f"settings.{name}", saved[name], file)
+        # (the router and the model are checked against the job's --router / --model by apply: no import)
+        problem = None if name in ("router", "model") else check_kept_value(name, f"settings.{name}", saved[name], file)
         if problem:
             error(f"--resume: {problem}")
     return saved
@@ -287,10 +300,12 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
         if name in MESH_FOLLOWERS and getattr(job, MESH_FOLLOWERS[name]) != saved.get(MESH_FOLLOWERS[name]):
             continue                                   # another --tp / --pp: its followers are this run's own
         value = saved[name]
-        if name == "router":
-            problem = check_router(value, job, file)
+        if name in ("router", "model"):
+            problem = (check_router if name == "router" else check_model)(value, job, file)
             if problem:
                 error(f"--resume: {problem}")
+            if name == "model" and name in job.explicit:
+                continue                               # the --model given names the recorded model
         if name not in job.explicit:
             setattr(job, name, value)
         elif name in KEPT and getattr(job, name) != value:

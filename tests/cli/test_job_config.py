@@ -41,7 +41,7 @@ def test_each_field_is_checked_when_the_config_is_built():
                           (dict(tp=0), "--tp must be an integer >= 1, got 0"),
                           (dict(batch=2.0), "--batch must be an integer >= 1, got 2.0"),
                           (dict(seed=2**64), f"--seed must be an integer in [0, {2**63 - 1}]"),
-                          (dict(model="gpt5"), "--model must be one of qwen3_moe, mixtral"),
+                          (dict(model="gpt5"), "--model: unknown model 'gpt5'; fmoe.models has ['qwen3_moe', 'mixtral'"),
                           (dict(eval_fraction=1.0), "--eval-fraction must be in (0, 1), got 1.0"),
                           (dict(quiet="yes"), "--quiet is a switch"),
                           (dict(out=""), "--out must be a non-empty string")):

@@ -123,9 +123,12 @@ def test_a_crafted_model_config_is_refused_before_any_allocation(run, tmp_path, 
         edit_meta(step, hf_config={**hf, **change})
         line = usage_error(capsys, "--resume", out, "--steps", "3")
         assert want in line and "'hf_config'" in line, line
-    edit_meta(step, hf_config=hf, model="nope")
+    with open(os.path.join(step, "meta.json"), "w") as f:   # a model fmoe does not ship: never imported
+        json.dump({**meta, "settings": {**meta["settings"], "model": "nope"}}, f)
     assert "'model' is 'nope', not one of" in usage_error(capsys, "--resume", out, "--steps", "3")
-    edit_meta(step, model="qwen3_moe", mesh="x")
+    with open(os.path.join(step, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    edit_meta(step, mesh="x")
     assert "'mesh' is 'x'" in usage_error(capsys, "--resume", out, "--steps", "3")
     edit_meta(step, mesh=meta["mesh"], hf_config=KeyError)
     assert "expected a JSON object (the model config), got NoneType" in usage_error(
@@ -369,8 +372,9 @@ def test_generate_refuses_bad_values_in_one_line(run, tmp_path, capsys):
     assert len(err) == 1 and "lower max_new_tokens" in err[0]
     out = copy_run(run, tmp_path)
     edit_meta(os.path.join(out, "step-2"), model="nope")
-    assert generate_main(["--ckpt", out, "--prompt", "x"]) == 1
-    assert "'model' is 'nope', not one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:                  # the model is chosen before any rank starts
+        generate_main(["--ckpt", out, "--prompt", "x"])
+    assert e.value.code == 2 and "'model' is 'nope', not one of" in capsys.readouterr().err
     edit_meta(os.path.join(out, "step-2"), model="qwen3_moe", hf_config=KeyError)
     assert generate_main(["--ckpt", out, "--prompt", "x"]) == 1
     assert "no 'hf_config'" in capsys.readouterr().err

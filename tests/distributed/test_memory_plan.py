@@ -120,7 +120,7 @@ def test_plan_command_json_text_and_warning(capsys):
     assert format_plan(want).count("\n") >= 3
 
 
-@pytest.mark.parametrize("name", fmoe.models.NAMES)
+@pytest.mark.parametrize("name", list(fmoe.models.SHIPPED))
 def test_declared_widths_remat_blocks_and_presets_agree_with_the_model(name):
     """What a model declares on its ``Model`` (the memory plan's ``widths``, ``remat_blocks``,
     the job's ``preset``) agrees with the parameters its ``init`` builds."""
