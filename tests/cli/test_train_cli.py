@@ -42,7 +42,7 @@ def load_params(path):
     (["--nproc", "4", "--tp", "2", "--ep", "3"], "--ep 3 must be a multiple of --tp 2"),
     (["--nproc", "4", "--ep", "8"], "--ep 8 must divide fsdp * tp = 4 * 1 = 4 (the ranks of one data-parallel "
                                     "replica); valid --ep: 1, 2, 4"),
-    (["--model", "gpt5"], "invalid choice: 'gpt5'"),
+    (["--model", "gpt5"], "--model: unknown model 'gpt5'; fmoe.models has"),
     (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
     (["--resume", "/nonexistent/dir"], "--resume '/nonexistent/dir' does not exist"),
     (["--seed", str(2**70)], f"--seed must be an integer in [0, {2**63 - 1}], got {2**70}"),
