@@ -138,8 +138,9 @@ def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> 
         if ep > 1 and w.shape[0] == E:            # replicated / plain full experts: own block
             w = w[rng.start:rng.stop]
         if w.shape[0] != len(rng):
+            hint = "; the experts are split over ep: pass mesh= (forward(..., mesh=mesh))" if ep == 1 else ""
             raise ValueError(f"moe: params[{key!r}] holds {w.shape[0]} experts on this rank, "
-                             f"expected {len(rng)} (E={E} over ep={ep})")
+                             f"expected {len(rng)} (E={E} over ep={ep}){hint}")
         weights[key] = w
     return LocalExperts(weights, rng.start, E, act=act, matmul=matmul)
 

@@ -42,6 +42,7 @@ __all__ = [
     "flatten",
     "unflatten",
     "paths",
+    "map",
     "map_with_path",
     "glob_match",
     "leaves",
@@ -236,6 +237,24 @@ def _lists_from_digit_dicts(node: Any) -> Any:
     if out and all(k.isdigit() for k in out) and sorted(int(k) for k in out) == list(range(len(out))):
         return [out[str(i)] for i in range(len(out))]
     return out
+
+
+def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:          # the name of jax.tree.map
+    """Map ``fn(leaf, *rest_leaves)`` over a tree, keeping its structure (:func:`map_with_path`
+    without the path, as ``jax.tree.map``).
+
+    Args:
+        fn: called with the leaf and the leaves of ``rest`` at the same path.
+        tree: the tree to map over.
+        *rest: trees with the same structure as ``tree``.
+    Returns:
+        a tree of ``fn``'s results.
+
+    Example:
+        >>> map(lambda x, y: x + y, {"a": [1, 2]}, {"a": [10, 20]})
+        {'a': [11, 22]}
+    """
+    return map_with_path(lambda _, x, *r: fn(x, *r), tree, *rest)
 
 
 def map_with_path(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
