@@ -11,7 +11,8 @@ What a checkpoint may contain, and nothing else is read: ``shard-*.safetensors``
 ``HuggingFaceStorageReader``, which builds DCP's metadata from those JSON headers: nothing is
 unpickled, so a crafted checkpoint cannot run code. Before reading, every ``.safetensors`` file
 must be listed in ``meta.json`` and match its checksum (safetensors itself has none), and after
-reading every value must be finite. Any other file (a planted ``.metadata`` pickle, say) is
+reading every value must be finite; nothing non-finite is written either (:func:`save` checks
+the state first, :func:`first_nonfinite`). Any other file (a planted ``.metadata`` pickle, say) is
 never opened. A directory in torch's pickle-based format (``meta.json`` without this format,
 ``.metadata``, ``*.distcp``) is refused.
 
@@ -32,7 +33,6 @@ its temporary directory on the way out; a process killed mid-save leaves it behi
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import warnings
@@ -45,13 +45,14 @@ import torch.distributed.checkpoint as dcp
 from .. import tree as _tree
 from . import atomic
 from .canonical import sort_metadata
+from .errors import io_error
+from .finite import NonFiniteState, first_nonfinite
 from .integrity import digests, verify
 from .retention import complete_steps
 from .packed import dcp_view, restore, views
 from .progress import bar
 from .steps import step_dir, step_of
 from ..collectives import all_gather_objects, barrier, broadcast_object
-from ..sharding import local_shard
 
 __all__ = ["save", "load", "latest", "read_meta", "packed_layout", "on_rank0", "FORMAT"]
 
@@ -64,10 +65,6 @@ def _own(name: str) -> bool:
 
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    barrier()
 
 
 def packed_layout(plan: Any, params: Any, mesh: Any = None) -> dict[str, tuple[int, int]]:
@@ -109,32 +106,12 @@ def on_rank0(fn: Callable[[], Any], what: str) -> None:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - every rank must learn it
-            error = _io_error(e, what)
+            error = io_error(e, what)
     msg = _agree(None if error is None else str(error))
     if error is not None:
         raise error
     if msg is not None:
         raise RuntimeError(f"rank 0 failed {what}: {msg}")
-
-
-def _io_error(e: BaseException, target: str) -> BaseException:
-    """An exception that names ``target`` for disk-full / read-only / permission failures and
-    for torch's ``CheckpointException`` (a ``BaseException`` holding per-rank failures)."""
-    causes = [e]
-    if isinstance(e, dcp.api.CheckpointException):
-        causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-    for c in causes:
-        if isinstance(c, OSError) and c.errno == errno.ENOSPC:
-            if str(c.strerror).startswith("no space left on device"):      # already says where
-                return c
-            return OSError(errno.ENOSPC, f"no space left on device {target}")
-        if isinstance(c, OSError) and c.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            return OSError(c.errno, f"cannot write {target}: {os.strerror(c.errno)}")
-    if isinstance(e, dcp.api.CheckpointException):
-        ranks = sorted(e.failures)
-        c = causes[0]
-        return RuntimeError(f"{target} failed on rank(s) {ranks}: {type(c).__name__}: {c}")
-    return e
 
 
 def _split_digests(directory: str) -> dict[str, dict]:
@@ -163,6 +140,8 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
         packed: :func:`packed_layout` of the params (leaves stored as blocks).
         progress: a bar on stderr (:mod:`fmoe.checkpoint.progress`; the job's rank 0 without --quiet).
     Raises:
+        NonFiniteState: a parameter or moment holds NaN/Inf (checked before anything is written,
+            naming the first such leaf; on every rank).
         OSError: disk full (``"no space left on device writing OUT/step-N"``) or read-only
             ``out_dir``, on every rank; RuntimeError for other failures of any rank.
     """
@@ -170,6 +149,12 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
     final = step_dir(out_dir, step)
     what = f"writing {final}"
     box: dict = {}
+    path = first_nonfinite(_state(params, opt_state))      # nothing non-finite is ever saved
+    bad = _agree(None if path is None else f"rank {_rank()}: {path!r}")
+    if bad is not None:
+        good = latest(out_dir) if os.path.isdir(out_dir) else None
+        raise NonFiniteState(f"step {step}: the training state holds non-finite values (NaN/Inf; first: {bad}); "
+                             f"{final} was not written (last good checkpoint: {good or 'none'}). Try a lower --lr")
 
     def prepare() -> None:
         os.makedirs(out_dir, exist_ok=True)
@@ -184,8 +169,8 @@ def save(out_dir: str, step: int, params: Any, opt_state: Any, meta: dict,
                 with _single_process_ok():
                     dcp.save(views(params, opt_state, packed), storage_writer=writer, no_dist=not _dist())
             except (Exception, dcp.api.CheckpointException) as e:
-                raise _io_error(e, what) from e
-            _barrier()
+                raise io_error(e, what) from e
+            barrier()
             next_part()
             files = _split_digests(tmp)
             next_part()
@@ -221,11 +206,14 @@ def read_meta(ckpt: str) -> dict:
     """The checked ``meta.json`` of a complete checkpoint.
 
     Raises:
-        ValueError: naming the path, when there is no ``meta.json``, it is not a JSON object,
+        ValueError: naming the path, when there is no ``meta.json`` (or it is a symbolic link),
+        it is not a JSON object,
         its ``step`` is not a non-negative int, or the directory is in torch's pickle-based
         format (which fmoe refuses to read).
     """
     file = os.path.join(ckpt, "meta.json")
+    if os.path.islink(file):                    # as a shard link is: nothing is read from outside
+        raise ValueError(f"{file} is a symbolic link (to {os.readlink(file)!r}); a checkpoint's files are its own")
     if not os.path.isfile(file):
         raise ValueError(f"{ckpt!r} is not a complete fmoe training checkpoint (no meta.json)")
     try:
@@ -265,14 +253,15 @@ def _check_files(ckpt: str, meta: dict) -> None:
         raise ValueError(error)
 
 
+def _state(params: Any, opt_state: Optional[Any]) -> dict:
+    """What a checkpoint holds of the state (the step counter is an integer)."""
+    return {"params": params} if opt_state is None else {"params": params, "m": opt_state["m"], "v": opt_state["v"]}
+
+
 def _check_finite(tree: Any, ckpt: str) -> None:
-    bad = None
-    for path, leaf in _tree.flatten(tree).items():
-        local = local_shard(leaf)
-        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            bad = f"{ckpt}: {path!r} holds non-finite values (NaN/Inf); resume from an earlier step"
-            break
-    bad = _agree(bad)
+    path = first_nonfinite(tree)
+    bad = _agree(None if path is None else f"{ckpt}: {path!r} holds non-finite values (NaN/Inf); resume from an "
+                 "earlier step")
     if bad is not None:
         raise ValueError(bad)
 
@@ -299,14 +288,12 @@ def load(ckpt: str, params: Any, opt_state: Optional[Any], packed: Optional[dict
                 if opt_state is not None:
                     opt_state["step"].copy_(state["opt"]["step"])
         except (Exception, dcp.api.CheckpointException) as e:
-            raise _io_error(e, f"reading {ckpt}") from e
+            raise io_error(e, f"reading {ckpt}") from e
         next_part()
         restore(params, state["params"], packed)
-        if opt_state is None:
-            _check_finite({"params": params}, ckpt)
-        else:
+        if opt_state is not None:
             restore(opt_state["m"], state["opt"]["m"], packed)
             restore(opt_state["v"], state["opt"]["v"], packed)
-            _check_finite({"params": params, "m": opt_state["m"], "v": opt_state["v"]}, ckpt)
+        _check_finite(_state(params, opt_state), ckpt)
         next_part()
     return meta

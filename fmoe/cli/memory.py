@@ -5,8 +5,9 @@ The program only reads flags and reports: the model comes from the registry
 (:func:`fmoe.models.get`), the job's config is the model's preset widened as the main job widens
 it (:meth:`fmoe.model.Model.preset`) or a Hugging Face ``--config`` (KV heads widened by the same
 rule, :meth:`fmoe.model.Model.widen_kv_heads`), and the estimate is the library's
-:func:`fmoe.memory.plan.memory_plan`. The flags are the job's (``fmoe train``'s names, checked by
-its :func:`fmoe.training.job.check_value`). With ``--dry-run`` every rank reports ``planned``
+:func:`fmoe.memory.plan.memory_plan`. The flags are the job's (``fmoe train``'s names), built into a
+:class:`fmoe.training.JobConfig` and checked by the job's own cross-flag rules
+(:func:`fmoe.training.resolve.check_plan`), so it plans nothing ``fmoe train`` refuses. With ``--dry-run`` every rank reports ``planned``
 (the plan's bytes by category at its predicted peak) beside ``measured``
 (:func:`fmoe.memory.dry_run.dry_run_report`); ``--json`` prints ``{"ranks": [{"rank", "role",
 "planned": {"total_bytes", ...}, "measured": {"peak_bytes", ...}}], ...}``, and ``--memory-gb G``
@@ -29,10 +30,17 @@ from ..memory.dry_run import dry_run_report, format_report
 from ..memory.plan import format_plan, memory_plan
 from ..model import PRESETS, Model
 from ..models import get
-from ..training.job import check_value
+from ..training import JobConfig
 from ..training.parallel import stage_sizes
+from ..training.resolve import check_plan
 
 __all__ = ["main", "build_parser"]
+
+
+#: flags of fmoe memory that are fmoe train's settings (built into a JobConfig and checked as the job does)
+JOB_FLAGS = ("model", "preset", "nproc", "tp", "ep", "dp_replicate", "batch", "seq", "dtype", "remat", "grad_accum",
+             "memory_gb", "master_dtype", "optim_dtype", "loss_chunks", "clip", "optim_in_backward", "sp", "pp",
+             "microbatches", "pp_schedule", "pp_layers")
 
 
 def _load_config(model: Model, args: argparse.Namespace) -> Any:
@@ -60,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=None, help="default: tp")
     ap.add_argument("--dp-replicate", type=int, default=1)
-    ap.add_argument("--batch", type=int, default=4, help="sequences per data-parallel micro-batch")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per data-parallel batch (with --pp: all "
+                    "--microbatches' rows, as fmoe train's --batch)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--remat", choices=("none", "layer", "moe"), default="none")
@@ -95,30 +104,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ``--memory-gb``."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    for name in ("nproc", "tp", "ep", "dp_replicate", "batch", "seq", "grad_accum", "loss_chunks", "memory_gb", "clip",
-                 "pp", "microbatches"):
-        if getattr(args, name) is not None:
-            try:                                          # the job's own checks of the same flags
-                check_value(name, getattr(args, name))
-            except ValueError as e:
-                ap.error(str(e))
+    try:                                                # the job's own settings and checks (one code path)
+        settings = JobConfig(**{name: getattr(args, name) for name in JOB_FLAGS})
+    except ValueError as e:
+        ap.error(str(e))
     try:
         model = get(args.model)
     except (ValueError, TypeError) as e:
         ap.error(f"--model: {e}")
     try:
-        if args.optim_in_backward:                      # what the job refuses with it (fmoe.training.parallel)
-            from ..training.optim_backward import check
-
-            check(args.grad_accum, args.clip or None, pp=args.pp)
         cfg = _load_config(model, args)
-        plan = memory_plan(model, cfg, nproc=args.nproc, tp=args.tp, ep=args.ep, dp_replicate=args.dp_replicate,
-                           batch=args.batch, seq=args.seq, dtype=args.dtype, remat=args.remat,
-                           grad_accum=args.grad_accum, master_dtype=args.master_dtype,
-                           optim_dtype=args.optim_dtype, loss_chunks=args.loss_chunks,
-                           optim_in_backward=args.optim_in_backward, clip=args.clip, sp=args.sp, pp=args.pp,
-                           microbatches=args.microbatches, pp_schedule=args.pp_schedule, pp_layers=stage_sizes(args.pp_layers))
-        if args.dry_run and args.pp_layers is not None:
+        job = check_plan(settings, cfg)                  # what fmoe train refuses is refused here too
+        plan = memory_plan(model, cfg, nproc=job.world, tp=job.tp, ep=job.ep, dp_replicate=job.dp_replicate,
+                           batch=job.batch, seq=job.seq, dtype=job.dtype, remat=job.remat,
+                           grad_accum=job.grad_accum, master_dtype=job.master_dtype,
+                           optim_dtype=job.optim_dtype, loss_chunks=job.loss_chunks,
+                           optim_in_backward=job.optim_in_backward, clip=job.clip, sp=job.sp, pp=job.pp,
+                           microbatches=job.microbatches, pp_schedule=job.pp_schedule,
+                           pp_layers=stage_sizes(job.pp_layers))
+        if args.dry_run and args.pp_layers is not None and len(set(stage_sizes(args.pp_layers))) > 1:
             raise ValueError(f"--pp-layers {args.pp_layers} with --dry-run: the dry run splits the layers into equal "
                              "stages; plan uneven stages without --dry-run")
         if args.dry_run:

@@ -9,8 +9,9 @@ digests (:mod:`fmoe.training.resume`): a moved corpus is the same data, an edite
   shard file with its token count and its own SHA-256 (written while the shards are written), so
   the digest costs one small read;
 - text (a ``.txt`` / ``.jsonl`` file or a directory of them): the SHA-256 over the files the job
-  reads, in its order, each as its path relative to ``--data``, its size and its bytes (one
-  sequential read: the job reads them all again to tokenize).
+  reads, in its order, each as its path relative to a ``--data`` directory, its size and its
+  bytes (one sequential read: the job reads them all again to tokenize); a lone file's name is
+  not part of it (a renamed file is the same data).
 
 Example:
     >>> import tempfile, pathlib
@@ -51,9 +52,9 @@ def data_digest(path: str) -> str:
         with open(os.path.join(path, HEADER), "rb") as f:
             h.update(b"shards\0" + f.read())
         return h.hexdigest()
-    root = path if os.path.isdir(path) else os.path.dirname(path)
-    for name in list_files(path):
-        h.update(f"{os.path.relpath(name, root)}\0{os.path.getsize(name)}\0".encode("utf-8", "surrogateescape"))
+    for name in list_files(path):                      # a lone file is its bytes, whatever its name
+        inside = os.path.relpath(name, path) if os.path.isdir(path) else ""
+        h.update(f"{inside}\0{os.path.getsize(name)}\0".encode("utf-8", "surrogateescape"))
         with open(name, "rb") as f:
             while block := f.read(_BLOCK):
                 h.update(block)

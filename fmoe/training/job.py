@@ -47,12 +47,6 @@ DEFAULT_OUT = "runs/fmoe"
 SEED_MAX = 2**63 - 1   # torch.Generator.manual_seed takes 64-bit seeds; derived seeds wrap to 64 bits
 PRECISIONS = ("fp32", "bf16")
 
-#: the value a field left None takes (where it is not the checkpoint's on --resume)
-DEFAULTS: dict[str, Any] = {"nproc": 1, "tp": 1, "dp_replicate": 1,
-                            "model": "qwen3_moe", "preset": "tiny", "seed": 0, "batch": 4, "seq": 64, "lr": 3e-3,
-                            "warmup": 5, "weight_decay": 0.1, "clip": 1.0, "eval_fraction": 0.05, "grad_accum": 1,
-                            "dtype": "fp32", "master_dtype": "fp32", "optim_dtype": "fp32", "out": DEFAULT_OUT}
-
 
 class JobConfigError(ValueError):
     """The job's settings do not fit together, the environment or the disk (found before any
@@ -228,7 +222,13 @@ class JobConfig:
 
 #: name -> dataclass field of every setting (its metadata: group, check, help, metavar, default)
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
-DEFAULTS.update({n: f.metadata["default"] for n, f in FIELDS.items() if f.metadata["default"] is not None})
+#: the value a field left None takes (where it is not the checkpoint's on --resume): the fields' declared
+#: defaults, and these
+DEFAULTS: dict[str, Any] = {**{n: f.metadata["default"] for n, f in FIELDS.items() if f.metadata["default"] is not None},
+                            **{"nproc": 1, "tp": 1, "dp_replicate": 1,
+                               "model": "qwen3_moe", "preset": "tiny", "seed": 0, "batch": 4, "seq": 64, "lr": 3e-3,
+                               "warmup": 5, "weight_decay": 0.1, "clip": 1.0, "eval_fraction": 0.05, "grad_accum": 1,
+                               "dtype": "fp32", "master_dtype": "fp32", "optim_dtype": "fp32", "out": DEFAULT_OUT}}
 
 
 def check_value(name: str, value: Any) -> Any:

@@ -57,6 +57,9 @@ def read_job_file(path: str) -> dict[str, Any]:
         raise ValueError(f"{where}: cannot read it ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{where}: not valid TOML ({e})") from None
+    except UnicodeDecodeError as e:                    # TOML is UTF-8 text
+        raise ValueError(f"{where}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); TOML files "
+                         "are UTF-8") from None
     settings = {}
     for key, value in data.items():
         if key not in FIELDS:

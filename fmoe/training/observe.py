@@ -52,6 +52,16 @@ def check_tensorboard(flag: str = "--tensorboard") -> None:
                          "pip install 'fmoe[tensorboard]'")
 
 
+def _own_dir(out: str, name: str) -> str:
+    """``OUT/name``, made if missing; never a symbolic link (the job refuses one before it starts,
+    :func:`fmoe.training.outdir.links`; this catches one planted since)."""
+    path = os.path.join(out, name)
+    if os.path.islink(path):
+        raise OSError(f"{path} is a symbolic link; fmoe train never writes through a link")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 class Observer:
     """One rank's view of the run's measurements (module docstring).
 
@@ -61,10 +71,11 @@ class Observer:
         profile_steps: ``"A:B"`` or None.
         tensorboard: write rank 0's rows as TensorBoard scalars too.
         device: the device the job's collectives run on (NCCL gathers CUDA tensors).
+        start: the step a resumed run continues from (its TensorBoard steps after it are purged).
     """
 
     def __init__(self, out: str, rank: int, profile_steps: Optional[str] = None, tensorboard: bool = False,
-                 device: Any = "cpu"):
+                 device: Any = "cpu", start: int = 0):
         self.out, self.rank, self.device = out, rank, device
         self.window = parse_steps(profile_steps) if profile_steps else None
         self.profiler: Any = None
@@ -73,7 +84,8 @@ class Observer:
             check_tensorboard()
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+            # a resumed run trains steps start+1.. again: TensorBoard drops what an earlier run wrote from there
+            self.writer = SummaryWriter(_own_dir(out, "tensorboard"), purge_step=start + 1 if start else None)
         self.step_time = 0.0
         self.sent: dict = {}
 
@@ -95,9 +107,10 @@ class Observer:
 
     def _export(self) -> None:
         self.profiler.__exit__(None, None, None)
-        directory = os.path.join(self.out, "profile")
-        os.makedirs(directory, exist_ok=True)
-        self.profiler.export_chrome_trace(os.path.join(directory, f"rank-{self.rank}.json"))
+        trace = os.path.join(_own_dir(self.out, "profile"), f"rank-{self.rank}.json")
+        if os.path.islink(trace):
+            raise OSError(f"{trace} is a symbolic link; fmoe train never writes through a link")
+        self.profiler.export_chrome_trace(trace)
         self.profiler = None
 
     def rank_lists(self) -> dict:

@@ -111,14 +111,12 @@ def fit_vocab(cfg: Any, tokenizer: Any, tp: int) -> Any:
 
 
 def run_meta(job: Any, tokenizer: Any, device: torch.device) -> dict:
-    """What ``meta.json`` records about these flags (the router spec as given)."""
+    """What ``meta.json`` records about these flags for its readers (``fmoe generate``: the router
+    spec as given, the tokenizer the run found and its digest); the settings themselves are in
+    ``settings`` (:func:`fmoe.training.settings.record`)."""
     return {"router": job.router, "dtype": job.dtype, "master_dtype": job.master_dtype,
-            "optim_dtype": job.optim_dtype, "remat": job.remat,
-            "grad_accum": job.microbatches if job.pp > 1 else job.grad_accum,    # --pp: as --grad-accum M
-            "dp_batches": job.dp_batches,
-            "data": job.data, "tokenizer_flag": job.tokenizer, "tokenizer": tokenizer.name,
-            "tokenizer_digest": tokenizer.digest,
-            "device": device.type, "eval_fraction": job.eval_fraction, "eval_seed": job.eval_seed}
+            "optim_dtype": job.optim_dtype, "remat": job.remat, "tokenizer": tokenizer.name,
+            "tokenizer_digest": tokenizer.digest, "device": device.type}
 
 
 def step_options(job: Any) -> dict:

@@ -1,7 +1,8 @@
 """The run directory ``OUT``: one job at a time, and never another run's files.
 
 A run owns what it writes into ``OUT``: ``log.jsonl``, ``step-N/`` checkpoints (and their
-``.step-N.tmp`` while being written) and the lock file ``.lock``. Three rules follow:
+``.step-N.tmp`` while being written), ``tensorboard/`` and ``profile/`` (:mod:`fmoe.training.observe`)
+and the lock file ``.lock``. Three rules follow:
 
 - **one job per OUT**: the job holds ``OUT/.lock`` (an exclusive ``flock``; the file holds the
   owner's pid and host). A second job into the same OUT fails at once naming the owner. A lock
@@ -47,12 +48,14 @@ __all__ = ["OutLock", "RunDirBusy", "holds_run", "clear_run", "newer_steps", "dr
            "links", "remove_temporaries", "append_row", "trim_log"]
 
 LOCK, LOG = ".lock", "log.jsonl"
+TENSORBOARD, PROFILE = "tensorboard", "profile"       # --tensorboard, --profile-steps (fmoe.training.observe)
 _LOG_TEMPORARY = re.compile(r"^\.log\.jsonl\..*\.tmp$")
 
 
 def _run_file(name: str) -> bool:
-    """A run's own file: the log, a checkpoint or an unfinished save (:mod:`fmoe.checkpoint.steps`)."""
-    return name == LOG or step_of(name) is not None or is_step_temporary(name)
+    """A run's own file: the log, its TensorBoard and profiler directories, a checkpoint or an
+    unfinished save (:mod:`fmoe.checkpoint.steps`)."""
+    return name in (LOG, TENSORBOARD, PROFILE) or step_of(name) is not None or is_step_temporary(name)
 
 
 def _temporary(name: str) -> bool:

@@ -4,7 +4,8 @@ starts (called by :func:`fmoe.training.resolve.resolve`; ``error`` raises its
 ``--microbatches`` needs ``--pp > 1`` and divides ``--batch``; ``--pp`` divides the model's
 decoder layers, never with ``--grad-accum`` (its micro-batches are the accumulation),
 ``--dp-batches``, tied embeddings or ``--optim-in-backward``; the in-backward update's own rules
-(:func:`fmoe.training.optim_backward.check`).
+(:func:`fmoe.training.optim_backward.check`), and without a clip no ``--skip-nonfinite`` (it
+could skip a step only in part).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 from typing import Any, Callable, Optional
 
 from ..models import get
+from .job import check_value
 
 __all__ = ["check_options", "check_stages", "stage_sizes"]
 
@@ -27,10 +29,7 @@ def stage_sizes(text: Optional[str]) -> Optional[list[int]]:
     """
     if text is None:
         return None
-    try:
-        return [int(n) for n in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--pp-layers {text!r} must be comma-separated layer counts, e.g. 3,2") from None
+    return [int(n) for n in check_value("pp_layers", text).split(",")]    # ASCII digits, each >= 1
 
 
 def check_options(job: Any, error: Callable[[str], Any]) -> None:
@@ -38,6 +37,10 @@ def check_options(job: Any, error: Callable[[str], Any]) -> None:
     the other flags (the layer count is :func:`check_stages`'). A resume has already made a
     pipeline's ``--batch B --microbatches M`` and ``--batch B/M --grad-accum M`` one batch shape
     (:func:`fmoe.training.resume.batch_shape`)."""
+    if job.optim_in_backward and not job.clip and job.skip_nonfinite:
+        error(f"--optim-in-backward --clip 0 with --skip-nonfinite {job.skip_nonfinite}: without the clip's first "
+              "pass a layer is updated before a later layer's gradient is known to be finite, so a bad step would be "
+              "skipped only in part; give --clip X (the norm is known before any update) or --skip-nonfinite 0")
     if job.optim_in_backward:
         from .optim_backward import check
 
@@ -62,15 +65,20 @@ def check_options(job: Any, error: Callable[[str], Any]) -> None:
                f"accumulation; give --microbatches M (each --batch split into M) instead")
     if job.dp_batches > 1:
         error("--dp-batches runs one process; it cannot be combined with --pp")
+    if job.record_routing:
+        error(f"--record-routing with --pp {job.pp}: each stage would record only its own layers' calls, which a "
+              f"replay pairs with the wrong layers; record the same update with --grad-accum {job.microbatches} "
+              "and no --pp")
     if job.batch % job.microbatches:
         error(f"--microbatches {job.microbatches}{'' if given else ' (the default: --pp)'} must divide --batch "
                f"{job.batch} (each micro-batch is "
                f"--batch / M rows); valid: {', '.join(str(d) for d in range(1, job.batch + 1) if job.batch % d == 0)}")
 
 
-def check_stages(job: Any, error: Callable[[str], Any], found: Optional[tuple]) -> None:
+def check_stages(job: Any, error: Callable[[str], Any], found: Optional[tuple], model_cfg: Any = None) -> None:
     """``--pp`` divides the model's decoder layers into stages of equal depth (after the balancing
-    methods are resolved: ``global_aux`` needs the whole step's routing before its forward)."""
+    methods are resolved: ``global_aux`` needs the whole step's routing before its forward); the
+    model config is ``model_cfg``, else the checkpoint's, ``--init-hf``'s or the preset's."""
     if job.pp == 1:
         return
     from ..checkpoint.config_check import config_from_dict, read_config
@@ -82,7 +90,9 @@ def check_stages(job: Any, error: Callable[[str], Any], found: Optional[tuple]) 
 
     model = get(job.model)
     try:
-        if found is not None:
+        if model_cfg is not None:
+            cfg = model_cfg
+        elif found is not None:
             cfg = config_from_dict(model, found[1].get("hf_config"), "meta.json", fits=True)
         elif job.init_hf:
             cfg = read_config(model, os.path.join(job.init_hf, "config.json"), fits=True)
@@ -92,9 +102,8 @@ def check_stages(job: Any, error: Callable[[str], Any], found: Optional[tuple]) 
         error(str(e))
     layers = cfg.num_hidden_layers
     if job.pp_layers is not None:
-        sizes = job.pp_layers.split(",")
-        if len(sizes) != job.pp or not all(n.strip().isdigit() and int(n) >= 1 for n in sizes) or \
-                sum(int(n) for n in sizes) != layers:
+        sizes = stage_sizes(job.pp_layers)
+        if len(sizes) != job.pp or sum(sizes) != layers:
             error(f"--pp-layers {job.pp_layers!r} must be {job.pp} comma-separated layer counts >= 1 (one per --pp "
                   f"stage) summing to model {job.model}'s {layers} decoder layers")
     elif layers % job.pp:

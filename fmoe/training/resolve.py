@@ -20,12 +20,12 @@ from typing import Any, Callable, Optional
 
 from ..mesh import check_layout
 from ..models import SHIPPED, get, hf_model
-from . import balancing, parallel, resume
+from . import balancing, identity, parallel, resume
 from .job import FIELDS, JobConfig, JobConfigError
 
 FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate", "pp": "--pp"}   # mesh fields as flags
 
-__all__ = ["Job", "resolve", "launcher_world", "inside"]
+__all__ = ["Job", "resolve", "check_plan", "launcher_world", "inside"]
 
 
 class Job(types.SimpleNamespace):
@@ -60,22 +60,13 @@ def resolve(cfg: JobConfig) -> Job:
     Raises:
         JobConfigError: a problem found before anything starts, naming the flag and the value.
     """
-    if not isinstance(cfg, JobConfig):
-        raise TypeError(f"fmoe.training: the job is a fmoe.training.JobConfig, got {type(cfg).__name__}")
-    explicit = {n for n in FIELDS if getattr(cfg, n) is not None}
-    job = Job(**{n: cfg.get(n) for n in FIELDS}, config=cfg, explicit=explicit, step_config=None)
+    job = _job(cfg)
     if job.resume and job.init_hf:
         _error("--resume and --init-hf are exclusive")
     found = _find_resume(job) if job.resume else None
     taken = resume.take_mesh(job, found[1], found[0], _error) if found else []   # mesh flags not given
-    job.world = launcher_world() or job.nproc
-    ep = job.tp if job.ep is None else job.ep
-    try:                                               # Mesh's own rules, before any rank starts
-        check_layout(job.world, tp=job.tp, ep=ep, dp_replicate=job.dp_replicate, pp=job.pp,
-                     names={**FLAG_NAMES, "world": "WORLD_SIZE" if launcher_world() else "--nproc"})
-    except ValueError as e:
-        _error(str(e) + (f" ({', '.join(taken)} taken from the checkpoint {found[0]}; give them to choose "
-                         "another mesh)" if taken else ""))
+    ep = _check_mesh(job, launcher_world(), f" ({', '.join(taken)} taken from the checkpoint {found[0]}; give them "
+                     "to choose another mesh)" if taken else "")
     if job.init_hf and not os.path.isdir(job.init_hf):
         _error(f"--init-hf {job.init_hf!r} is not a directory")
     if job.init_hf and not job.upcycle:                # config.json's model_type names the model (fmoe.models)
@@ -96,13 +87,49 @@ def resolve(cfg: JobConfig) -> Job:
         _check_resume(job, *found)
     else:
         _check_sizes(job, 256)
-        _identify_data(job)
+        identity.record(job, _error)                   # --data: an absolute path and its digest
+    _check_profile(job)
     parallel.check_options(job, _error)
     job.declared = get(job.model)                      # the Model the ranks run (a registered one reaches them)
     balancing.resolve(job, _error, {**SHIPPED, job.model: job.declared})   # after a resume filled in the kept settings
     _check_upcycle(job)
     parallel.check_stages(job, _error, found)
     _check_out(job)
+    return job
+
+
+def _job(cfg: JobConfig) -> Job:
+    if not isinstance(cfg, JobConfig):
+        raise TypeError(f"fmoe.training: the job is a fmoe.training.JobConfig, got {type(cfg).__name__}")
+    explicit = {n for n in FIELDS if getattr(cfg, n) is not None}
+    return Job(**{n: cfg.get(n) for n in FIELDS}, config=cfg, explicit=explicit, step_config=None)
+
+
+def _check_mesh(job: Job, launched: Optional[int], note: str = "") -> int:
+    """``job.world`` and the mesh by :class:`fmoe.Mesh`'s own rules (``note`` ends a message);
+    returns ``--ep`` (default ``--tp``)."""
+    job.world = launched or job.nproc
+    ep = job.tp if job.ep is None else job.ep
+    try:                                               # Mesh's own rules, before any rank starts
+        check_layout(job.world, tp=job.tp, ep=ep, dp_replicate=job.dp_replicate, pp=job.pp,
+                     names={**FLAG_NAMES, "world": "WORLD_SIZE" if launched else "--nproc"})
+    except ValueError as e:
+        _error(str(e) + note)
+    return ep
+
+
+def check_plan(cfg: JobConfig, model_cfg: Any) -> Job:
+    """The job ``cfg`` as far as ``fmoe memory`` plans it: the mesh, batch and parallelism checks of
+    :func:`resolve` (one code path; no launcher, checkpoint, data or ``OUT``), the stages against
+    ``model_cfg`` (the preset's or a ``config.json``'s model config).
+
+    Raises:
+        JobConfigError: what the job would refuse, naming the flag.
+    """
+    job = _job(cfg)
+    job.ep = _check_mesh(job, None)
+    parallel.check_options(job, _error)
+    parallel.check_stages(job, _error, None, model_cfg)
     return job
 
 
@@ -147,18 +174,21 @@ def _check_sizes(job: Job, vocab: int) -> None:
                "or --seq (or use --grad-accum)")
 
 
-def _identify_data(job: Job) -> None:
-    """``--data`` as an absolute path with its content digest (:func:`fmoe.data.data_digest`): what
-    ``meta.json`` records, so a resume finds the same corpus from any directory or refuses another."""
-    from ..data import data_digest
+def _check_profile(job: Job) -> None:
+    """``--profile-steps A:B`` must meet the steps this run trains (a window a resume took from its
+    checkpoint that lies behind it is dropped: that run profiled it)."""
+    from .observe import parse_steps
 
-    job.data_digest = None
-    if job.data is not None:
-        job.data = os.path.abspath(job.data)
-        try:
-            job.data_digest = data_digest(job.data)
-        except (OSError, ValueError) as e:
-            _error(f"--data {job.data!r}: {e}")
+    if job.profile_steps is None:
+        return
+    first, last = (job.resume_meta["step"] if job.resume_meta else 0) + 1, job.steps
+    a, b = parse_steps(job.profile_steps)
+    if b < first or a > last:
+        if "profile_steps" not in job.explicit:
+            job.profile_steps = None
+            return
+        _error(f"--profile-steps {job.profile_steps} is outside the steps this run trains ({first}..{last}): "
+               "nothing would be profiled")
 
 
 def _find_resume(job: Job) -> tuple[str, dict]:
@@ -262,3 +292,4 @@ def _check_out(job: Job) -> None:
             check_target(job.export_hf, overwrite=job.overwrite, what="--export-hf")
         except ValueError as e:
             _error(str(e))
+

@@ -58,6 +58,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping, Optional
 
+from . import identity
 from .job import DEFAULTS, FIELDS, check_value, flag
 
 __all__ = ["KEPT", "CHANGEABLE", "MESH", "FRESH", "REFUSED", "take_mesh", "apply", "batch_shape", "check_router",
@@ -80,7 +81,7 @@ FRESH = ("resume", "out", "overwrite", "export_hf", "record_routing", "threads",
 #: settings a resume refuses (they choose the starting weights)
 REFUSED = ("init_hf", "upcycle")
 _BATCH = ("batch", "grad_accum", "microbatches", "dp_batches")     # compared as one batch shape
-_BY_CONTENT = ("data", "tokenizer")                                 # compared by their digests
+_BY_CONTENT = ("data", "tokenizer")                # compared by their digests (fmoe.training.identity)
 
 MIN_RATIO = 0.1     # the cosine ends at MIN_RATIO * lr
 
@@ -242,43 +243,6 @@ def _restore_batch(job: Any, saved: dict, where: str, error: Callable[[str], Any
         job.microbatches = job.microbatches if "microbatches" in job.explicit else None
 
 
-def _restore_by_content(job: Any, saved: dict, meta: dict, where: str, error: Callable[[str], Any]) -> None:
-    """``--data`` and ``--tokenizer``: the same content as the checkpoint's (by digest), wherever it is."""
-    from ..data import data_digest
-
-    path = job.data if "data" in job.explicit else saved.get("data")
-    if path is not None:
-        if not os.path.exists(path):
-            error(f"--resume {where}: the run's --data {path!r} is not there any more; pass --data PATH (the same "
-                  "corpus)" if "data" not in job.explicit else f"--data {path!r} does not exist")
-        path = os.path.abspath(path)
-        digest = data_digest(path)
-        if digest != saved.get("data_digest"):
-            was = f"{saved.get('data')!r} (digest {saved.get('data_digest')})" if saved.get("data") else \
-                "the built-in corpus (no --data)"
-            error(f"--resume {where}: --data {path!r} (digest {digest}) is not the data the run trained on, {was}; "
-                  "a resumed run trains on the same corpus (restore the file, or start a new run)")
-        job.data, job.data_digest = path, digest
-    elif "data" not in job.explicit:
-        job.data, job.data_digest = None, None
-    if "tokenizer" not in job.explicit:
-        tokenizer = saved.get("tokenizer")
-        if tokenizer is None and meta.get("tokenizer") not in (None, "bytes") and job.data is None:
-            tokenizer = meta.get("tokenizer")              # found by the run (in its --init-hf directory)
-        job.tokenizer = tokenizer
-    want = meta.get("tokenizer_digest")
-    if job.tokenizer is not None and want is not None:
-        from ..data import find_tokenizer_file, load_tokenizer
-
-        if job.tokenizer != "bytes" and find_tokenizer_file(job.tokenizer) is None:
-            error(f"--resume {where}: the run's tokenizer {job.tokenizer!r} is not there any more; pass "
-                  "--tokenizer T (the same tokenizer.json)")
-        got = load_tokenizer(job.tokenizer).digest
-        if got != want:
-            error(f"--resume {where}: --tokenizer {job.tokenizer!r} (digest {got}) is not the tokenizer the run "
-                  f"trained with ({meta.get('tokenizer')!r}, digest {want})")
-
-
 def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None:
     """Check a resume against the checkpoint's ``meta`` and fill in every setting not given
     (module docstring: kept, changeable, mesh followers).
@@ -311,7 +275,7 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
         elif name in KEPT and getattr(job, name) != value:
             error(_refuse(where, [name], repr(value), repr(getattr(job, name))))
     _restore_batch(job, saved, where, error)
-    _restore_by_content(job, saved, meta, where, error)
+    identity.restore(job, saved, meta, where, error)      # --data and --tokenizer by content
     step = meta["step"]
     if job.steps < step or (job.steps == step and not job.export_hf):
         error(f"--steps {job.steps} is not beyond the checkpoint's step {step} ({where}); pass "

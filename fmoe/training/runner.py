@@ -17,6 +17,7 @@ replacing router brings its own losses (:func:`fmoe.routing.with_losses`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Optional
@@ -135,8 +136,9 @@ def run(cfg: JobConfig, step_config: Optional[StepConfig] = None) -> Optional[di
         previous = os.environ.get("FMOE_SPAWNED")
         os.environ["FMOE_SPAWNED"] = "1"      # read by the ranks; not left behind in this process,
         try:                                   # whose later torchrun children must not inherit it
-            return launch.run(run_rank, job.nproc, job, timeout=job.timeout * max(1, job.steps),
-                              collective_timeout=job.timeout, threads=threads_of(job))[0]
+            # --timeout bounds each collective (a stuck rank fails within it), never the whole job
+            return launch.run(run_rank, job.nproc, job, timeout=math.inf, collective_timeout=job.timeout,
+                              threads=threads_of(job))[0]
         finally:
             if previous is None:
                 os.environ.pop("FMOE_SPAWNED", None)

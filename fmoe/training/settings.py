@@ -34,8 +34,9 @@ __all__ = ["LOCAL", "SettingsMismatch", "of_job", "record", "digest", "differenc
 
 #: settings that may differ between nodes: they do not change what is computed
 LOCAL = frozenset({"nproc", "threads", "quiet", "debug", "step_config"})
-#: what a resolved job carries beside its settings (the config as given, the checkpoint's record)
-_NOT_SETTINGS = frozenset({"config", "explicit", "resume_meta"})
+#: what a resolved job carries beside its settings (the config as given, the checkpoint's record, the
+#: resolved Model object: its name is the setting)
+_NOT_SETTINGS = frozenset({"config", "explicit", "resume_meta", "declared"})
 
 
 class SettingsMismatch(ValueError):

@@ -109,7 +109,7 @@ def test_remat_grad_accum_and_routers_from_the_command_line(tmp_path, monkeypatc
     sys.modules.pop("my_routers", None)           # the next test's tmp_path holds another module
     plain, remat = log(str(tmp_path / "plain")), log(str(tmp_path / "remat"))
     assert all(abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"] for x, y in zip(plain, remat))   # 2 x 1 rows = 2 rows
-    assert meta(str(tmp_path / "remat"), 3)["remat"] == "layer" and meta(str(tmp_path / "remat"), 3)["grad_accum"] == 2
+    assert meta(str(tmp_path / "remat"), 3)["remat"] == "layer" and meta(str(tmp_path / "remat"), 3)["settings"]["grad_accum"] == 2
     for name, spec in (("sigmoid", "sigmoid_topk:k=2"), ("user", "my_routers:top1")):
         rows = log(str(tmp_path / name))
         assert meta(str(tmp_path / name), 3)["router"] == spec and len(rows) == 3

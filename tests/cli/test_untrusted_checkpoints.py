@@ -58,15 +58,17 @@ def copy_run(run, tmp_path, name="run"):
     return dst
 
 
-def edit_meta(path, **changes):
+def edit_meta(path, settings=False, **changes):
+    """Change meta.json's entries (``settings``: its recorded job settings, which a resume keeps)."""
     file = os.path.join(path, "meta.json")
     with open(file) as f:
         meta = json.load(f)
     for k, v in changes.items():
+        where = meta["settings"] if settings else meta
         if v is KeyError:
-            meta.pop(k)
+            where.pop(k)
         else:
-            meta[k] = v
+            where[k] = v
     with open(file, "w") as f:
         json.dump(meta, f)
     return file
@@ -77,7 +79,7 @@ def test_a_recorded_code_router_is_never_imported_and_kept_values_are_checked(ru
     out = copy_run(run, tmp_path)
     step = os.path.join(out, "step-2")
     pwned = tmp_path / "PWNED"
-    file = edit_meta(step, router=f"os:system:command='touch {pwned}'")
+    file = edit_meta(step, settings=True, router=f"os:system:command='touch {pwned}'")
     line = usage_error(capsys, "--resume", out, "--steps", "3")
     assert f"{file}: 'router' is \"os:system:command='touch {pwned}'\", code from module 'os'" in line
     assert "a checkpoint never chooses code" in line and not pwned.exists()
@@ -87,25 +89,27 @@ def test_a_recorded_code_router_is_never_imported_and_kept_values_are_checked(ru
     ns.explicit = set()
     assert "pass --router my.mod:fn again" in resume.check_router("my.mod:fn", ns, file)
     cases = {                                           # kept setting -> what the error names
-        "lr": (float("nan"), "'lr' is nan, not a value --lr accepts"),
-        "clip": (-1.0, "'clip' is -1.0, not a value --clip accepts"),
-        "warmup": (-1, "'warmup' is -1, not a value --warmup accepts"),
-        "batch": ("4", "'batch' is '4', not a value --batch accepts"),
-        "seed": (True, "'seed' is True, not a value --seed accepts"),
-        "preset": ("huge", "'preset' is 'huge', not a value --preset accepts"),
+        "lr": (float("nan"), "'settings.lr' is nan, not a value --lr accepts"),
+        "clip": (-1.0, "'settings.clip' is -1.0, not a value --clip accepts"),
+        "warmup": (-1, "'settings.warmup' is -1, not a value --warmup accepts"),
+        "batch": ("4", "'settings.batch' is '4', not a value --batch accepts"),
+        "seed": (True, "'settings.seed' is True, not a value --seed accepts"),
+        "preset": ("huge", "'settings.preset' is 'huge', not a value --preset accepts"),
         "grad_accum": (0, "--grad-accum must be an integer >= 1, got 0"),
+        "eval_seed": (-1, "'settings.eval_seed' is -1, not a value --eval-seed accepts"),
         "router": ("nosuch:k=2", "'nosuch' is not a built-in scheme"),
+        "dp_batches": (KeyError, "meta.json's settings have no 'dp_batches'"),
     }
     for key, (value, want) in cases.items():
         shutil.rmtree(out)
         out = copy_run(run, tmp_path)
-        edit_meta(os.path.join(out, "step-2"), **{key: value})
+        edit_meta(os.path.join(out, "step-2"), settings=True, **{key: value})
         line = usage_error(capsys, "--resume", out, "--steps", "3")
         assert want in line and "meta.json" in line, (key, line)
     for key, value in (("lr", -1e-3), ("aux_weight", -0.5), ("aux_weight", float("inf"))):
         shutil.rmtree(out)
         out = copy_run(run, tmp_path)
-        edit_meta(os.path.join(out, "step-2"), **{key: value})
+        edit_meta(os.path.join(out, "step-2"), settings=True, **{key: value})
         line = usage_error(capsys, "--resume", out, "--steps", "3")
         assert "meta.json" in line and repr(value) in line, line
 
@@ -203,7 +207,7 @@ def test_stale_temporaries_torn_rows_and_rows_after_the_checkpoint(run, tmp_path
         f.write('{"step": 3, "loss": 1.')                 # torn by a full disk
     err = main(capsys, 0, "--resume", out, "--steps", "3")   # no --out: continues in the run's own directory
     assert "dropped 1 unreadable row(s)" in err and "dropped 1 row(s) of steps after the checkpoint's step 1" in err
-    assert sorted(os.listdir(out)) == ["log.jsonl", "step-1", "step-3"]
+    assert sorted(os.listdir(out)) == ["log.jsonl", "step-1", "step-2", "step-3"]     # its --save-every 1 kept
     with open(os.path.join(out, "log.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3]                # no step repeated
     assert not os.path.exists("runs/fmoe") or "step-3" not in os.listdir("runs/fmoe")
