@@ -44,10 +44,13 @@ exit codes:
      that does not match its checkpoint (checked before anything starts)
   130 / 143  stopped by SIGINT / SIGTERM (every rank stopped; complete checkpoints are kept)
 
-resume: --resume keeps the run's model, preset, seed, batch, seq, lr schedule, optimizer
-  settings and aux weight (flags left out take the checkpoint's values; a different value is
-  an error); the mesh may change if the number of data-parallel batches (world / tp) stays,
-  and mesh flags left out take the checkpoint's mesh (--ep too, unless --tp is given).
+resume: --resume continues the job meta.json records: every flag left out takes the
+  checkpoint's value. What a step computes is kept (model, preset, seed, batch and its
+  micro-batches, seq, data and tokenizer by content, held-out cut, lr schedule, optimizer,
+  router, balancing, precision: a different value is an error); --steps, saving, logging,
+  evaluation cadence, --impl --compile --remat --loss-chunks --optim-in-backward --device
+  --timeout may change; the mesh (--nproc --tp --ep --dp-replicate --pp) may change if the
+  data-parallel batches per step stay (docs/operating-runs.md).
   Schedule rule: warmup + cosine over the --steps of the run that was started; extending a run
   with a larger --steps trains the extra steps at the final lr (0.1 * --lr).
 
