@@ -114,7 +114,7 @@ def attention(a: dict, x: torch.Tensor, ctx: kit.Context, entry: Optional[dict],
     if entry is not None:
         entry, (k, v) = nn.cache.write(entry, ctx.step, k=k, v=v)  # k, v: [B, cached + S, G_local, hd]
     o = nn.attention(q, k, v, causal=True, window=window, sinks=a["sinks"],
-                     num_kv_groups=cfg.num_attention_heads // cfg.num_key_value_heads, key_mask=ctx.step.key_mask)
+                     num_kv_groups=cfg.num_attention_heads // cfg.num_key_value_heads, key_mask=ctx.step.key_mask, cp=ctx.cp)
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"], a.get("bo")), entry  # [B, S, D]
 
 

@@ -111,7 +111,7 @@ def attention(a: dict, x: torch.Tensor, i: int, ctx: kit.Context,
     if entry is not None:
         entry, (k, v) = nn.cache.write(entry, ctx.step, k=k, v=v)  # k, v: [B, cached + S, G_local, hd]
     o = nn.attention(q, k, v, causal=True, window=cfg.sliding_window, num_kv_groups=H // G,
-                     key_mask=ctx.step.key_mask)
+                     key_mask=ctx.step.key_mask, cp=ctx.cp)
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry  # [B, S, D]
 
 

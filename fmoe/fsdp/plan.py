@@ -34,7 +34,7 @@ def add_data_axis(p: P, shape: tuple, mesh: Mesh) -> P:
     """
     expert = bool({"ep", "efsdp"} & set(p.mesh_axes()))
     axis = "efsdp" if expert else "fsdp"
-    n = mesh.efsdp if expert else mesh.fsdp
+    n = mesh.efsdp if expert else mesh.size("fsdp")       # with cp: data shards x cp ranks
     if n == 1 or axis in p.mesh_axes():
         return p
     entries = list(p.axes) + [None] * (len(shape) - len(p.axes))

@@ -31,6 +31,20 @@ form the ``pp`` group (:meth:`RankLayout.ranks`), which passes activations stage
 ``sp`` (sequence parallelism, a way of using the ``tp`` axis, so it needs ``tp > 1``): between
 tensor-parallel blocks the residual stream is split over ``tp`` on the sequence dimension
 (:mod:`fmoe.nn`); it adds no processes.
+
+``cp`` (context parallelism): ``cp`` ranks (stride ``tp``, inside one data shard) split each
+sequence of their batch in ``2 cp`` chunks, rank ``c`` holding chunks ``c`` and ``2 cp - 1 - c``
+(:mod:`fmoe.nn.context_parallel`); attention gathers K/V over the ``cp`` group. ``world = pp *
+dp_replicate * fsdp * cp * tp``. The meshes' ``fsdp`` axis spans the data shards times the cp
+ranks (``size("fsdp") = fsdp * cp``): parameters shard over both and a replicated leaf's gradient
+is partial over both, so the cp pieces' gradients are summed like data-parallel batches'; the
+expert mesh folds over the data x cp ranks (``efsdp * ep = fsdp * cp * tp``), so cp ranks route
+their own tokens. Eight ranks, ``cp=2, ep=4``::
+
+    rank     0     1     2     3     4     5     6     7
+    batch    [   B0    ]   [   B1    ]  ...            (fsdp=4, cp=2: B0..B3)
+    chunks   0,3   1,2   0,3   1,2   0,3   1,2   0,3   1,2
+    ep=4     E0E1  E2E3  E4E5  E6E7  E0E1  E2E3  E4E5  E6E7    efsdp=2
 """
 
 from __future__ import annotations
@@ -56,6 +70,7 @@ class Mesh(RankLayout):
         dp_replicate: HSDP replicas (outermost inside a stage).
         pp: pipeline stages (the outermost axis; :mod:`fmoe.training.pipeline`).
         sp: sequence parallelism over ``tp`` (needs ``tp > 1``; :mod:`fmoe.nn`).
+        cp: context-parallel size (ranks splitting each sequence; :mod:`fmoe.nn.context_parallel`).
         device_type: device type of the DeviceMeshes (default ``"cuda"`` over NCCL, else
             ``"cpu"``); the dry run's fake process group names ``"cuda"`` to plan a GPU job.
 
@@ -71,20 +86,21 @@ class Mesh(RankLayout):
     """
 
     def __init__(self, tp: int = 1, ep: Optional[int] = None, fsdp: Optional[int] = None,
-                 dp_replicate: int = 1, pp: int = 1, device_type: Optional[str] = None, sp: bool = False):
+                 dp_replicate: int = 1, pp: int = 1, device_type: Optional[str] = None, sp: bool = False,
+                 cp: int = 1):
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
         try:
-            super().__init__(world, rank, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, pp=pp, sp=sp)
+            super().__init__(world, rank, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, pp=pp, sp=sp, cp=cp)
         except (TypeError, ValueError) as e:
             raise type(e)(f"Mesh: {e}") from None
-        self.dense = self.expert = self.stages = self.stage_group = None
+        self.dense = self.expert = self.stages = self.stage_group = self.cp_group = None
         if initialized:
             device = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
             from torch.distributed.device_mesh import init_device_mesh
 
-            dense, expert = (self.dp_replicate, self.fsdp, self.tp), (self.dp_replicate, self.efsdp, self.ep)
+            dense, expert = (self.dp_replicate, self.size("fsdp"), self.tp), (self.dp_replicate, self.efsdp, self.ep)
             if self.pp == 1:
                 self.dense = init_device_mesh(device, dense, mesh_dim_names=DENSE_AXES)
                 self.expert = init_device_mesh(device, expert, mesh_dim_names=EXPERT_AXES)
@@ -95,17 +111,29 @@ class Mesh(RankLayout):
                 n = self.stage_world                # every rank makes every stage's group, in order
                 groups = [dist.new_group(list(range(s * n, (s + 1) * n))) for s in range(self.pp)]
                 self.stage_group = groups[self.stage]   # the step's metrics reduce over one stage
+            if self.cp > 1:                             # every rank makes every cp group, in order
+                layouts = [RankLayout(world, r, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, pp=pp, cp=cp)
+                           for r in range(world)]
+                for ranks in sorted({tuple(m.ranks("cp")) for m in layouts}):
+                    g = dist.new_group(list(ranks))
+                    if rank in ranks:
+                        self.cp_group = g
 
     # ----------------------------------------------------------------------------- process groups
     def group(self, axis: str) -> Optional[dist.ProcessGroup]:
         """Process group of this rank along ``axis`` (None in a single process without init)."""
         self._check_axis(axis)
+        if axis == "cp":
+            return self.cp_group
         dm = self.device_mesh(axis)
         return None if dm is None else dm.get_group(axis)
 
     def device_mesh(self, axis: str):
-        """The DeviceMesh (dense or expert; for ``"pp"`` the whole ``(pp, ...)`` mesh) that holds ``axis``."""
+        """The DeviceMesh (dense or expert; for ``"pp"`` the whole ``(pp, ...)`` mesh) that holds ``axis``
+        (``"cp"`` is no DeviceMesh axis: its ranks are part of ``"fsdp"``; :meth:`group` has its group)."""
         self._check_axis(axis)
+        if axis == "cp":
+            raise ValueError("the cp ranks are part of the meshes' fsdp axis; use mesh.group('cp')")
         if axis == "pp":
             return self.stages
         return self.expert if axis in ("ep", "efsdp") else self.dense

@@ -1,7 +1,7 @@
 """The pure half of the rank layout: sizes and coordinates on every axis, no processes.
 
 :func:`check_layout` holds the layout rules once (every size an int >= 1, ``world = pp *
-dp_replicate * fsdp * tp``, ``ep`` a multiple of ``tp`` dividing ``fsdp * tp``);
+dp_replicate * fsdp * cp * tp``, ``ep`` a multiple of ``tp`` dividing ``fsdp * cp * tp``);
 :func:`rank_coords` is the one rank layout (``pp`` outermost, tp fastest), :func:`stage_layers`
 the decoder layers of each pipeline stage; :class:`RankLayout`
 is one rank's place in it (what the memory plan and programs use without starting ranks;
@@ -17,25 +17,32 @@ __all__ = ["stage_layers", "RankLayout", "Layout", "check_layout", "rank_coords"
 
 DENSE_AXES = ("dp_replicate", "fsdp", "tp")
 EXPERT_AXES = ("dp_replicate", "efsdp", "ep")
-AXES = ("dp_replicate", "fsdp", "tp", "efsdp", "ep", "pp")
+AXES = ("dp_replicate", "fsdp", "tp", "efsdp", "ep", "pp", "cp")
 DATA_AXES = ("fsdp", "dp_replicate", "efsdp")   # axes whose ranks hold different batches
 
 
-def rank_coords(rank: int, *, tp: int, fsdp: int, dp_replicate: int, ep: int, pp: int = 1) -> dict[str, int]:
+def rank_coords(rank: int, *, tp: int, fsdp: int, dp_replicate: int, ep: int, pp: int = 1,
+                cp: int = 1) -> dict[str, int]:
     """The coordinates of global ``rank`` on every axis of both meshes: the one rank layout
     (``pp`` outermost; inside a stage dense ``(dp_replicate, fsdp, tp)`` and expert
-    ``(dp_replicate, efsdp, ep)``, tp fastest).
+    ``(dp_replicate, efsdp, ep)``, tp fastest). With context parallelism the meshes' ``fsdp`` axis
+    spans the ``fsdp`` data shards times the ``cp`` ranks that split each sequence (cp inside:
+    coordinate ``fsdp = data shard * cp + cp rank``), so parameters shard over both.
 
     Example:
         >>> rank_coords(5, tp=2, fsdp=2, dp_replicate=2, ep=4)
-        {'tp': 1, 'fsdp': 0, 'dp_replicate': 1, 'ep': 1, 'efsdp': 0, 'pp': 0}
+        {'tp': 1, 'fsdp': 0, 'dp_replicate': 1, 'ep': 1, 'efsdp': 0, 'pp': 0, 'cp': 0}
         >>> rank_coords(5, tp=2, fsdp=2, dp_replicate=1, ep=2, pp=2)["pp"]
         1
+        >>> rank_coords(3, tp=1, fsdp=2, dp_replicate=1, ep=4, cp=2)
+        {'tp': 0, 'fsdp': 3, 'dp_replicate': 0, 'ep': 3, 'efsdp': 0, 'pp': 0, 'cp': 1}
     """
-    efsdp, stage = fsdp * tp // ep, dp_replicate * fsdp * tp
+    shards = fsdp * cp
+    efsdp, stage = shards * tp // ep, dp_replicate * shards * tp
     local = rank % stage
-    return {"tp": local % tp, "fsdp": (local // tp) % fsdp, "dp_replicate": local // (tp * fsdp),
-            "ep": local % ep, "efsdp": (local // ep) % efsdp, "pp": rank // stage}
+    f = (local // tp) % shards
+    return {"tp": local % tp, "fsdp": f, "dp_replicate": local // (tp * shards),
+            "ep": local % ep, "efsdp": (local // ep) % efsdp, "pp": rank // stage, "cp": f % cp}
 
 
 class Layout(NamedTuple):
@@ -47,28 +54,30 @@ class Layout(NamedTuple):
     fsdp: int
     dp_replicate: int
     pp: int = 1
+    cp: int = 1
 
     @property
     def efsdp(self) -> int:
-        """Copies of one full expert set: ``fsdp * tp / ep``."""
-        return self.fsdp * self.tp // self.ep
+        """Copies of one full expert set: ``fsdp * cp * tp / ep``."""
+        return self.fsdp * self.cp * self.tp // self.ep
 
 
 #: How :func:`check_layout` names each field in its errors unless told otherwise.
 FIELD_NAMES = {"world": "world_size", "tp": "tp", "ep": "ep", "fsdp": "fsdp", "dp_replicate": "dp_replicate",
-               "pp": "pp"}
+               "pp": "pp", "cp": "cp"}
 
 
 def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Optional[int] = None,
-                 dp_replicate: int = 1, pp: int = 1, names: Optional[Mapping[str, str]] = None) -> Layout:
+                 dp_replicate: int = 1, pp: int = 1, names: Optional[Mapping[str, str]] = None, cp: int = 1) -> Layout:
     """The layout rules of a mesh over ``world`` ranks, checked without any process: every size
-    an int >= 1, ``world = pp * dp_replicate * fsdp * tp``, ``ep`` a multiple of ``tp`` dividing
-    ``fsdp * tp``. :class:`Mesh` checks with it, and so does a program before it starts ranks.
+    an int >= 1, ``world = pp * dp_replicate * fsdp * cp * tp``, ``ep`` a multiple of ``tp``
+    dividing ``fsdp * cp * tp`` (the expert mesh folds over the data and cp ranks). :class:`Mesh`
+    checks with it, and so does a program before it starts ranks.
 
     Args:
         world: number of ranks.
-        tp, ep, fsdp, dp_replicate, pp: the sizes (``ep`` default ``tp``; ``fsdp`` default
-            ``world // (pp * tp * dp_replicate)``).
+        tp, ep, fsdp, dp_replicate, pp, cp: the sizes (``ep`` default ``tp``; ``fsdp`` default
+            ``world // (pp * tp * dp_replicate * cp)``).
         names: how the caller's user spells a field in errors, e.g. ``{"world": "--nproc",
             "tp": "--tp"}`` (default :data:`FIELD_NAMES`); a flag is quoted as ``--tp 2``, a keyword
             as ``tp=2``.
@@ -80,7 +89,7 @@ def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Opt
 
     Example:
         >>> check_layout(8, tp=2, ep=4)
-        Layout(world=8, tp=2, ep=4, fsdp=4, dp_replicate=1, pp=1)
+        Layout(world=8, tp=2, ep=4, fsdp=4, dp_replicate=1, pp=1, cp=1)
         >>> check_layout(8, tp=2, ep=3)
         Traceback (most recent call last):
         ...
@@ -92,7 +101,7 @@ def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Opt
         return f"{name[field]} {value}" if name[field].startswith("-") else f"{name[field]}={value}"
 
     ep = tp if ep is None else ep
-    sizes = [("world", world), ("tp", tp), ("ep", ep), ("dp_replicate", dp_replicate), ("pp", pp)]
+    sizes = [("world", world), ("tp", tp), ("ep", ep), ("dp_replicate", dp_replicate), ("pp", pp), ("cp", cp)]
     for field, value in sizes + ([] if fsdp is None else [("fsdp", fsdp)]):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name[field]} must be an int >= 1, got {value!r} ({type(value).__name__})")
@@ -104,25 +113,34 @@ def check_layout(world: int, *, tp: int = 1, ep: Optional[int] = None, fsdp: Opt
     whole, world = world, world // pp           # the rest of the rules hold inside one stage
     if pp > 1:                                  # errors below speak of one stage's ranks
         name = {**name, "world": f"{name['world']}/{name['pp']}"}
+    if cp > 1 and world % (cp * tp):
+        raise ValueError(f"{said('cp', cp)} times {said('tp', tp)} must divide {said('world', world)} (context-parallel "
+                         f"groups of equal size); valid {name['cp']}: "
+                         f"{', '.join(str(d) for d in range(1, world // tp + 1) if world % (d * tp) == 0)}")
     if fsdp is None:
-        if world % (tp * dp_replicate):
+        if world % (tp * dp_replicate * cp):
+            extra = f" * {name['cp']}" if cp > 1 else ""
             raise ValueError(
-                f"{said('world', world)} must be divisible by {name['tp']} * {name['dp_replicate']} = "
-                f"{tp * dp_replicate} ({said('tp', tp)}, {said('dp_replicate', dp_replicate)}): fsdp = "
-                f"{name['world']} / ({name['tp']} * {name['dp_replicate']}) must be a whole number")
-        fsdp = world // (tp * dp_replicate)
-    if dp_replicate * fsdp * tp != world:
+                f"{said('world', world)} must be divisible by {name['tp']} * {name['dp_replicate']}{extra} = "
+                f"{tp * dp_replicate * cp} ({said('tp', tp)}, {said('dp_replicate', dp_replicate)}"
+                + (f", {said('cp', cp)}" if cp > 1 else "") + f"): fsdp = "
+                f"{name['world']} / ({name['tp']} * {name['dp_replicate']}{extra}) must be a whole number")
+        fsdp = world // (tp * dp_replicate * cp)
+    if dp_replicate * fsdp * cp * tp != world:
+        extra = (f" * {name['cp']}", f" * {cp}") if cp > 1 else ("", "")
         raise ValueError(
-            f"the parallel mesh requires {name['dp_replicate']} * {name['fsdp']} * {name['tp']} = {dp_replicate} * "
-            f"{fsdp} * {tp} = {dp_replicate * fsdp * tp} processes, but {name['world']} is {world}")
-    valid = ", ".join(str(e) for e in range(tp, fsdp * tp + 1, tp) if (fsdp * tp) % e == 0)
+            f"the parallel mesh requires {name['dp_replicate']} * {name['fsdp']}{extra[0]} * {name['tp']} = {dp_replicate} * "
+            f"{fsdp}{extra[1]} * {tp} = {dp_replicate * fsdp * cp * tp} processes, but {name['world']} is {world}")
+    shards = fsdp * cp                          # the meshes' fsdp axis: data shards x cp ranks
+    valid = ", ".join(str(e) for e in range(tp, shards * tp + 1, tp) if (shards * tp) % e == 0)
     if ep % tp:
         raise ValueError(f"{said('ep', ep)} must be a multiple of {said('tp', tp)} (a tensor-parallel group never "
                          f"straddles two expert groups); valid {name['ep']}: {valid}")
-    if (fsdp * tp) % ep:
-        raise ValueError(f"{said('ep', ep)} must divide fsdp * tp = {fsdp} * {tp} = {fsdp * tp} (the ranks of one "
+    if (shards * tp) % ep:
+        what = f"fsdp * cp * tp = {fsdp} * {cp} * {tp}" if cp > 1 else f"fsdp * tp = {fsdp} * {tp}"
+        raise ValueError(f"{said('ep', ep)} must divide {what} = {shards * tp} (the ranks of one "
                          f"data-parallel replica); valid {name['ep']}: {valid}")
-    return Layout(whole, tp, ep, fsdp, dp_replicate, pp)
+    return Layout(whole, tp, ep, fsdp, dp_replicate, pp, cp)
 
 
 def stage_layers(num_layers: int, pp: int, sizes: Optional[Sequence[int]] = None) -> list[range]:
@@ -162,20 +180,29 @@ class RankLayout:
 
     Args:
         world: number of ranks; rank: this rank.
-        tp, ep, fsdp, dp_replicate, pp: the sizes, as in :func:`check_layout`.
+        tp, ep, fsdp, dp_replicate, pp, cp: the sizes, as in :func:`check_layout`.
         names: how errors spell the fields (:func:`check_layout`).
         sp: sequence parallelism over ``tp`` (needs ``tp > 1``).
+
+    ``fsdp`` counts the data shards; the meshes' ``fsdp`` axis (``size("fsdp")``,
+    ``rank_in("fsdp")``, ``ranks("fsdp")``) spans them times the ``cp`` ranks, which hold pieces
+    of one sequence: parameters shard over both, and a replicated leaf's gradient is partial over
+    both. ``batch_index`` / ``num_batches`` count the token slices whose losses a step sums (each
+    cp rank's piece is one); ``sequence_index`` / ``num_sequences`` the sequences (the data).
 
     Example:
         >>> m = RankLayout(8, 3, tp=2, ep=4)
         >>> m.fsdp, m.efsdp, m.rank_in("tp"), m.rank_in("ep"), m.batch_index, m.ranks("ep")
         (4, 2, 1, 3, 1, [0, 1, 2, 3])
+        >>> c = RankLayout(8, 3, tp=2, ep=4, cp=2)
+        >>> c.fsdp, c.size("fsdp"), c.rank_in("cp"), c.ranks("cp"), c.batch_index, c.sequence_index
+        (2, 4, 1, [1, 3], 1, 0)
     """
 
     def __init__(self, world: int, rank: int = 0, tp: int = 1, ep: Optional[int] = None,
                  fsdp: Optional[int] = None, dp_replicate: int = 1, names: Optional[Mapping[str, str]] = None,
-                 pp: int = 1, sp: bool = False):
-        layout = check_layout(world, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, pp=pp, names=names)
+                 pp: int = 1, sp: bool = False, cp: int = 1):
+        layout = check_layout(world, tp=tp, ep=ep, fsdp=fsdp, dp_replicate=dp_replicate, pp=pp, names=names, cp=cp)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
             raise ValueError(f"rank must be an int in [0, {world}) for {world} ranks, got {rank!r}")
         if not isinstance(sp, bool) or (sp and layout.tp == 1):
@@ -184,9 +211,9 @@ class RankLayout:
                              f"{said['tp']} > 1, got sp={sp!r} with tp={layout.tp}")
         self.world, self.rank = world, rank
         self.tp, self.ep, self.fsdp, self.dp_replicate = layout.tp, layout.ep, layout.fsdp, layout.dp_replicate
-        self.efsdp, self.pp, self.sp = layout.efsdp, layout.pp, sp
+        self.efsdp, self.pp, self.sp, self.cp = layout.efsdp, layout.pp, sp, layout.cp
         self._coords = rank_coords(rank, tp=self.tp, fsdp=self.fsdp, dp_replicate=self.dp_replicate, ep=self.ep,
-                                   pp=self.pp)
+                                   pp=self.pp, cp=self.cp)
 
     @property
     def stage(self) -> int:
@@ -199,9 +226,10 @@ class RankLayout:
         return self.world // self.pp
 
     def size(self, axis: str) -> int:
-        """Size of a mesh axis (``"tp"``, ``"fsdp"``, ``"ep"``, ``"efsdp"``, ``"dp_replicate"``, ``"pp"``)."""
+        """Size of a mesh axis (``"tp"``, ``"fsdp"`` (data shards x cp), ``"ep"``, ``"efsdp"``,
+        ``"dp_replicate"``, ``"pp"``, ``"cp"``)."""
         self._check_axis(axis)
-        return getattr(self, axis)
+        return self.fsdp * self.cp if axis == "fsdp" else getattr(self, axis)
 
     def rank_in(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
@@ -211,19 +239,31 @@ class RankLayout:
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along ``axis``, in coordinate order."""
         self._check_axis(axis)
-        stride = {"tp": 1, "fsdp": self.tp, "dp_replicate": self.tp * self.fsdp,
-                  "ep": 1, "efsdp": self.ep, "pp": self.stage_world}[axis]
+        stride = {"tp": 1, "fsdp": self.tp, "dp_replicate": self.tp * self.fsdp * self.cp,
+                  "ep": 1, "efsdp": self.ep, "pp": self.stage_world, "cp": self.tp}[axis]
         base = self.rank - self._coords[axis] * stride
         return [base + i * stride for i in range(self.size(axis))]
 
     @property
     def batch_index(self) -> int:
-        """Index of the data-parallel batch this rank holds (same for a whole TP group)."""
-        return self._coords["dp_replicate"] * self.fsdp + self._coords["fsdp"]
+        """Index of the token slice this rank holds, among those whose losses a step sums: its
+        data-parallel batch, or with ``cp > 1`` its piece of that batch's sequences (same for a
+        whole TP group)."""
+        return self._coords["dp_replicate"] * self.fsdp * self.cp + self._coords["fsdp"]
 
     @property
     def num_batches(self) -> int:
-        """Number of distinct data-parallel batches (``dp_replicate * fsdp``)."""
+        """Number of distinct token slices (``dp_replicate * fsdp * cp``)."""
+        return self.dp_replicate * self.fsdp * self.cp
+
+    @property
+    def sequence_index(self) -> int:
+        """Index of the data-parallel batch of sequences this rank reads (its cp group's)."""
+        return self.batch_index // self.cp
+
+    @property
+    def num_sequences(self) -> int:
+        """Number of distinct data-parallel batches of sequences (``dp_replicate * fsdp``)."""
         return self.dp_replicate * self.fsdp
 
     def expert_range(self, num_experts: int) -> range:
@@ -252,7 +292,7 @@ class RankLayout:
         return (
             f"{type(self).__name__}(world={self.world}, rank={self.rank}, dp_replicate={self.dp_replicate}, "
             f"fsdp={self.fsdp}, tp={self.tp}, ep={self.ep}, efsdp={self.efsdp}"
-            + (f", pp={self.pp}" if self.pp > 1 else "") + (", sp=True" if self.sp else "") + ")"
+            + (f", pp={self.pp}" if self.pp > 1 else "") + (f", cp={self.cp}" if self.cp > 1 else "") + (", sp=True" if self.sp else "") + ")"
         )
 
 

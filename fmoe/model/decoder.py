@@ -63,6 +63,8 @@ class Context:
         token_ids: ``[T]`` the ids of the tokens this rank's MoE blocks route, in their row order
             (this rank's piece of the sequence under sequence parallelism), offered to every
             router with the layer index (:data:`fmoe.routing.OFFERED`).
+        cp: context parallelism (``mesh.cp > 1``): the layers hold this rank's two chunks of each
+            sequence, and a model passes ``cp=ctx.cp`` to ``fmoe.nn.attention``.
     """
 
     cfg: Any
@@ -74,6 +76,7 @@ class Context:
     router: Any = None
     act: Activation = swiglu
     token_ids: Optional[torch.Tensor] = None
+    cp: Optional[nn.ContextParallel] = None
 
 
 @dataclass
@@ -134,6 +137,10 @@ def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh] = N
         act: the experts' activation.
         hidden: a pipeline stage's input ``[B, S, D]`` instead of the embedding (its ``params``
             hold no ``embed``; :mod:`fmoe.training.pipeline`); ``tokens`` give the positions.
+
+    With context parallelism (``mesh.cp > 1``) ``tokens`` are the whole sequences on every cp
+    rank, and the layers run on this rank's two chunks (:mod:`fmoe.nn.context_parallel`: their
+    tokens, rope positions; ``x``, ``hidden`` and the logits are ``[B, 2 S / (2 cp), ...]``).
     Returns:
         ``(x [B, S, D], ctx, out)``.
 
@@ -151,7 +158,15 @@ def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh] = N
         raise ValueError("forward: mesh is None but the experts are sharded over ep; pass forward(..., mesh=mesh)")
     refuse_compiled_transform(mesh)
     inv_freq, scaling = rope(cfg, rope_dim)
-    step = nn.cache.begin(tokens, cache, positions)
+    cp = nn.ContextParallel.of(mesh)
+    if cp is not None:                              # this rank's head and tail chunks of each sequence
+        if cache is not None or positions is not None:
+            raise ValueError(f"forward: context parallelism (cp={cp.size}) splits whole training sequences; decoding "
+                             "with a cache or given positions needs a mesh with cp=1")
+        step = nn.cache.Step(cp.positions(tokens.shape[1], tokens.device), 0, None)
+        tokens = cp.shard(tokens, dim=1)
+    else:
+        step = nn.cache.begin(tokens, cache, positions)
     if (hidden is None) != ("embed" in params):     # a pipeline stage: hidden= exactly when no embed
         raise ValueError(f"forward: hidden= is the input of a pipeline stage whose params hold no embed, and only "
                          f"of one; got embed: {'embed' in params}, hidden: {hidden is not None}")
@@ -161,7 +176,7 @@ def start(params: dict, tokens: torch.Tensor, cfg: Any, mesh: Optional[Mesh] = N
     if mesh is not None and mesh.sp:               # the layers hold this tp rank's piece of the sequence
         S, n, r = tokens.shape[1], mesh.tp, mesh.rank_in("tp")
         ids = tokens[:, r * S // n:(r + 1) * S // n]
-    return x, Context(cfg, cos, sin, step, mesh, impl, router, act, ids.reshape(-1)), Outputs(cache, step)
+    return x, Context(cfg, cos, sin, step, mesh, impl, router, act, ids.reshape(-1), cp), Outputs(cache, step)
 
 
 def with_aux_loss(router: Any, cfg: Any) -> Any:

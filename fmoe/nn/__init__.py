@@ -52,6 +52,7 @@ Example:
 from . import cache, remat
 from ._tp import axis_group, tp_size_rank
 from .attention import attention, shared_by_heads, visible
+from .context_parallel import ContextParallel
 from .linear import embedding, linear
 from .loss import cross_entropy
 from .mlp import swiglu, swiglu_mlp
@@ -60,4 +61,4 @@ from .rope import ROPE_TYPES, apply_rope, rope_cos_sin, rope_frequencies, yarn_m
 
 __all__ = ["linear", "embedding", "rms_norm", "head_rms_norm", "rope_frequencies", "rope_cos_sin",
            "apply_rope", "yarn_mscale", "ROPE_TYPES", "attention", "visible", "shared_by_heads", "cache", "remat",
-           "swiglu", "swiglu_mlp", "cross_entropy", "axis_group", "tp_size_rank"]
+           "swiglu", "swiglu_mlp", "cross_entropy", "axis_group", "tp_size_rank", "ContextParallel"]

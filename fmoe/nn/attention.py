@@ -45,6 +45,7 @@ from ..sharding import placement_of, sequence_parallel
 from ..transforms import compiling, higher_order, vmapping
 from ._tp import check_tensor, tp_size_rank
 from .blocked_attention import SCORE_BUDGET, Layout, blocked_attention, block_sizes
+from .context_parallel import ContextParallel
 
 __all__ = ["attention", "visible", "shared_by_heads", "blocked_path"]
 
@@ -77,9 +78,15 @@ def visible(q_len: int, k_len: int, causal: bool = True, window: Optional[int] =
 
 
 def _mask(S: int, Sk: int, causal: bool, window: Optional[int], key_mask: Optional[torch.Tensor],
-          device) -> torch.Tensor:
-    """``[S, Sk]`` (or ``[B, 1, S, Sk]`` with a key mask) table of visible keys."""
-    ok = visible(S, Sk, causal, window, device=device)
+          device, segments: Optional[tuple] = None) -> torch.Tensor:
+    """``[S, Sk]`` (or ``[B, 1, S, Sk]`` with a key mask) table of visible keys; the queries at
+    ``segments`` (a context-parallel rank's chunks) instead of the last ``S`` positions."""
+    if segments is None:
+        ok = visible(S, Sk, causal, window, device=device)
+    else:
+        q = torch.cat([torch.arange(a, a + n, device=device) for a, n in segments])[:, None]
+        k = torch.arange(Sk, device=device)[None, :]
+        ok = (k <= q if causal else torch.ones_like(k <= q)) & ((q - k < window) if window is not None else True)
     if key_mask is None:
         return ok
     own = visible(S, Sk, causal=True, window=1, device=device)          # each query's own slot
@@ -158,7 +165,7 @@ def _local_sinks(sinks: torch.Tensor, heads: int) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
               window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
               scale: Optional[float] = None, num_kv_groups: Optional[int] = None,
-              key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+              key_mask: Optional[torch.Tensor] = None, cp: Optional[ContextParallel] = None) -> torch.Tensor:
     """Multi-head attention with grouped KV heads.
 
     Args:
@@ -172,6 +179,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         num_kv_groups: the model's ``Hq_total / Hkv_total``, if given it is checked against the
             shapes, catching a plan that shards q and k/v differently.
         key_mask: ``[B, Sk]`` bool, False for padding slots (None: every key is real).
+        cp: context parallelism (:class:`fmoe.nn.context_parallel.ContextParallel`, a model's
+            ``Context.cp``): q, k, v are this rank's two chunks of the sequence; K/V are gathered
+            over the cp group and the queries attend at their positions.
     Returns:
         ``[B, S, Hq, hd_v]``.
 
@@ -180,22 +190,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         torch.Size([1, 4, 2, 8])
     """
     _check(q, k, v, window, sinks, num_kv_groups, key_mask)
+    segments = None
+    if cp is not None:
+        if key_mask is not None or q.shape[1] != k.shape[1]:
+            raise ValueError("attention: context parallelism splits whole sequences; it takes no key_mask or KV "
+                             "cache (decode without cp)")
+        segments = cp.segments(q.shape[1] * cp.size)
+        k, v = cp.gather(k), cp.gather(v)                       # [B, S, Hkv, hd]: the whole sequence
     hd = q.shape[-1]
     scale = hd ** -0.5 if scale is None else scale
     rep = q.shape[2] // k.shape[2]
     qh = rearrange(q, "b s h d -> b h s d")
     S, Sk = q.shape[1], k.shape[1]
     plain_causal = causal and window is None and S == Sk and key_mask is None
-    no_table = plain_causal or (not causal and window is None and key_mask is None)
+    no_table = segments is None and (plain_causal or (not causal and window is None and key_mask is None))
     if not (sinks is None and no_table) and blocked_path(q.shape[0], q.shape[2], S, Sk):
-        lay = Layout(((Sk - S, S),), 0, causal, window, scale, *block_sizes(q.shape[0], q.shape[2], S, Sk))
+        lay = Layout(segments or ((Sk - S, S),), 0, causal, window, scale, *block_sizes(q.shape[0], q.shape[2], S, Sk))
         sl = None if sinks is None else _local_sinks(sinks, q.shape[2])
         out = blocked_attention(qh, rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d"), lay,
                                 sinks=sl, key_mask=key_mask)
         return rearrange(out, "b h s d -> b s h d")
     if sinks is None and not higher_order():  # fused kernel (no forward AD / double backward on CPU): no [S, Sk] probabilities kept
         kt, vt = rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d")
-        mask = None if no_table else _mask(S, Sk, causal, window, key_mask, q.device)
+        mask = None if no_table else _mask(S, Sk, causal, window, key_mask, q.device, segments)
         # On CPU the fused kernel's bf16 backward runs ~3x slower than its fp32 one (no AMX path;
         # benchmarks/RESULTS.md), so the core computes in fp32 there; the projections stay bf16.
         core = at_least_f32(q.dtype) if q.device.type == "cpu" else q.dtype
@@ -205,7 +222,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     kh = repeat(k, "b s g d -> b (g r) s d", r=rep)  # query head h uses KV head h // rep
     vh = repeat(v, "b s g d -> b (g r) s d", r=rep)
     scores = gemm(torch.matmul, qh, kh.transpose(2, 3)) * scale  # [B, Hq, S, Sk]; fmoe.precision.gemm
-    ok = _mask(S, Sk, causal, window, key_mask, q.device)
+    ok = _mask(S, Sk, causal, window, key_mask, q.device, segments)
     scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
     if sinks is None:
         probs = F.softmax(scores, dim=-1, dtype=at_least_f32(scores.dtype)).to(q.dtype)

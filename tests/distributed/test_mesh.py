@@ -17,8 +17,9 @@ def test_single_process_mesh():
     assert m.group("tp") is None and m.expert_range(6) == range(0, 6) and m.rank_in("ep") == 0
     with pytest.raises(ValueError, match="requires dp_replicate \\* fsdp \\* tp = 1 \\* 1 \\* 2 = 2 processes, but world_size is 1"):
         fmoe.Mesh(tp=2, fsdp=1)
-    with pytest.raises(ValueError, match="unknown mesh axis 'cp'"):
-        m.group("cp")
+    with pytest.raises(ValueError, match="unknown mesh axis 'seq'"):
+        m.group("seq")
+    assert m.cp == 1 and m.group("cp") is None and m.size("cp") == 1
 
 
 @pytest.mark.parametrize("kw,match", [
