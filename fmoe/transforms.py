@@ -37,6 +37,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch._dynamo
 from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
@@ -114,14 +115,24 @@ def data_checks_enabled() -> bool:
 
 COMPILED_TRANSFORM = (
     "torch.compile of a torch.func transform (torch.compile(torch.func.grad(loss)), a compiled functional "
-    "train step) on a mesh ({mesh}) is not supported: Dynamo cannot trace the transform's wrappers around "
-    "sharded (DTensor) parameters. Instead run torch.func.grad eagerly on the mesh (torch.compile(forward) "
-    "works there), use loss.backward() (fmoe.training.train_step), or compile the whole step on one process")
+    "train step) on a mesh ({world} ranks) is not supported: Dynamo cannot trace the transform's wrappers around "
+    "sharded (DTensor) parameters. Without fullgraph=True the call runs eagerly on every rank (torch.func.grad "
+    "on the mesh); instead run torch.func.grad eagerly on the mesh (torch.compile(forward) works there), use "
+    "loss.backward() (fmoe.training.train_step), or compile the whole step on one process")
 
 
 def refuse_compiled_transform(mesh: Any) -> None:
-    """Raise ``NotImplementedError`` when Dynamo traces a ``torch.func`` transform of a function
-    that runs on a multi-rank ``mesh`` (every rank raises alike, before any collective).
+    """Refuse, while Dynamo traces, a ``torch.func`` transform of a function that runs on a
+    multi-rank ``mesh``; the same on every rank, before any collective (the decoder's ``start``
+    and ``fmoe.moe`` call it first thing).
+
+    The refusal is a ``torch._dynamo.exc.Unsupported`` carrying :data:`COMPILED_TRANSFORM`, raised
+    by the tracer itself (:func:`_refuse_trace`) with a frame execution strategy that skips the
+    compiled frame *and every frame it calls*: with ``fullgraph=True`` the user sees that error;
+    without it the whole call runs eagerly (``torch.func.grad`` on the mesh, which is right),
+    and Dynamo traces none of its nested frames. Without that strategy Dynamo traced each nested
+    frame of the eager fallback on its own, with each rank's data: ~30 s per rank, and the kernels'
+    bodies, whose path depends on a rank's rows (issue 46).
 
     Args:
         mesh: the :class:`fmoe.Mesh` the layer runs on, or None.
@@ -132,7 +143,32 @@ def refuse_compiled_transform(mesh: Any) -> None:
         >>> refuse_compiled_transform(None)      # eager, or one process: nothing to refuse
     """
     if mesh is not None and getattr(mesh, "world", 1) > 1 and compiling() and func_active():
-        raise NotImplementedError(COMPILED_TRANSFORM.format(mesh=mesh))
+        _refuse_trace(int(mesh.world))
+
+
+class CompiledTransformRefused(torch._dynamo.exc.Unsupported):
+    """The refusal of :func:`refuse_compiled_transform`: an ``Unsupported`` that no frame turns
+    into a graph break (``skip_frame`` stays True: Dynamo clears it when the error leaves an
+    inlined call, so that only the innermost frame is skipped), carried by the tracer up to the
+    compiled frame, whose execution strategy it sets (:func:`_refuse_trace`)."""
+
+    skip_frame = property(lambda self: True, lambda self, value: None)
+
+
+@torch.compiler.assume_constant_result
+def _refuse_trace(world: int) -> bool:
+    """Raise :class:`CompiledTransformRefused` from the tracer (Dynamo calls this in Python while
+    it traces: a constant of the trace, never a graph op), with the ``frame_exec_strategy``
+    ``SKIP`` for the compiled frame and, recursively, for every frame it calls. Called eagerly
+    (after a graph break) it returns False: there is nothing to refuse there."""
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+    from torch._guards import TracingContext
+
+    if TracingContext.try_get() is None:
+        return False
+    error = CompiledTransformRefused(COMPILED_TRANSFORM.format(world=world), "compiled torch.func transform on a mesh")
+    error.frame_exec_strategy = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.SKIP)
+    raise error
 
 
 def peel(t: Any) -> Any:

@@ -9,7 +9,8 @@ Two matmul paths give the same numbers (the tests check it):
 
 - ``grouped``: one ``torch._grouped_mm`` per projection over all experts (CPU and CUDA in
   torch >= 2.8). It needs 16-byte aligned strides (``D`` and ``I`` multiples of 4 in fp32,
-  of 8 in bf16) and bf16 on CUDA; ``"auto"`` falls back to the loop otherwise.
+  of 8 in bf16), rows, and bf16 on CUDA; ``"grouped"`` and ``"auto"`` fall back to the loop
+  otherwise (float64, an expert block with no rows).
 - ``loop``: one matmul per expert; an idle expert still gets a zero gradient, never ``None``.
 
 Each row may carry a mixing weight ``scale[n]`` (the routing weight): the output is
@@ -45,8 +46,11 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+@torch.compiler.disable
 def _gmm(a: torch.Tensor, w: torch.Tensor, offs, counts: Sequence[int], grouped: bool, trans: bool) -> torch.Tensor:
-    """Rows of group ``e``: ``a_e @ w[e].T`` (``trans``) or ``a_e @ w[e]``; plain tensors, no autograd."""
+    """Rows of group ``e``: ``a_e @ w[e].T`` (``trans``) or ``a_e @ w[e]``; plain tensors, no autograd.
+    A kernel on host counts: Dynamo never traces it (nor :func:`_gmm_wgrad`), even in a frame of
+    an eager fallback, where it would reach ``torch._grouped_mm``'s bf16-only meta rule."""
     if grouped:
         return torch._grouped_mm(a, w.transpose(1, 2) if trans else w, offs=offs)
     if torch.is_grad_enabled():   # double backward: differentiable ops, no out=
@@ -58,6 +62,7 @@ def _gmm(a: torch.Tensor, w: torch.Tensor, offs, counts: Sequence[int], grouped:
     return out
 
 
+@torch.compiler.disable
 def _gmm_wgrad(g: torch.Tensor, a: torch.Tensor, offs, counts: Sequence[int], grouped: bool) -> torch.Tensor:
     """Weight gradient ``[E, n_g, n_a]``: ``g_e^T @ a_e`` per group (zeros for an empty group)."""
     if grouped:
@@ -178,9 +183,10 @@ def _loop_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.T
 
 
 def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """grouped_mm needs 16-byte aligned strides (both devices) and bf16 on CUDA (and on fake
-    tensors: its meta kernel takes bf16 only)."""
-    if not grouped_mm_available() or x.dtype != w.dtype:
+    """grouped_mm needs 16-byte aligned strides (both devices), rows (an empty operand's strides
+    are 0, which it refuses), one of fp32 / bf16 / fp16, and bf16 on CUDA (and on fake tensors:
+    its meta kernel takes bf16 only)."""
+    if not grouped_mm_available() or x.dtype != w.dtype or x.shape[0] == 0:
         return False
     if (x.is_cuda or is_fake(x)) and x.dtype != torch.bfloat16:
         return False
@@ -191,8 +197,11 @@ def _grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def use_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, matmul: str = "auto") -> bool:
-    """Whether ``expert_mlp(..., matmul=matmul)`` runs ``torch._grouped_mm`` for these tensors."""
-    return matmul == "grouped" or (matmul == "auto" and _grouped_ok(x, w_gate_up) and _grouped_ok(x, w_down))
+    """Whether ``expert_mlp(..., matmul=matmul)`` runs ``torch._grouped_mm`` for these tensors:
+    ``"grouped"`` and ``"auto"`` where it applies (:func:`_grouped_ok`), the loop otherwise (every
+    dtype the experts accept, float64 included, whatever ``matmul`` asks), as the grouped
+    operators' kernels decide (:mod:`fmoe.experts.ops`)."""
+    return matmul != "loop" and _grouped_ok(x, w_gate_up) and _grouped_ok(x, w_down)
 
 
 def _project(x, w, counts, offs, grouped: bool) -> torch.Tensor:

@@ -97,11 +97,14 @@ torch.library.define("fmoe::grouped_mm", "(Tensor x, Tensor w, Tensor offs, bool
 torch.library.define("fmoe::grouped_wgrad", "(Tensor a, Tensor b, Tensor offs, str matmul) -> Tensor")
 
 
+@torch.compiler.disable
 def _grouped_mm_kernel(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, trans: bool, matmul: str) -> torch.Tensor:
     if gemm_dtype(x) != x.dtype:                  # bf16 on a CPU without native bf16: fp32 GEMMs, same values
         return _grouped_mm_kernel(x.to(gemm_dtype(x)), w.to(gemm_dtype(x)), offs, trans, matmul).to(x.dtype)
     wt = w.transpose(1, 2) if trans else w                                      # [G, k, n]
-    if matmul != "loop" and _aligned(x, wt):
+    if matmul != "loop" and x.shape[0] and _aligned(x, wt):   # row- or column-major operands (an expanded
+        # grad has strides 0; so has an empty one, which torch._grouped_mm refuses: no rows take the loop)
+        wt = w.contiguous().transpose(1, 2) if trans else w.contiguous()
         return torch._grouped_mm(x.contiguous(), wt, offs=offs)
     b = _bounds(offs)
     if bucketed(x):                                                             # bf16 on CPU: bucket-padded rows
@@ -122,11 +125,12 @@ def _(x, w, offs, trans, matmul):
     return x.new_empty((x.shape[0], w.shape[1] if trans else w.shape[2]))
 
 
+@torch.compiler.disable
 def _grouped_wgrad_kernel(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, matmul: str) -> torch.Tensor:
     if gemm_dtype(a) != a.dtype:                  # bf16 on a CPU without native bf16: fp32 GEMMs, same values
         return _grouped_wgrad_kernel(a.to(gemm_dtype(a)), b.to(gemm_dtype(a)), offs, matmul).to(a.dtype)
-    if matmul != "loop" and _aligned(a, b):
-        return torch._grouped_mm(a.t(), b, offs=offs)
+    if matmul != "loop" and a.shape[0] and _aligned(a, b):                      # row-major operands (an
+        return torch._grouped_mm(a.contiguous().t(), b.contiguous(), offs=offs)  # expanded grad has strides 0)
     e = _bounds(offs)
     if bucketed(a):                                                             # bf16 on CPU: bucket-padded rows
         return buckets.grouped_wgrad(a, b, e)
@@ -258,12 +262,14 @@ class _GroupedWGrad(_SingleLevelFunction):
 
 
 @torch.library.impl("fmoe::grouped_mm", "Autograd")
+@torch.compiler.disable
 def _(x, w, offs, trans, matmul):
     with enable_single_level_autograd_function():
         return _GroupedMM.apply(x, w, offs, trans, matmul)
 
 
 @torch.library.impl("fmoe::grouped_wgrad", "Autograd")
+@torch.compiler.disable
 def _(a, b, offs, matmul):
     with enable_single_level_autograd_function():
         return _GroupedWGrad.apply(a, b, offs, matmul)
