@@ -27,6 +27,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from ..models import get, hf_model, recorded
+from ..training.job import check_value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +72,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if args.max_new_tokens < 0:
         ap.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    try:                                  # the job's own rule: a 64-bit seed
+        check_value("seed", args.seed)
+    except ValueError as e:
+        ap.error(str(e))
     if not os.path.isdir(args.ckpt):
         ap.error(f"--ckpt {args.ckpt!r} is not a directory")
     from ..mesh import check_layout
@@ -226,7 +231,15 @@ def _codec(args: argparse.Namespace, tok: Any):
 
 def run(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     """Load and generate on this rank; returns one dict per prompt."""
+    import threading
+
+    from tqdm import tqdm
+
     import fmoe
+
+    # tqdm's default lock holds a multiprocessing semaphore, which a spawned rank leaves for the
+    # resource tracker to report as leaked: one thread lock per rank (as the training ranks do)
+    tqdm.set_lock(threading.RLock())
 
     mesh = fmoe.Mesh(tp=args.tp, ep=args.ep)
     model, params, cfg, router, tok = load(args.ckpt, mesh, args)

@@ -30,7 +30,10 @@ from typing import Any, Iterator, Optional
 from ..collectives import all_gather_rows, counting
 from ..collectives.counting import KINDS
 
-__all__ = ["Observer", "parse_steps", "check_tensorboard"]
+__all__ = ["Observer", "parse_steps", "check_tensorboard", "INDEXED_BY"]
+
+#: what a log row's list is indexed by, when not by MoE layer (maxvio, expert_bias_absmax, ...)
+INDEXED_BY = {"rank_step_time": "rank", "sent_bytes": "rank", "pp_idle": "stage"}
 
 
 def parse_steps(text: str, flag: str = "--profile-steps") -> tuple[int, int]:
@@ -127,7 +130,9 @@ class Observer:
                 "sent_bytes_by_kind": by_kind}
 
     def write(self, row: dict) -> None:
-        """Rank 0: the row's numbers as TensorBoard scalars (per-rank lists as ``name/rank-R``)."""
+        """Rank 0: the row's numbers as TensorBoard scalars; a list as one tag per entry, named by
+        what it is indexed by (:data:`INDEXED_BY`: ``rank_step_time/rank-R``, ``pp_idle/stage-S``,
+        ``maxvio/layer-L``)."""
         if self.writer is None:
             return
         step = row["step"]
@@ -137,8 +142,9 @@ class Observer:
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(name, value, step)
             elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+                index = INDEXED_BY.get(name, "layer")
                 for r, v in enumerate(value):
-                    self.writer.add_scalar(f"{name}/rank-{r}", v, step)
+                    self.writer.add_scalar(f"{name}/{index}-{r}", v, step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from ..models import SHIPPED, get, hf_model
 from . import balancing, identity, parallel, resume
 from .job import FIELDS, JobConfig, JobConfigError
 
-FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate", "pp": "--pp"}   # mesh fields as flags
+FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate", "pp": "--pp", "cp": "--cp"}   # mesh fields as flags
 
 __all__ = ["Job", "resolve", "check_plan", "launcher_world", "inside"]
 
@@ -111,7 +111,7 @@ def _check_mesh(job: Job, launched: Optional[int], note: str = "") -> int:
     job.world = launched or job.nproc
     ep = job.tp if job.ep is None else job.ep
     try:                                               # Mesh's own rules, before any rank starts
-        check_layout(job.world, tp=job.tp, ep=ep, dp_replicate=job.dp_replicate, pp=job.pp,
+        check_layout(job.world, tp=job.tp, ep=ep, dp_replicate=job.dp_replicate, pp=job.pp, cp=job.cp,
                      names={**FLAG_NAMES, "world": "WORLD_SIZE" if launched else "--nproc"})
     except ValueError as e:
         _error(str(e) + note)
@@ -198,14 +198,16 @@ def _find_resume(job: Job) -> tuple[str, dict]:
 
     if not os.path.exists(job.resume):
         _error(f"--resume {job.resume!r} does not exist")
-    path = ckpt.latest(job.resume)
-    if path is None:
-        _error(f"--resume {job.resume!r}: no complete step-N checkpoint there")
-    try:
-        meta = ckpt.read_meta(path)
-    except ValueError as e:
-        _error(f"--resume: {e}")
-    return path, meta
+    for _ in range(3):               # a job pruning that run (--keep-last) may remove the latest meanwhile
+        path = ckpt.latest(job.resume)
+        if path is None:
+            _error(f"--resume {job.resume!r}: no complete step-N checkpoint there")
+        try:
+            return path, ckpt.read_meta(path)
+        except ValueError as e:
+            if os.path.exists(path) or path == job.resume:
+                _error(f"--resume: {e}")
+    _error(f"--resume {job.resume!r}: its checkpoints keep being removed (a job pruning it with --keep-last?)")
 
 
 def _check_resume(job: Job, path: str, meta: dict) -> None:

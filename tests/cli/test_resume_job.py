@@ -192,12 +192,14 @@ def test_run_files_beside_the_log_belong_to_the_run(base, tmp_path, monkeypatch)
     for start, steps in ((0, (1, 2)), (1, (2, 3))):             # a run logs 1, 2; its resume from 1 logs 2, 3
         watch = Observer(str(out), 0, tensorboard=True, start=start)
         for step in steps:
-            watch.write({"step": step, "loss": float(step + 10 * start)})
+            watch.write({"step": step, "loss": float(step + 10 * start), "maxvio": [0.5, 1.5], "pp_idle": [0.1, 0.2],
+                         "rank_step_time": [0.3]})
         watch.close()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 12.0), (3, 13.0)]
+    assert {"maxvio/layer-1", "pp_idle/stage-1", "rank_step_time/rank-0"} <= set(acc.Tags()["scalars"])   # by index
     (out / "profile").mkdir()
     assert {"tensorboard", "profile"} <= set(outdir.holds_run(str(out)))
     outdir.clear_run(str(out))
@@ -213,6 +215,12 @@ def test_run_files_beside_the_log_belong_to_the_run(base, tmp_path, monkeypatch)
     from fmoe.checkpoint import training as ckpt
     with pytest.raises(ValueError, match="meta.json is a symbolic link"):
         ckpt.read_meta(str(linked / "step-2"))
+    from fmoe.checkpoint import training as ckpt_module
+    real, calls = ckpt_module.latest, []                        # a job pruning --keep-last removes the latest
+    monkeypatch.setattr(ckpt_module, "latest", lambda p: calls.append(p) or (str(out / "step-9") if len(calls) == 1
+                                                                               else real(p)))
+    assert resolve(JobConfig(resume=base, steps=3, out=str(tmp_path / "reader"))).resume_path.endswith("step-2")
+    monkeypatch.setattr(ckpt_module, "latest", real)
     import fmoe.launch
     seen = {}
     monkeypatch.setattr(fmoe.launch, "run", lambda fn, n, job, **kw: seen.update(kw) or [{}])
@@ -230,6 +238,10 @@ def test_small_usage_errors_name_the_field(tmp_path, capsys):
         got = train_cli(*BASE, *args, "--out", str(tmp_path / "x"), check=False) if "--out" not in args else \
             train_cli(*BASE, *args, check=False)
         assert got.returncode == 2 and want in got.stderr.splitlines()[-1], (args, got.stderr[-500:])
+    from fmoe.cli import generate
+    with pytest.raises(SystemExit) as e:                       # (before: an overflow's traceback)
+        generate.main(["--ckpt", str(tmp_path), "--prompt", "hi", "--seed", str(10 ** 23)])
+    assert e.value.code == 2 and "--seed must be an integer in [0, " in capsys.readouterr().err
     bad = tmp_path / "job.toml"
     bad.write_bytes(b'model = "qwen3_moe"\npreset = "\xff"\n')
     got = train_cli("--config", str(bad), check=False)
