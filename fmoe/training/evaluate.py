@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 
 from ..mesh import Mesh
-from ..nn import cross_entropy
+from ..nn import ContextParallel, cross_entropy
 from ..routing.metrics import load_metrics
 from . import router_aux
 from .forward import autocast, forward_with_aux, world_mean
@@ -105,8 +105,8 @@ def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batc
     with torch.no_grad():
         pieces = [(i, b) for i in range(batches) for b in range(dp_batches)]      # (batch, rank it stands for)
         for i, b in pieces:
-            n = mesh.num_batches * dp_batches
-            x, y = held_out_batch(stream, i, batch, seq, seed, mesh.batch_index * dp_batches + b, n)
+            n = mesh.num_sequences * dp_batches               # cp ranks read one sequence batch
+            x, y = held_out_batch(stream, i, batch, seq, seed, mesh.sequence_index * dp_batches + b, n)
             if device is not None:
                 x, y = x.to(device), y.to(device)
             with autocast(dtype, x.device):             # pp: this rank's stage (fmoe.training.pipeline)
@@ -114,6 +114,8 @@ def evaluate(model: Any, cfg: Any, params: Any, stream: Any, *, mesh: Mesh, batc
                                forward_stage(lambda h: forward_with_aux(model, params, x, cfg, mesh, impl, router, h),
                                              mesh, x.device, len(stats)))
             if logits is not None:                      # (the last stage's, with pp)
+                if mesh.cp > 1:                         # the logits are this rank's chunks
+                    y = ContextParallel(None, mesh.cp, mesh.rank_in("cp")).shard(y, dim=1)
                 total += cross_entropy(logits.float(), y).double().cpu()
             layers = aux.get("moe", [])
             if layers and all("load" in layer for layer in layers):      # global over the batches

@@ -23,7 +23,7 @@ from ..collectives import sum_over_world
 from ..fsdp import cast_shards
 from ..mesh import RankLayout
 from ..model import model_of
-from ..nn import cross_entropy
+from ..nn import ContextParallel, cross_entropy
 from ..nn.chunked_loss import chunked_cross_entropy
 from ..precision import DTYPES, dtype_of, upcast
 
@@ -74,6 +74,8 @@ def forward_loss(model: Any, params: Any, tokens: torch.Tensor, targets: Optiona
     out, aux = forward_with_aux(model, params, tokens, cfg, mesh, step_cfg.impl, step_cfg.router, hidden)
     if targets is None:
         return out, aux
+    if mesh is not None and mesh.cp > 1:            # the logits are this rank's chunks (fmoe.nn.context_parallel)
+        targets = ContextParallel(None, mesh.cp, mesh.rank_in("cp")).shard(targets, dim=1)
     loss = (cross_entropy(upcast(out), targets) if step_cfg.loss_chunks == 1      # see fmoe.nn.chunked_loss
             else chunked_cross_entropy(out, targets, step_cfg.loss_chunks))
     return loss, aux

@@ -121,6 +121,9 @@ class JobConfig:
                           "at most pp micro-batches in flight) or gpipe (all forwards, then all backwards)", "1f1b")
     sp: Optional[bool] = _f("mesh", ("bool",), "sequence parallelism: between tensor-parallel blocks the residual stream, norms "
                   "and elementwise work are split over --tp on the sequence dimension (needs --tp > 1)", False)
+    cp: Optional[int] = _f("mesh", ("int", 1, None), "context parallelism: each sequence split over N ranks in 2N "
+                           "load-balanced causal chunks, K/V all-gathered for attention (fmoe.nn.context_parallel; "
+                           "--seq divisible by 2N); nproc = pp * dp_replicate * fsdp * cp * tp", 1, "N")
     # data
     batch: Optional[int] = _f("data", ("int", 1, None), "sequences per data-parallel batch (default: 4)", metavar="N")
     seq: Optional[int] = _f("data", ("int", 1, None), "tokens per sequence (default: 64)", metavar="N")

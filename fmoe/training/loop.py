@@ -108,7 +108,7 @@ def run(rank: int, world: int, job: Any) -> dict:
 
     torch.set_num_threads(threads_of(job))            # --threads (fmoe.training.threads)
     model = job.declared                              # the declared Model, resolved before the ranks started
-    mesh = fmoe.Mesh(tp=job.tp, ep=job.ep, dp_replicate=job.dp_replicate, pp=job.pp, sp=job.sp)
+    mesh = fmoe.Mesh(tp=job.tp, ep=job.ep, dp_replicate=job.dp_replicate, pp=job.pp, sp=job.sp, cp=job.cp)
     device = options.resolve_device(job.device, int(os.environ.get("LOCAL_RANK", rank)))
     if job.init_hf and job.upcycle:    # a dense llama checkpoint, MLPs copied into experts
         from fmoe.training.upcycle import parse_upcycle, upcycle
@@ -166,8 +166,8 @@ def run(rank: int, world: int, job: Any) -> dict:
     for step in range(start + 1, job.steps + 1):
         batch = (train_data.union(step, job.batch * job.grad_accum, job.seq, job.seed, job.dp_batches)
                  if job.dp_batches > 1 else         # one process, the batches of N ranks
-                 train_data.batch(step, mesh.batch_index, job.batch * job.grad_accum, job.seq, job.seed,
-                                  num_batches=mesh.num_batches))
+                 train_data.batch(step, mesh.sequence_index, job.batch * job.grad_accum, job.seq, job.seed,
+                                  num_batches=mesh.num_sequences))
         lr = lr_at(step, job.lr, job.warmup, job.schedule_total)
         with watch.step(step):
             params, opt_state, m = train_step(model, cfg, params, opt_state, tuple(t.to(device) for t in batch),

@@ -51,6 +51,15 @@ def check_options(job: Any, error: Callable[[str], Any]) -> None:
     if job.sp and (job.tp == 1 or job.seq % job.tp):
         error("--sp (sequence parallelism) splits the sequence over the tensor-parallel ranks; it needs --tp > 1, "
                f"got --tp {job.tp}" + (f" (it must also divide --seq {job.seq})" if job.tp > 1 else ""))
+    if job.cp > 1:
+        from ..nn.context_parallel import check_sequence
+
+        try:
+            check_sequence(job.seq, job.cp, "--seq")
+        except ValueError as e:
+            error(f"--cp {job.cp}: {e}")
+        if job.sp and (job.seq // job.cp) % job.tp:
+            error(f"--cp {job.cp} --sp: each cp rank's --seq {job.seq} / {job.cp} tokens must split over --tp {job.tp}")
     if job.pp == 1:
         if job.pp_layers is not None:
             error(f"--pp-layers {job.pp_layers} sizes the stages of a pipeline; it needs --pp > 1")

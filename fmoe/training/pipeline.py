@@ -194,7 +194,8 @@ def run_stage(micro: Callable[[int, Optional[torch.Tensor], bool], StageOut], le
         raise ValueError("train_step: pipeline parallelism (mesh.pp > 1) runs without StepConfig.global_balance "
                          "and optim_in_backward")
     n = step_cfg.grad_accum
-    seq = tokens.shape[1] // mesh.tp if mesh.sp else tokens.shape[1]          # sp: the stream's sequence shard
+    seq = tokens.shape[1] // mesh.cp                                          # cp: this rank's two chunks
+    seq = seq // mesh.tp if mesh.sp else seq                                  # sp: the stream's sequence shard
     dtype = (dtype_of(step_cfg.dtype) if dtype_of(step_cfg.dtype) != torch.float32 else
              next(t.dtype for p, t in flat.items() if t.is_floating_point() and not p.endswith("expert_bias")))
     last = mesh.stage == mesh.pp - 1

@@ -268,7 +268,7 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
                                                    rule=step_cfg.bias_update)
     params = _tree.unflatten(flat, like=params)
     dt = time.perf_counter() - t0
-    n_tokens = tokens.numel() * mesh.num_batches
+    n_tokens = tokens.numel() * mesh.num_sequences          # cp ranks share their sequences
     metrics = {"loss": float(mean_loss), "grad_norm": float(stats["grad_norm"]), "lr": lr,
                "tokens": n_tokens, "step_time": dt, "tokens_per_s": n_tokens / dt,
                "skipped": bool(stats.get("skipped", False))}

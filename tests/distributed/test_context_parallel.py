@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 import fmoe
+import fmoe.training
 from fmoe.models import deepseek_v3, gpt_oss, qwen3_moe
 from helpers import close, on_ranks
+from train_cases import read_log
 
 B, S = 2, 16
 MODELS = {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss, "deepseek_v3": deepseek_v3}
@@ -148,3 +150,33 @@ def test_bad_input_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"cp 3 times tp 1 must divide|cp=3"):
         fmoe.mesh.check_layout(4, cp=3)
     assert fmoe.mesh.RankLayout(8, 5, cp=2, tp=2).ranks("cp") == [5, 7]
+
+
+JOB = dict(model="qwen3_moe", preset="tiny", steps=2, batch=2, seq=16, warmup=1, quiet=True, eval_every=2)
+
+
+@pytest.mark.parametrize("base,cp", [(dict(nproc=1), dict(nproc=2, cp=2, ep=2)),
+                                     (dict(nproc=2, pp=2), dict(nproc=4, pp=2, cp=2, ep=2))])
+def test_job_cp_losses_equal_without_cp(tmp_path, base, cp):
+    """``fmoe train --cp 2`` (and ``--pp 2 --cp 2``): the losses, gradient norms, balance loss, expert
+    loads and held-out loss of each step equal the job without cp on the same sequences."""
+    fmoe.training.run(fmoe.training.JobConfig(out=str(tmp_path / "a"), **JOB, **base))
+    fmoe.training.run(fmoe.training.JobConfig(out=str(tmp_path / "b"), **JOB, **cp))
+    a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
+    assert [r["step"] for r in b] == [r["step"] for r in a] and len(a) >= 2
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "load_balance_loss", "eval_loss"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-5), (x["step"], key, x[key], y[key])
+        if "expert_load" in x:
+            assert y["expert_load"] == x["expert_load"]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(nproc=4, cp=3), r"--cp 3 times --tp 1 must divide --nproc 4"),
+    (dict(nproc=2, cp=2, seq=10), r"--cp 2: context parallelism: --seq 10 must be divisible by 2 \* cp = 4"),
+])
+def test_job_refuses_bad_cp_before_any_rank_starts(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        fmoe.training.run(fmoe.training.JobConfig(**{**JOB, **kw, "out": str(tmp_path / "x")}))
+    assert not (tmp_path / "x").exists()
