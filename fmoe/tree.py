@@ -38,15 +38,7 @@ from typing import Any, Callable, Optional
 import optree
 import torch
 
-__all__ = [
-    "flatten",
-    "unflatten",
-    "paths",
-    "map",
-    "map_with_path",
-    "glob_match",
-    "leaves",
-]
+__all__ = ["flatten", "unflatten", "paths", "map", "map_with_path", "glob_match", "leaves"]
 
 _NONE_IS_NODE = dict(none_is_leaf=False, namespace="fmoe")
 
@@ -156,9 +148,7 @@ def paths(tree: Any) -> list[str]:
         ['a.0', 'a.1', 'b']
     """
     flat = _traced(tree)
-    if flat is not None:
-        return list(flat)
-    return [_path_str(p) for p in optree.tree_paths(tree, **_NONE_IS_NODE)]
+    return list(flat) if flat is not None else [_path_str(p) for p in optree.tree_paths(tree, **_NONE_IS_NODE)]
 
 
 def leaves(tree: Any) -> list[Any]:
@@ -179,8 +169,7 @@ def flatten(tree: Any) -> dict[str, Any]:
         >>> flatten({"layers": [{"w": 1}], "embed": 2})
         {'embed': 2, 'layers.0.w': 1}
     """
-    flat = _traced(tree)
-    if flat is not None:
+    if (flat := _traced(tree)) is not None:
         return flat
     ps, ls, _ = optree.tree_flatten_with_path(tree, **_NONE_IS_NODE)
     return {_path_str(p): leaf for p, leaf in zip(ps, ls)}
@@ -203,13 +192,10 @@ def unflatten(flat: dict[str, Any], like: Any = None) -> Any:
     """
     if like is not None:
         want = paths(like)
-        missing = sorted(set(want) - set(flat))
-        extra = sorted(set(flat) - set(want))
+        missing, extra = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
         if missing or extra:
-            raise ValueError(
-                f"unflatten: paths differ from the reference tree: missing {missing[:5]}, "
-                f"unexpected {extra[:5]}"
-            )
+            raise ValueError(f"unflatten: paths differ from the reference tree: missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
         if torch.compiler.is_compiling():
             with contextlib.suppress(_OtherNode):
                 return _rebuild(like, "", flat)
@@ -240,13 +226,10 @@ def _lists_from_digit_dicts(node: Any) -> Any:
 
 
 def map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:          # the name of jax.tree.map
-    """Map ``fn(leaf, *rest_leaves)`` over a tree, keeping its structure (:func:`map_with_path`
-    without the path, as ``jax.tree.map``).
+    """``fn(leaf, *rest_leaves)`` over a tree, keeping its structure (``jax.tree.map``).
 
     Args:
-        fn: called with the leaf and the leaves of ``rest`` at the same path.
-        tree: the tree to map over.
-        *rest: trees with the same structure as ``tree``.
+        fn, tree, rest: as :func:`map_with_path` takes them, ``fn`` without the path.
     Returns:
         a tree of ``fn``'s results.
 

@@ -81,6 +81,7 @@ class Config(kit.ModelConfig):
     @property
     def num_experts(self) -> int:
         return self.n_routed_experts
+    shared_expert_intermediate_size = property(lambda self: self.moe_intermediate_size * self.n_shared_experts)  # Is
 
     @property
     def qk_head_dim(self) -> int:
@@ -116,7 +117,7 @@ def shapes(cfg: Config) -> dict[str, tuple]:
     D, E, I, Id = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.intermediate_size
     H, C, Q, r, n, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim,
                         cfg.qk_nope_head_dim, cfg.v_head_dim)
-    Is = I * cfg.n_shared_experts
+    Is = cfg.shared_expert_intermediate_size                                             # the shared experts' MLP
     q = ({"attn.wq": (H * (n + r), D)} if Q is None else                                   # plain q projection
          {"attn.wq_a": (Q, D), "attn.q_a_norm": (Q,), "attn.wq_b": (H * (n + r), Q)})      # low-rank q
     attn = {**q, "attn.wkv_a": (C + r, D), "attn.kv_a_norm": (C,),                         # latent c, then k_rot

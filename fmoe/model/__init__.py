@@ -11,8 +11,7 @@ as ``from fmoe import model as kit`` (``docs/adding-a-model.md``):
 - :mod:`fmoe.model.decoder`: the forward scaffold (:func:`start`, :class:`Context`,
   :class:`Outputs`, :func:`moe`, :func:`mlp`, :func:`lm_head`), the router-loss switch
   (:func:`with_aux_loss`, :data:`AUX_LOSS_FIELDS`; its formula against transformers');
-- :mod:`fmoe.model.hf_names`: the checkpoint name map (:func:`hf_specs`, :func:`hf_names`,
-  :class:`Experts`, :data:`HF_TOP`);
+- :mod:`fmoe.model.hf_names`: the name map (:func:`hf_specs`, :func:`hf_names`, :class:`Experts`, :data:`HF_TOP`);
 - here: :class:`Model`, what a generic loader and trainer need from a model, declared once.
 
 Each model module declares one :class:`Model` and offers its shared methods as module
@@ -56,7 +55,7 @@ from ..fsdp import data_parallel_plan
 from ..mesh import Mesh
 from ..sharding import Plan
 from ..sharding import shard as _shard
-from .config import ModelConfig, check_config, from_hf_fields, rope, rope_from_hf, to_hf_fields
+from .config import NOT_PASSED, ModelConfig, check_config, from_hf_fields, rope, rope_from_hf, to_hf_fields
 from .decoder import AUX_LOSS_FIELDS, Context, Outputs, lm_head, mlp, moe, start, with_aux_loss
 from .hf_names import HF_TOP, Experts, Names, hf_names, hf_specs
 from .plan_checks import check_sequence_parallel, check_tp_splits
@@ -64,7 +63,7 @@ from .shapes import TP_FIELDS, attention_shapes, decoder_shapes, init_kv_cache, 
 from .widths import WIDTH_FIELDS, Widths, field_of, read_widths
 
 __all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS", "EXPORTS",
-           "ModelConfig", "check_config", "rope", "rope_from_hf", "from_hf_fields", "to_hf_fields",
+           "ModelConfig", "check_config", "rope", "rope_from_hf", "from_hf_fields", "to_hf_fields", "NOT_PASSED",
            "TP_FIELDS", "decoder_shapes", "attention_shapes", "init_params", "init_kv_cache",
            "AUX_LOSS_FIELDS", "Context", "Outputs", "start", "moe", "mlp", "lm_head", "with_aux_loss",
            "HF_TOP", "Names", "Experts", "hf_specs", "hf_names"]
@@ -167,7 +166,8 @@ class Model:
         return field_of(letter, self.width_fields)
 
     def widths(self, cfg: Any) -> Widths:
-        """The layer widths of ``cfg``, read from the declared :attr:`width_fields`.
+        """The layer widths of ``cfg``, read from the declared :attr:`width_fields`; the shared
+        experts' hidden ``Is`` from the shape table (``layers.N.moe.shared.w_down [D, Is]``).
 
         Example:
             >>> from fmoe.models import mixtral
@@ -175,7 +175,8 @@ class Model:
             >>> (w.E, w.K) == (mixtral.Config.tiny().num_local_experts, mixtral.Config.tiny().num_experts_per_tok)
             True
         """
-        return read_widths(cfg, self.width_fields)
+        Is = [s.shape[1] for p, s in _tree.flatten(self.hf_specs(cfg)).items() if p.endswith(".moe.shared.w_down")]
+        return read_widths(cfg, self.width_fields)._replace(Is=Is[0] if Is else 0)
 
     def widen_kv_heads(self, cfg: Any, tp: int) -> Any:
         """``cfg`` with ``tp`` KV heads when ``tp`` divides the query heads but not the KV heads

@@ -25,14 +25,19 @@ and written by :func:`to_hf_fields`.
 from __future__ import annotations
 
 import typing
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import torch
 
 from ..nn import rope_frequencies
 
-__all__ = ["ModelConfig", "check_config", "rope", "rope_from_hf", "from_hf_fields", "to_hf_fields"]
+__all__ = ["ModelConfig", "check_config", "rope", "rope_from_hf", "from_hf_fields", "to_hf_fields", "NOT_PASSED"]
+
+#: ``config.json`` keys read or written as the rope, and those describing the file rather than the
+#: model (its weights' dtype, the writer's version): never passed through as unused fields.
+NOT_PASSED = frozenset({"rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype",
+                        "transformers_version", "hf_extra"})
 
 
 def check_config(cfg: Any, *, kv_heads: Optional[str] = "num_key_value_heads", experts: Optional[str] = None,
@@ -149,6 +154,7 @@ def from_hf_fields(cls: type, hf: Mapping[str, Any], want: Mapping[str, Any]) ->
         if hf.get(key, value) != value:
             raise ValueError(f"Config.from_hf: {key} must be {value!r}, got {hf.get(key)!r}")
     theta, scaling = rope_from_hf(hf, cls.rope_theta, default=dict(cls.rope_scaling))
+    known = {f.name for f in fields(cls)} | set(cls.HF) | NOT_PASSED
     tuples = {name for name, hint in typing.get_type_hints(cls).items() if hint is tuple}
     kw = {f.name: tuple(hf[f.name] or ()) if f.name in tuples else hf[f.name] for f in fields(cls)
           if f.name in hf and f.name not in ("rope_theta", "rope_scaling")}
@@ -156,6 +162,7 @@ def from_hf_fields(cls: type, hf: Mapping[str, Any], want: Mapping[str, Any]) ->
     derived = {"num_key_value_heads": H,
                "head_dim": kw.get("hidden_size", cls.hidden_size) // H if isinstance(H, int) and H > 0 else None}
     kw.update({k: v for k, v in derived.items() if k in {f.name for f in fields(cls)} and kw.get(k) is None})
+    kw["hf_extra"] = tuple(sorted((k, v) for k, v in hf.items() if k not in known))   # passed through to to_hf
     return {"rope_theta": theta, "rope_scaling": scaling, **kw}
 
 
@@ -174,9 +181,9 @@ def to_hf_fields(cfg: Any, head: Mapping[str, Any]) -> dict:
         {'rope_type': 'default', 'rope_theta': 10000.0}
     """
     out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()
-           if k not in ("rope_theta", "rope_scaling")}
+           if k not in ("rope_theta", "rope_scaling", "hf_extra")}
     params = {"rope_type": "default", **dict(cfg.rope_scaling), "rope_theta": cfg.rope_theta}
-    return {**head, **out, "rope_parameters": params}
+    return {**dict(cfg.hf_extra if isinstance(cfg, ModelConfig) else ()), **head, **out, "rope_parameters": params}
 
 
 @dataclass(frozen=True)
@@ -192,11 +199,15 @@ class ModelConfig:
             the token whose embedding row gets no gradient (:func:`fmoe.model.start` passes it to
             ``fmoe.nn.embedding(padding_idx=)``, as transformers' ``nn.Embedding(padding_idx=)``);
             None: every row learns. A subclass may redeclare its default (OLMoE's is 1).
+        hf_extra: the ``config.json`` fields the model does not use (sorted ``(key, value)``
+            pairs, :func:`from_hf_fields`), written back by :meth:`to_hf` so a loaded and saved
+            checkpoint keeps them (``bos_token_id``, ``use_cache``, ...); not compared.
     """
 
     HF: ClassVar[Mapping[str, Any]] = {}
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     pad_token_id: Optional[int] = None
+    hf_extra: tuple = field(default=(), compare=False, repr=False)
 
     @classmethod
     def preset(cls, name: str, **changes: Any) -> Any:

@@ -59,7 +59,12 @@ def check_tp_splits(plan: Plan, shapes: Any, tp: int, cfg: Any, tp_fields: Mappi
         if name in fused_gate_up:
             check_fused_gate_up(p, f"check_plan: {path} (rule {_rule(plan, path)!r})")
         fld = tp_fields.get((name, d))
-        if fld and getattr(cfg, fld) % tp:
+        try:
+            width = getattr(cfg, fld) if fld else None
+        except AttributeError:
+            raise ValueError(f"check_plan: {path} is split over tp, and the model's tp_fields name the config field "
+                             f"{fld!r} for it, which {type(cfg).__name__} does not have") from None
+        if fld and width % tp:
             problems.setdefault(fld, f"tp={tp} does not divide {fld}={getattr(cfg, fld)} "
                                      f"({path} is split over tp by rule {_rule(plan, path)!r})")
     if problems:

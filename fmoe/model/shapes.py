@@ -38,6 +38,8 @@ TP_FIELDS = {
     ("attn.wv", 0): "num_key_value_heads", ("attn.bv", 0): "num_key_value_heads",
     ("mlp.w_gate_up", 0): "intermediate_size", ("mlp.b_gate_up", 0): "intermediate_size",
     ("mlp.w_down", 1): "intermediate_size",
+    ("moe.shared.w_gate_up", 0): "shared_expert_intermediate_size",       # transformers' Qwen2-MoE name
+    ("moe.shared.w_down", 1): "shared_expert_intermediate_size",
 }
 
 

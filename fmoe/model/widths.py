@@ -27,7 +27,8 @@ WIDTH_FIELDS = {"D": "hidden_size", "H": "num_attention_heads", "G": "num_key_va
 class Widths(NamedTuple):
     """A model's layer widths (:meth:`fmoe.model.Model.widths`): model dim D, query heads H, KV
     heads G (H when the config has none), head dim hd (D // H when none), vocabulary V, layers L,
-    routed experts E, top-k K, expert hidden I, dense MLP hidden Id (0 when none)."""
+    routed experts E, top-k K, expert hidden I, dense MLP hidden Id (0 when none), shared-expert
+    hidden Is (0 when none; read from the model's shape table, ``moe.shared.w_down [D, Is]``)."""
 
     D: int
     H: int
@@ -39,6 +40,7 @@ class Widths(NamedTuple):
     K: int
     I: int
     Id: int
+    Is: int = 0
 
 
 def field_of(letter: str, width_fields: Mapping[str, Optional[str]]) -> Optional[str]:
