@@ -24,9 +24,10 @@ tp on the sequence): the dispatch sends them as they are (no tp slicing, no gath
 router's gradient is ``Partial`` over tp, the statistics are summed over tp too, and the
 implementations that need a batch shared by the expert group (``all_reduce``) are refused.
 
-Routers may take keyword inputs besides the logits (:func:`fmoe.routing.call`): ``expert_bias``
-(from ``params["expert_bias"] [E]``, detached: selection-only state updated by
-``fmoe.routing.update_bias``, never by gradients) and every entry of ``router_inputs`` (per-batch
+Routers may take keyword inputs besides the logits (:func:`fmoe.routing.call`): their state,
+every entry of ``params`` that is not a weight of the layer (:mod:`fmoe.routing.state`; e.g.
+``expert_bias [E]``, detached: selection-only state updated by ``fmoe.routing.update_bias``
+after each step, never by gradients), and every entry of ``router_inputs`` (per-batch
 tensors such as ``token_ids [T]`` or ``seq_ids [T]``); the inputs every model offers
 (``fmoe.routing.OFFERED``: ``token_ids``, ``layer``) reach only the routers that declare them. ``params["shared"]`` adds shared experts
 (:mod:`fmoe.nn.shared_experts`).
@@ -57,7 +58,7 @@ from .fsdp import unshard
 from .mesh import Mesh
 from .routing.global_stats import finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
-from .routing.core import as_stats
+from .routing.core import accepted, as_stats
 from .nn.shared_experts import check_shared, shared_expert
 from .precision import gemm
 from .sharding import sequence_parallel
@@ -75,10 +76,12 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
     if missing:
         raise ValueError(f"moe: params is missing {missing}; expected keys router [E, D], "
                          f"w_gate_up [E, 2I, D], w_down [E, D, I]")
-    unknown = sorted(set(params) - {"router", "router_bias", "expert_bias", "shared", *_EXPERT_KEYS})
-    if unknown:
-        raise ValueError(f"moe: unexpected params {unknown}; valid keys: router, router_bias, "
-                         f"expert_bias, shared, {', '.join(_EXPERT_KEYS)}")
+    bad = sorted(k for k in _state_keys(params) if not isinstance(params[k], torch.Tensor)
+                 or not params[k].dtype.is_floating_point)
+    if bad:
+        raise ValueError(f"moe: unexpected params {bad}; valid keys: router, router_bias, shared, "
+                         f"{', '.join(_EXPERT_KEYS)}, and floating-point router state (e.g. expert_bias) that "
+                         "the router declares as a keyword input")
     r, gu, dn = params["router"], params["w_gate_up"], params["w_down"]
     if r.ndim != 2:
         raise ValueError(f"moe: router must be [E, D], got shape {tuple(r.shape)}")
@@ -99,10 +102,8 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
         raise ValueError(f"moe: x has model dim {x.shape[1]} but the router expects D={D}")
     if "shared" in params:
         check_shared(params["shared"], D, x.dtype)
-    if "expert_bias" in params and not params["expert_bias"].dtype.is_floating_point:
-        raise ValueError(f"moe: expert_bias must be floating point, got {params['expert_bias'].dtype}")
     for key in params:
-        if key in ("shared", "expert_bias"):        # checked above; the bias may stay fp32
+        if key == "shared" or key in _state_keys(params):      # checked above; router state may stay fp32
             continue
         if params[key].dtype != x.dtype:
             raise ValueError(f"moe: x dtype {x.dtype} differs from params[{key!r}] dtype "
@@ -145,8 +146,14 @@ def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> 
     return LocalExperts(weights, rng.start, E, act=act, matmul=matmul)
 
 
-def _router_inputs(params: dict, router_inputs: Optional[Mapping[str, Any]]) -> dict:
-    """Keyword inputs for the router: ``expert_bias`` (detached) and ``router_inputs``."""
+def _state_keys(params: dict) -> list:
+    """The router-state entries of MoE params (:mod:`fmoe.routing.state`): every key that is not a
+    weight of the layer (``expert_bias``, ReMoE's ``l1_coef``, ...)."""
+    return [k for k in params if k not in ("router", "router_bias", "shared", *_EXPERT_KEYS)]
+
+
+def _router_inputs(params: dict, router_inputs: Optional[Mapping[str, Any]], router: Router) -> dict:
+    """Keyword inputs for the router: its state entries (detached) and ``router_inputs``."""
     if router_inputs is not None and not isinstance(router_inputs, Mapping):
         raise TypeError(f"moe: router_inputs must be a mapping of name -> value, got "
                         f"{type(router_inputs).__name__}")
@@ -154,10 +161,15 @@ def _router_inputs(params: dict, router_inputs: Optional[Mapping[str, Any]]) -> 
     bad = [k for k in inputs if not isinstance(k, str)]
     if bad:
         raise TypeError(f"moe: router_inputs keys must be strings, got {bad}")
-    if "expert_bias" in params:
-        if "expert_bias" in inputs:
-            raise ValueError("moe: expert_bias is given both in params and in router_inputs; keep one")
-        inputs["expert_bias"] = unshard(params["expert_bias"], keep=()).detach()
+    var_kw, names, _ = accepted(router)
+    for key in _state_keys(params):
+        if key in inputs:
+            raise ValueError(f"moe: {key} is given both in params and in router_inputs; keep one")
+        if not var_kw and key not in names:
+            raise ValueError(f"moe: params[{key!r}] is router state, but router "
+                             f"{getattr(router, '__name__', router)!r} does not accept keyword input(s) [{key!r}] "
+                             f"(it accepts {sorted(names)}); use a router that reads it, or drop the entry")
+        inputs[key] = unshard(params[key], keep=()).detach()
     return inputs
 
 
@@ -207,8 +219,8 @@ def moe(
     if not callable(router):
         raise TypeError(f"moe: router must be callable (e.g. fmoe.routing.topk(2)), got {router!r}")
     check_matmul("moe", "matmul", matmul)          # before any gather or dispatch
-    inputs = _router_inputs(params, router_inputs)
-    trained = [v for k, v in params.items() if k not in ("expert_bias", "shared")]
+    inputs = _router_inputs(params, router_inputs, router)
+    trained = [v for k, v in params.items() if k not in ("shared", *_state_keys(params))]
     trained += list(params.get("shared", {}).values())
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(v.requires_grad for v in trained))
     sp = mesh is not None and mesh.sp

@@ -31,7 +31,12 @@ The built-in schemes:
 ``balanced(k)``             round-robin by position (benchmarks)
 ``random_topk(k, seed)``    random distinct experts (benchmarks)
 ``replay(DIR)``             the ids a ``--record-routing DIR`` run chose, weights recomputed
+``remoe(k)``                ReLU gates, an L1 penalty whose coefficient is router state moved
+                            toward ``k`` active experts per token (ReMoE)
 ==========================  ===========================================================
+
+Router state (the expert bias, ReMoE's L1 coefficient): tensors in the parameter tree, read as
+keyword inputs and moved by a pure update after each step (:mod:`fmoe.routing.state`).
 
 A router named by text (``--router``, ``meta.json``): :func:`from_spec` (``"switch:capacity_factor=1.25"``,
 ``"my.module:factory:k=v"``; :mod:`fmoe.routing.spec`).
@@ -54,9 +59,12 @@ from .capacity import capacity, expert_choice, switch
 from .core import OFFERED, Loss, Router, Routing, call, validate
 from .fixed import balanced, hash_router, random_topk, token_hash
 from .record import replay
+from .relu import remoe
+from .state import RouterState, state_of, with_state
 from .spec import ROUTERS, from_spec, parse_spec
 from .topk import group_mask, group_topk, topk, topk_softmax
 
 __all__ = ["Routing", "Router", "Loss", "OFFERED", "validate", "call", "topk", "topk_softmax", "group_topk", "group_mask",
            "sigmoid_topk", "update_bias", "switch", "expert_choice", "capacity", "hash_router",
-           "token_hash", "balanced", "random_topk", "replay", "with_losses", "ROUTERS", "from_spec", "parse_spec"]
+           "token_hash", "balanced", "random_topk", "replay", "remoe", "RouterState", "state_of", "with_state",
+           "with_losses", "ROUTERS", "from_spec", "parse_spec"]

@@ -47,6 +47,7 @@ import torch
 from ..precision import at_least_f32, upcast
 from .global_stats import GlobalStat, weighted_sum
 from .core import Loss, Router, Routing, call, validate
+from .state import state_of
 
 __all__ = ["load_balance_loss", "seq_balance_loss", "z_loss", "softmax_probs", "normalized_sigmoid",
            "with_losses", "total"]
@@ -201,6 +202,7 @@ def with_losses(router: Router, *, load_balance: Optional[float] = None, seq_bal
         return Routing(routing.weights, routing.expert_ids, aux)
 
     wrapped.__name__ = f"with_losses({getattr(router, '__name__', 'router')})"
+    wrapped.state = state_of(router)               # the wrapped router's state (fmoe.routing.state)
     return wrapped
 
 

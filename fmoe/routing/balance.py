@@ -34,6 +34,7 @@ import torch
 from .global_stats import GlobalStat
 from .aux_losses import normalized_sigmoid, softmax_probs
 from .core import Router, Routing, accepted, call, check_k, check_logits
+from .state import state_of
 from ..precision import upcast
 
 __all__ = ["reads_bias", "SCORES", "biased_topk", "biased_topk_softmax", "with_balance_sums", "global_balance_loss",
@@ -160,6 +161,7 @@ def with_balance_sums(router: Router, probs: Callable[[torch.Tensor], torch.Tens
         return Routing(routing.weights, routing.expert_ids, aux)
 
     wrapped.__name__ = f"with_balance_sums({getattr(router, '__name__', 'router')})"
+    wrapped.state = state_of(router)               # the wrapped router's state (fmoe.routing.state)
     return wrapped
 
 

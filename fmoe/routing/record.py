@@ -36,6 +36,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from .core import Router, Routing, call, check_logits
+from .state import state_of
 from ..precision import upcast
 
 __all__ = ["recording", "save_record", "load_record", "replay", "record_writer", "REPLAY_SCORES"]
@@ -63,6 +64,7 @@ def recording(router: Router, calls: list) -> Router:
         return routing
 
     wrapped.__name__ = f"recording({getattr(router, '__name__', 'router')})"
+    wrapped.state = state_of(router)               # the wrapped router's state (fmoe.routing.state)
     return torch.compiler.disable(wrapped)   # eager under torch.compile: a traced list append recompiles each call
 
 

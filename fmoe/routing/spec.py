@@ -35,12 +35,13 @@ from .bias import sigmoid_topk
 from .capacity import expert_choice, switch
 from .fixed import balanced, hash_router, random_topk
 from .record import replay
+from .relu import remoe
 from .topk import group_topk, topk, topk_softmax
 
 __all__ = ["ROUTERS", "parse_spec", "from_spec"]
 
 _FACTORIES = {f.__name__: f for f in (topk, topk_softmax, group_topk, sigmoid_topk, switch, expert_choice,
-                                      hash_router, balanced, random_topk, replay)}
+                                      hash_router, balanced, random_topk, replay, remoe)}
 #: The built-in router factories of :mod:`fmoe.routing` a spec may name (routers only: not the
 #: helper modules ``aux_losses`` / ``balance`` nor functions such as ``update_bias``).
 ROUTERS = tuple(_FACTORIES)

@@ -50,7 +50,7 @@ import torch
 
 from ..model import Model
 
-__all__ = ["METHODS", "parse_methods", "resolve", "record", "router_for", "with_expert_bias",
+__all__ = ["METHODS", "parse_methods", "resolve", "record", "router_for", "run_router", "with_expert_bias",
            "model_router", "score_name", "step_options", "with_recording", "RECORDED"]
 
 METHODS = ("none", "aux", "seq_aux", "global_aux", "z", "bias")
@@ -255,6 +255,17 @@ def with_recording(args: Any, step_cfg: Any, rank: int) -> tuple[Any, Optional[C
     calls: list = []
     return (dataclasses.replace(step_cfg, router=recording(step_cfg.router, calls)),
             record_writer(calls, args.record_routing, rank))
+
+
+def run_router(job: Any) -> Optional[Callable]:
+    """The router a job's steps start from (before the balancing wrappers): its step config's, its
+    ``--router``, or None (the model's own)."""
+    from ..routing.spec import from_spec
+
+    given = getattr(job, "step_config", None)
+    if given is not None and given.router is not None:
+        return given.router
+    return from_spec(job.router, "--router") if job.router else None
 
 
 def with_expert_bias(full: Any, args: Any) -> Any:

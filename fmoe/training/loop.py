@@ -20,7 +20,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from ..precision import dtype_of
-from . import balancing, options
+from . import balancing, options, router_state
 from . import observe, settings
 from .threads import threads_of
 
@@ -136,6 +136,8 @@ def run(rank: int, world: int, job: Any) -> dict:
     hf_cfg = model.with_aux_loss(cfg, job.aux_weight if job.balance == "aux" else 0.0)
     cfg = model.with_aux_loss(cfg, 0.0)                # declared switch, no probing
     full = balancing.with_expert_bias(full, job)      # --balance bias on any MoE model
+    full = router_state.with_states(full, balancing.run_router(job))   # a stateful router's entries (ReMoE)
+    frozen = {"expert_bias", *router_state.declared(balancing.run_router(job))}     # router state: no gradient
     model_plan = model.build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model.build_plan(cfg, model_plan, mesh, full, data_parallel=True)
     stages = (mesh.stage, mesh.pp, stage_sizes(job.pp_layers))   # --pp
@@ -144,7 +146,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(full))   # params + 2 moments
     ckpt.on_rank0(lambda: check_room(job.out, need), f"checking --out {job.out}")
     params = fmoe.shard(fmoe.tree.map_with_path(
-        lambda p, t: t.detach().requires_grad_(not p.endswith("expert_bias")), full), plan, mesh)
+        lambda p, t: t.detach().requires_grad_(p.rsplit(".", 1)[-1] not in frozen), full), plan, mesh)
     del full
     opt_state = adamw_init(params, dtype=dtype_of(job.optim_dtype))
     start = 0

@@ -3,7 +3,8 @@
 Per rank: forward on this rank's batch (TP ranks share one), mean cross-entropy over its tokens
 plus the router aux losses, gradients by autograd, data-parallel reduction to the per-batch mean
 (:mod:`fmoe.training.grads`), AdamW with global-norm clipping (:mod:`fmoe.optim.adamw`), then the
-aux-loss-free bias update (``expert_bias`` leaves, moved against the global load). The result
+router-state update (:mod:`fmoe.training.router_state`: the ``expert_bias`` leaves moved against
+the global load, a stateful router's own entries). The result
 equals one process training on the union of all batches.
 
 Aux losses (every :class:`fmoe.routing.Loss` entry of a MoE layer's aux, already weighted and
@@ -44,9 +45,9 @@ from typing import Any, Optional, Union
 import torch
 
 from .. import tree as _tree
-from ..sharding import gather
 from . import global_balance as _global_balance
 from . import router_aux as _router_aux
+from . import router_state as _router_state
 from ..mesh import Mesh
 from ..nn import remat as _remat
 from ..fsdp import regather_in_backward
@@ -259,13 +260,9 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
     elif stats is None:                            # (with oib: updated inside backward)
         stats = {"grad_norm": adamw.global_norm(grads), "skipped": True}
     moe_paths = [p[: -len(".router")] for p in flat if p.endswith("moe.router")]     # layers.3.moe, in order
-    biased = [p for p in moe_paths if p + ".expert_bias" in flat]
-    if biased and step_cfg.bias_rate and not stats.get("skipped"):   # aux-loss-free balancing
-        from ..routing import update_bias
-        by_path = {p: load for p, load in zip(moe_paths, loads) if p in biased}
-        for p, load in by_path.items():
-            flat[p + ".expert_bias"] = update_bias(flat[p + ".expert_bias"], load, step_cfg.bias_rate,
-                                                   rule=step_cfg.bias_update)
+    states = _router_state.run_states(step_cfg.router, flat, step_cfg.bias_rate, step_cfg.bias_update)
+    if states and not stats.get("skipped"):          # router state: expert bias, ReMoE's L1 coefficient, ...
+        _router_state.update(states, flat, moe_paths, loads, router_stats)
     params = _tree.unflatten(flat, like=params)
     dt = time.perf_counter() - t0
     n_tokens = tokens.numel() * mesh.num_sequences          # cp ranks share their sequences
@@ -278,8 +275,6 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
                                        group=mesh.stage_group)
     if mesh.pp > 1:                                # each stage's share of the schedule spent waiting
         routing["pp_idle"] = [timeline.idle]
-    if biased:
-        full = gather({p: flat[p + ".expert_bias"].detach() for p in biased})     # fsdp-split biases
-        routing["expert_bias_absmax"] = [float(full[p].abs().max()) for p in biased]
+    routing.update(_router_state.metrics(states, flat, moe_paths))              # e.g. expert_bias_absmax
     metrics.update(_pipeline.join_stages(routing, mesh))        # pp: every stage's layers, in order
     return params, opt_state, metrics

@@ -73,3 +73,21 @@ def test_hash_router_trains_through_the_job_on_every_mesh(tmp_path):
         close(torch.tensor(rows[name]["loss"]), torch.tensor(one["loss"]), name)
         assert rows[name]["expert_load"] == one["expert_load"], name
     assert [sum(layer) for layer in rows["ep2"]["expert_load"]] == [2 * 2 * 2 * 16] * 2    # k * batches * B * S
+
+
+def test_router_state_moves_every_step_and_resumes_bitwise(tmp_path):
+    """ReMoE (``--router remoe``): its L1 coefficient is router state, moved after every step from
+    the global ``active`` statistic, logged per layer, checkpointed with the parameters; a run
+    resumed from step 2 equals the uninterrupted run bitwise, state included."""
+    import json
+
+    flags = dict(FLAGS, router="remoe:k=2,l1_init=0.01", steps=4)
+    fmoe.training.run(JobConfig(out=str(tmp_path / "a"), save_every=2, **flags))
+    fmoe.training.run(JobConfig(out=str(tmp_path / "b"), resume=str(tmp_path / "a" / "step-2"), **flags))
+    a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
+    coefs = [r["l1_coef"][0] for r in a]
+    assert all(r["active"][0] > 2 for r in a[:2]) and coefs[:2] == pytest.approx([0.012, 0.0144])   # x1.2 while dense
+    keys = ("loss", "grad_norm", "l1_coef", "l1_loss", "active", "expert_load")
+    assert [[r[k] for k in keys] for r in b] == [[r[k] for k in keys] for r in a[2:]]
+    saved = json.load(open(tmp_path / "a" / "step-2" / "meta.json"))
+    assert saved["settings"]["router"] == flags["router"]

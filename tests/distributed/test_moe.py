@@ -90,7 +90,9 @@ def bad(**kw):
     (bad(drop=["w_down"]), ValueError, r"missing \['w_down'\]"),
     (bad(params={"w_down": torch.randn(E, D, I + 1)}), ValueError, r"w_down must be \[E=8, D=8, I=4\]"),
     (bad(params={"w_gate_up": torch.randn(E + 1, 2 * I, D)}), ValueError, r"w_gate_up must be \[E=8, 2I, D=8\]"),
-    (bad(params={"extra": torch.randn(1)}), ValueError, r"unexpected params \['extra'\]"),
+    (bad(params={"extra": torch.randn(1)}), ValueError, r"params\['extra'\] is router state, but router .* does not "
+     r"accept"),
+    (bad(params={"extra": torch.ones(1, dtype=torch.long)}), ValueError, r"unexpected params \['extra'\]"),
     (bad(matmul="fused"), ValueError, r"moe: matmul must be 'auto', 'grouped' or 'loop', got 'fused'"),
     (bad(impl="nope"), ValueError, r"unknown MoE impl 'nope'; registered: \['auto', 'all_reduce', 'all_to_all'"),
     (bad(router=lambda l: Routing(torch.ones(3, 2), torch.full((3, 2), 8), {})), ValueError, r"expert_ids must be in \[0, 8\), got values in \[8, 8\]"),
