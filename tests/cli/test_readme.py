@@ -14,7 +14,7 @@ README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
 #: the topics docs/ holds, one page each (the README's feature table links every one)
 TOPICS = ("meshes-and-plans", "moe-layer", "models-and-checkpoints", "training", "memory", "transforms",
-          "routing-research", "testing", "operating-runs")
+          "routing-research", "testing", "operating-runs", "adding-a-model")
 
 
 def examples(page: pathlib.Path) -> list[str]:
