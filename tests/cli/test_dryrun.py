@@ -194,7 +194,7 @@ def test_cli_takes_the_jobs_issue_34_flags(capsys):
     stages = {tuple(sorted({r // 4 for r in role})) for role in got["roles"]}
     assert stages == {(0,), (1,)}, got["roles"]
     for flags, message in ((("--pp", "2", "--optim-in-backward"), "--optim-in-backward with --pp 2"),
-                           (("--pp", "2", "--microbatches", "3"), "microbatches=3 must divide batch=2")):
+                           (("--pp", "2", "--microbatches", "3"), "--microbatches 3 must divide --batch 2")):
         bad = _plan_cli(capsys, *base, *flags)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
 
@@ -212,8 +212,9 @@ def test_plan_of_uneven_pipeline_stages(capsys):
     even = _plan_cli(capsys, *base, "--pp-layers", "1,2")
     assert even.returncode == 0, even.stderr
     assert [r["params_bytes"] for r in json.loads(even.stdout)["ranks"]] != [first, last]   # the split is read
-    for flags, message in ((["--pp-layers", "2,2"], "must be 2 layer counts >= 1 summing to the model's 3"),
-                           (["--pp-layers", "2,x"], "--pp-layers '2,x' must be comma-separated layer counts"),
+    for flags, message in ((["--pp-layers", "2,2"], "must be 2 comma-separated layer counts >= 1 (one per --pp stage) summing to model "
+                                                     "deepseek_v3's 3 decoder layers"),
+                           (["--pp-layers", "2,x"], "--pp-layers must be comma-separated layer counts >= 1, e.g. 3,2, got '2,x'"),
                            (["--pp-layers", "2,1", "--dry-run"], "--pp-layers 2,1 with --dry-run")):
         bad = _plan_cli(capsys, *base, *flags)
         assert bad.returncode == 2 and message in bad.stderr, (flags, bad.stderr)

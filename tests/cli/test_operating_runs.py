@@ -95,7 +95,7 @@ def test_out_is_protected_locked_and_resume_is_validated(tmp_path, capsys):
     assert "notes.txt" in r and not os.path.exists(tmp_path / "new2")
     assert sorted(os.listdir(out)) == before and os.listdir(exp) == ["notes.txt"]
     # resume keeps the run's settings: mismatches name both values
-    cases = [(["--seed", "1"], "--seed 0", "--seed 1"), (["--model", "mixtral"], "--model 'llama'", "'mixtral'"),
+    cases = [(["--seed", "1"], "--seed 0", "--seed 1"), (["--model", "mixtral"], "'model' is 'llama'", "--model mixtral"),
              (["--batch", "4"], "--batch 2", "--batch 4"), (["--seq", "8"], "--seq 16", "--seq 8"),
              (["--nproc", "2"], "1 data-parallel batches", "has 2"), (["--steps", "3"], "--steps 3", "step 3"),
              (["--aux-weight", "0.5"], "--aux-weight None", "0.5")]
