@@ -265,7 +265,7 @@ def recorded(text: Any, given: Optional[Spec], file: str) -> Model:
     """The model a training checkpoint records as ``text`` (``meta.json``'s ``model``), as a
     resume or ``fmoe generate`` may use it. A checkpoint never imports code: without ``given``
     only a model fmoe ships is taken; any other needs the user's ``--model``, naming it (the
-    same text, or a Model of that name).
+    same text, a Model of that name, or a Model defined in the recorded ``module:attr``'s module).
 
     Args:
         text: the recorded model.
@@ -291,6 +291,6 @@ def recorded(text: Any, given: Optional[Spec], file: str) -> Model:
         raise ValueError(f"{file}: 'model' is {text!r}, not one of the models fmoe ships ({', '.join(SHIPPED)}); a "
                          f"checkpoint never chooses code to import and run. If you trust it, pass --model {text} again")
     model = get(given)
-    if given != text and model.name != text:
+    if given != text and model.name != text and text.partition(":")[0] != model.forward.__module__:
         raise ValueError(f"{file}: 'model' is {text!r}; --model {text_of(given)} names another model ({model.name!r})")
     return model

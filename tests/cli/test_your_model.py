@@ -18,7 +18,7 @@ import torch
 import fmoe
 import fmoe.models
 from fmoe.checkpoint import training as ckpt
-from fmoe.training import JobConfig
+from fmoe.training import JobConfig, run
 from train_cases import read_log, train_cli
 
 SPEC = "byom_pkg.byom_moe:MODEL"
@@ -57,10 +57,15 @@ def test_train_resume_and_export(user_model, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] < rows[0]["loss"]
     meta = ckpt.read_meta(ckpt.latest(out))
     assert meta["model"] == SPEC and meta["settings"]["model"] == SPEC          # recorded as text
-    again = str(tmp_path / "again")                                             # bitwise continuation
-    train_cli("--model", SPEC, "--resume", os.path.join(out, "step-2"), "--steps", "3", "--out", again, "--quiet")
+    again = str(tmp_path / "again")          # bitwise continuation; the library call takes the Model itself
+    model = fmoe.models.get(SPEC)           # (registered by its name: the 4 spawned ranks receive it resolved)
+    threads = torch.get_num_threads()
+    try:
+        run(JobConfig(model=model, resume=os.path.join(out, "step-2"), steps=3, out=again, quiet=True))
+    finally:
+        torch.set_num_threads(threads)
     assert [r["loss"] for r in read_log(again)] == [r["loss"] for r in rows[2:]]
-    model = fmoe.models.get(SPEC)
+    assert ckpt.read_meta(ckpt.latest(again))["model"] == "byom_moe"
     params, cfg = model.load_hf(str(root / "export"))
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     hf = MixtralForCausalLM.from_pretrained(str(root / "export")).eval()
@@ -160,3 +165,27 @@ def test_registered_and_entry_point_models(user_model, tmp_path, monkeypatch):
     assert JobConfig(model=reg.MODEL).model == "reg_moe" and fmoe.models.get("reg_moe") is reg.MODEL
     with pytest.raises(ValueError, match="model name 'ep_moe' is taken by entry point ep_moe = byom_pkg.ep_moe:MODEL"):
         fmoe.models.register(dataclasses.replace(reg.MODEL, name="ep_moe"))
+
+
+def test_a_hugging_face_directory_names_its_model_by_model_type(user_model, tmp_path, capsys):
+    """--init-hf and fmoe generate --ckpt HF_DIR look config.json's model_type up in the registry;
+    a --model of another type, or a type no model registers, is one line, exit 2."""
+    import shutil
+
+    from fmoe.cli.generate import main as generate
+    from fmoe.training.resolve import resolve
+
+    export = str(user_model[0] / "export")                         # model_type "mixtral" (transformers' class)
+    assert resolve(JobConfig(init_hf=export, out=str(tmp_path / "a"))).model == "mixtral"
+    assert resolve(JobConfig(model=SPEC, init_hf=export, out=str(tmp_path / "b"))).model == SPEC
+    res = train_cli("--model", "llama", "--init-hf", export, "--out", str(tmp_path / "c"), check=False)
+    assert res.returncode == 2 and "model_type 'mixtral' is not the model_type of llama ('llama')" in res.stderr
+    other = shutil.copytree(export, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "my_moe"}))
+    want = "model_type 'my_moe' is not a model of fmoe.models"
+    res = train_cli("--init-hf", str(other), "--out", str(tmp_path / "d"), check=False)
+    assert res.returncode == 2 and want in res.stderr.strip().splitlines()[-1]
+    with pytest.raises(SystemExit) as e:
+        generate(["--ckpt", str(other), "--prompt", "1"])
+    assert e.value.code == 2 and want in capsys.readouterr().err
