@@ -21,8 +21,10 @@ denominator but has no value: ``p = softmax([scores, sink])[:-1]``. The sink par
 like the heads (style ``local``, ``P("tp")``), so each rank uses its own slice.
 
 The math is plain matmul + fp32 softmax in the same order as transformers' eager attention, so
-fp32 results match to rounding. Three paths, chosen by data: torch's fused SDPA where no mask
-table is needed (plain causal or full attention: its CPU kernel works by blocks); by blocks with
+fp32 results match to rounding. Four paths, chosen by data: torch's fused SDPA where no mask
+table is needed (plain causal or full attention: its CPU kernel works by blocks); causal query
+segments over longer keys (a context-parallel rank's chunks, a long prefill after a cache) by
+the fused kernel per segment (:mod:`fmoe.nn.segment_attention`, CPU); by blocks with
 an online softmax (:mod:`fmoe.nn.blocked_attention`) when a mask, sinks or a key mask meet a
 sequence whose ``[B, Hq, S, Sk]`` scores exceed one block's budget (:func:`blocked_path`), so
 temporaries stay bounded instead of growing with ``S x Sk``; the plain scores otherwise, and
@@ -46,6 +48,7 @@ from ..transforms import compiling, higher_order, vmapping
 from ._tp import check_tensor, tp_size_rank
 from .blocked_attention import SCORE_BUDGET, Layout, blocked_attention, block_sizes
 from .context_parallel import ContextParallel
+from .segment_attention import segment_attention, segments_apply
 
 __all__ = ["attention", "visible", "shared_by_heads", "blocked_path"]
 
@@ -204,7 +207,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     S, Sk = q.shape[1], k.shape[1]
     plain_causal = causal and window is None and S == Sk and key_mask is None
     no_table = segments is None and (plain_causal or (not causal and window is None and key_mask is None))
-    if not (sinks is None and no_table) and blocked_path(q.shape[0], q.shape[2], S, Sk):
+    long = blocked_path(q.shape[0], q.shape[2], S, Sk)
+    # On CPU the fused kernels' bf16 backward runs ~3x slower than their fp32 one (no AMX path;
+    # benchmarks/RESULTS.md), so the core computes in fp32 there; the projections stay bf16.
+    core = at_least_f32(q.dtype) if q.device.type == "cpu" else q.dtype
+    fused = not (vmapping() or higher_order() or compiling())     # the kernels' Functions serve plain autograd
+    if (segments is not None or (long and S < Sk)) and fused and segments_apply(q.device, core, causal, window,
+                                                                                sinks, key_mask):
+        kt, vt = rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d")   # queries' segments by the kernel
+        out = segment_attention(qh.to(core), kt.to(core), vt.to(core), segments or ((Sk - S, S),), scale)
+        return rearrange(out.to(q.dtype), "b h s d -> b s h d")
+    if not (sinks is None and no_table) and long:
         lay = Layout(segments or ((Sk - S, S),), 0, causal, window, scale, *block_sizes(q.shape[0], q.shape[2], S, Sk))
         sl = None if sinks is None else _local_sinks(sinks, q.shape[2])
         out = blocked_attention(qh, rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d"), lay,
@@ -213,9 +226,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if sinks is None and not higher_order():  # fused kernel (no forward AD / double backward on CPU): no [S, Sk] probabilities kept
         kt, vt = rearrange(k, "b s g d -> b g s d"), rearrange(v, "b s g d -> b g s d")
         mask = None if no_table else _mask(S, Sk, causal, window, key_mask, q.device, segments)
-        # On CPU the fused kernel's bf16 backward runs ~3x slower than its fp32 one (no AMX path;
-        # benchmarks/RESULTS.md), so the core computes in fp32 there; the projections stay bf16.
-        core = at_least_f32(q.dtype) if q.device.type == "cpu" else q.dtype
         out = F.scaled_dot_product_attention(qh.to(core), kt.to(core), vt.to(core), attn_mask=mask,
                                              is_causal=plain_causal, scale=scale, enable_gqa=rep > 1)
         return rearrange(out.to(q.dtype), "b h s d -> b s h d")

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fmoe.nn.attention import attention
 from fmoe.nn.blocked_attention import Layout, blocked_attention
+from fmoe.nn.segment_attention import segment_attention
 
 from helpers import close
 
@@ -119,3 +120,20 @@ def test_blocked_path_serves_grad_and_falls_back_under_vmap_and_jvp(monkeypatch)
     close(torch.func.jvp(f, (q,), (t,))[1], (g_plain * t).sum())
     per = torch.func.vmap(lambda qi, ki, vi: attention(qi[None], ki[None], vi[None], window=5, sinks=sk)[0])(q, k, v)
     close(per, plain)
+
+
+@pytest.mark.parametrize("dv", [8, 6])
+def test_segments_by_the_fused_kernel_equal_plain(dv):
+    """``segment_attention`` (the fused CPU kernel per chunk: prefix + diagonal merged by their
+    log-sum-exps) on chunks 1 and 6 of 8, GQA, MLA value size: the plain attention's rows, values
+    and gradients, fp32."""
+    S, L = 40, 5
+    q, k, v, _, _ = _inputs(S, 4, 2, 8, dv, False, False, torch.float32)
+    ref = attention(q, k, v)
+    rows = torch.cat([torch.arange(L, 2 * L), torch.arange(6 * L, 7 * L)])
+    out = rearrange(segment_attention(_heads(q[:, rows]), _heads(k), _heads(v), ((L, L), (6 * L, L)), 8 ** -0.5),
+                    "b h s d -> b s h d")
+    close(out, ref[:, rows])
+    dout = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref[:, rows], (q, k, v), dout)):
+        close(a, b)
