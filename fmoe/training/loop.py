@@ -71,16 +71,17 @@ class NonFiniteStep(RuntimeError):
 
 
 def _job_meta(job: Any, model, cfg, mesh) -> dict:
-    """What ``meta.json`` records about the job (read back by :mod:`fmoe.training.resume`)."""
+    """What ``meta.json`` records about the model, its mesh and schedule (a resume continues the
+    job its ``settings`` record: :mod:`fmoe.training.settings`, :mod:`fmoe.training.resume`)."""
     from . import resume
 
     return {"model": job.model, "preset": None if job.init_hf else job.preset, "init_hf": job.init_hf,
-            "config": _config_dict(cfg), "hf_config": cfg.to_hf(), "seed": job.seed, "batch": job.batch // (job.microbatches if job.pp > 1 else 1),  # as --grad-accum
-            "seq": job.seq, "lr": job.lr, "warmup": job.warmup, "weight_decay": job.weight_decay,
-            "clip": job.clip, "aux_weight": job.aux_weight, "param_dtype": str(dtype_of(job.master_dtype))[6:],
+            "config": _config_dict(cfg), "hf_config": cfg.to_hf(), "aux_weight": job.aux_weight,
+            "param_dtype": str(dtype_of(job.master_dtype))[6:],
             "schedule": resume.schedule_record(job),
             "mesh": {"tp": mesh.tp, "ep": mesh.ep, "fsdp": mesh.fsdp, "dp_replicate": mesh.dp_replicate,
-                     "world": mesh.world, "num_batches": mesh.num_batches, "pp": mesh.pp}}
+                     "world": mesh.world, "num_batches": mesh.num_batches, "pp": mesh.pp, "cp": mesh.cp,
+                     "num_sequences": mesh.num_sequences}}
 
 
 def run(rank: int, world: int, job: Any) -> dict:
@@ -144,6 +145,10 @@ def run(rank: int, world: int, job: Any) -> dict:
     plan, full = stage_plan(plan, full, *stages), stage_tree(full, *stages)
     packed = ckpt.packed_layout(plan, full)
     need = 3 * sum(t.numel() * t.element_size() for t in fmoe.tree.leaves(full))   # params + 2 moments
+    if mesh.pp > 1:                                    # this stage's share: the checkpoint holds every stage's
+        from ..collectives import all_gather_objects
+
+        need = sum(all_gather_objects(need)) * mesh.pp // world
     ckpt.on_rank0(lambda: check_room(job.out, need), f"checking --out {job.out}")
     params = fmoe.shard(fmoe.tree.map_with_path(
         lambda p, t: t.detach().requires_grad_(p.rsplit(".", 1)[-1] not in frozen), full), plan, mesh)
@@ -162,7 +167,7 @@ def run(rank: int, world: int, job: Any) -> dict:
     meta = {**_job_meta(job, model, hf_cfg, mesh), **options.run_meta(job, tokenizer, device),
             **balancing.record(job), "upcycle": job.upcycle, **settings.record(job)}
     bar = _Progress(job.steps, start, rank0 and not job.quiet)
-    watch = observe.Observer(job.out, rank, job.profile_steps, job.tensorboard, device)   # per-rank time, bytes
+    watch = observe.Observer(job.out, rank, job.profile_steps, job.tensorboard, device, start)   # per-rank time, bytes
     last: dict = {}
     skipped = 0
     for step in range(start + 1, job.steps + 1):

@@ -18,16 +18,15 @@ walks them all):
   one batch shape (:func:`batch_shape`), so the original command line plus ``--resume`` works,
   and so does a resume from ``--pp`` to ``--grad-accum`` and back;
 - **may change** (:data:`CHANGEABLE`: they do not change what a step computes, or change it to
-  float noise only, or only watch the run): ``--steps`` (beyond the saved step; equal to it with
-  ``--export-hf``: export the checkpoint without training), ``--save-every --keep-last
-  --eval-every --eval-batches --profile-steps --tensorboard --memory-gb --skip-nonfinite --impl
-  --compile --remat --loss-chunks --optim-in-backward --pp-schedule --device --timeout``; left
-  out, they too take the checkpoint's values;
-- **the mesh** (:data:`MESH`: ``--nproc --tp --ep --dp-replicate --pp``, with ``--sp`` following
-  ``--tp`` and ``--pp-layers`` following ``--pp``): the checkpoint is resharded, as long as the
-  number of data-parallel batches per step stays the same (``world / (tp * pp) * --dp-batches``);
-  a mesh flag not given takes the checkpoint's value (:func:`take_mesh`; ``--ep`` only when
-  ``--tp`` is not given either, else it follows ``--tp``), so ``--resume OUT --steps N``
+  float noise only, or only watch the run), left out taking the checkpoint's values too:
+  ``--steps`` (beyond the saved step; equal to it with ``--export-hf``: export without training),
+  saving, logging, evaluation cadence, ``--impl --compile --remat --loss-chunks`` and the like;
+- **the mesh** (:data:`MESH`: ``--nproc --tp --ep --dp-replicate --pp --cp``, with ``--sp``
+  following ``--tp`` and ``--pp-layers`` following ``--pp``): the checkpoint is resharded, as long
+  as the data-parallel batches of sequences per step stay (``world / (tp * pp * cp) *
+  --dp-batches``); a mesh flag not given takes the checkpoint's value (:func:`take_mesh`; ``--ep`` only when
+  ``--tp`` is not given either, else it follows ``--tp``; ``--pp`` and ``--cp`` only when ``--nproc``
+  is not given), so ``--resume OUT --steps N``
   continues on the mesh the run had, pipeline included;
 - **this invocation's** (:data:`FRESH`, never taken from the checkpoint): ``--resume --out``
   (default: the checkpoint's own run directory) ``--overwrite --export-hf --record-routing
@@ -74,7 +73,8 @@ CHANGEABLE = ("steps", "save_every", "keep_last", "eval_every", "eval_batches", 
               "pp_schedule", "device", "timeout")
 #: mesh flag dest -> key of meta.json's ``mesh`` record: the mesh a resumed run keeps unless given;
 #: ``--sp`` and ``--pp-layers`` (:data:`MESH_FOLLOWERS`) come with the ``--tp`` / ``--pp`` they need
-MESH: dict[str, str] = {"nproc": "world", "tp": "tp", "ep": "ep", "dp_replicate": "dp_replicate", "pp": "pp"}
+MESH: dict[str, str] = {"nproc": "world", "tp": "tp", "ep": "ep", "dp_replicate": "dp_replicate", "pp": "pp",
+                        "cp": "cp"}
 MESH_FOLLOWERS = {"sp": "tp", "pp_layers": "pp"}
 #: this invocation's own settings, never taken from a checkpoint
 FRESH = ("resume", "out", "overwrite", "export_hf", "record_routing", "threads", "quiet", "debug")
@@ -99,18 +99,19 @@ def take_mesh(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> 
     Returns:
         the settings taken, as ``--flag value`` (for messages).
     """
-    file = os.path.join(where, "meta.json")
     mesh = meta.get("mesh")
     if not isinstance(mesh, dict):
-        error(f"--resume: {file}: 'mesh' is {mesh!r}, not the mesh record fmoe train writes")
+        error(f"--resume: {where}/meta.json: 'mesh' is {mesh!r}, not the mesh record fmoe train writes")
     taken = []
     for dest, key in MESH.items():
-        if dest in job.explicit or (dest == "ep" and "tp" in job.explicit) or (dest == "pp" and "nproc" in job.explicit):
+        if dest in job.explicit or (dest == "ep" and "tp" in job.explicit) or \
+                (dest in ("pp", "cp") and "nproc" in job.explicit):
             continue
         try:
             value = check_value(dest, mesh.get(key))
         except ValueError as e:
-            error(f"--resume: {file}: mesh {key!r} is {mesh.get(key)!r}, not a value {flag(dest)} accepts ({e})")
+            error(f"--resume: {where}/meta.json: mesh {key!r} is {mesh.get(key)!r}, not a value {flag(dest)} "
+                  f"accepts ({e})")
         setattr(job, dest, value)
         taken.append(f"{flag(dest)} {value}")
     return taken
@@ -211,9 +212,8 @@ def _settings(meta: dict, where: str, error: Callable[[str], Any]) -> dict:
     return saved
 
 
-def _refuse(where: str, names: list[str], saved: Any, given: Any) -> str:
-    flags = " ".join(flag(n) for n in names)
-    return (f"--resume {where} was trained with {flags} {saved}, this run has {flags} {given}; a resumed run "
+def _refuse(where: str, name: str, saved: Any, given: Any) -> str:
+    return (f"--resume {where} was trained with {flag(name)} {saved}, this run has {flag(name)} {given}; a resumed run "
             "keeps it (drop the flag, or start a new run). Changeable on resume: the mesh (--nproc --tp --ep "
             "--dp-replicate --pp, the same data-parallel batches), " + " ".join(flag(n) for n in CHANGEABLE + FRESH))
 
@@ -273,7 +273,7 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
         if name not in job.explicit:
             setattr(job, name, value)
         elif name in KEPT and getattr(job, name) != value:
-            error(_refuse(where, [name], repr(value), repr(getattr(job, name))))
+            error(_refuse(where, name, repr(value), repr(getattr(job, name))))
     _restore_batch(job, saved, where, error)
     identity.restore(job, saved, meta, where, error)      # --data and --tokenizer by content
     step = meta["step"]
@@ -283,15 +283,15 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
     mesh = meta.get("mesh")
     if not isinstance(mesh, dict):
         error(f"--resume: {file}: 'mesh' is {mesh!r}, not the mesh record fmoe train writes")
-    batches = job.world // (job.tp * job.pp) * job.dp_batches
-    had = mesh.get("num_batches")
+    batches = job.world // (job.tp * job.pp * job.cp) * job.dp_batches      # distinct batches of sequences
+    had = mesh.get("num_sequences")
     if isinstance(had, int) and not isinstance(had, bool):
         had *= saved.get("dp_batches") or 1
     if had != batches:
         error(f"--resume {where} was trained with {had} data-parallel batches per step "
               f"(mesh {mesh}, --dp-batches {saved.get('dp_batches')}); this mesh (world {job.world}, --tp {job.tp}, "
-              f"--pp {job.pp}, --dp-batches {job.dp_batches}) has {batches}: every step would see other data. Choose "
-              f"--nproc/--tp/--pp with world / (tp * pp) = {had}")
+              f"--pp {job.pp}, --cp {job.cp}, --dp-batches {job.dp_batches}) has {batches}: every step would see "
+              f"other data. Choose --nproc/--tp/--pp/--cp with world / (tp * pp * cp) = {had}")
     schedule = meta.get("schedule")
     total = schedule.get("total") if isinstance(schedule, dict) else None
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:

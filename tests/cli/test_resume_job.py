@@ -109,6 +109,10 @@ def test_a_pipeline_resumes_from_its_own_command_line_or_none(base, tmp_path):
     # a one-process --grad-accum 2 checkpoint resumes on pp2 with --batch 4 (the rows of both micro-batches)
     ga = _craft(base, str(tmp_path / "ga"), {"batch": 2, "grad_accum": 2})
     assert shape(resolve(JobConfig(resume=ga, steps=3, nproc=2, pp=2, batch=4))) == (2, 2, 4, 2, 1, None)
+    # context parallelism is mesh too: taken with --nproc from the checkpoint, dropped with --nproc 1
+    cp = _craft(base, str(tmp_path / "cp"), mesh={"world": 2, "cp": 2, "num_batches": 2})
+    assert [(j.nproc, j.cp) for j in (resolve(JobConfig(resume=cp, steps=3)),
+                                      resolve(JobConfig(resume=cp, steps=3, nproc=1)))] == [(2, 2), (1, 1)]
     # routing recorded under a pipeline would pair a replay with the wrong layers: refused
     with pytest.raises(JobConfigError, match="--record-routing with --pp 2"):
         resolve(JobConfig(resume=ckpt, steps=3, record_routing=str(tmp_path / "rec")))
