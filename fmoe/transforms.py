@@ -1,7 +1,7 @@
 """What fmoe does differently under ``torch.func`` transforms and ``torch.compile``.
 
 fmoe's layers are pure functions, so ``torch.func.grad``/``vjp``/``jvp``/``vmap`` and
-``torch.compile`` apply to them. Three things need care, and this module holds the answers:
+``torch.compile`` apply to them. Five things need care, and this module holds the answers:
 
 1. **Data-dependent input checks.** Expert ids in ``[0, E)``, finite routing weights, token ids
    in ``[0, V)``, targets in range: each check reads a value on the host (``int(t.max())``).
@@ -23,6 +23,9 @@ fmoe's layers are pure functions, so ``torch.func.grad``/``vjp``/``jvp``/``vmap`
    ends the graph there. Under :func:`symbolic_splits` it traces them as unbacked symbolic ints
    instead: ``torch.compile(forward)`` on a mesh is one graph with the all-to-alls inside, and no
    routing (empty slices included) causes a recompile, since nothing guards on those ints.
+5. **A compiled transform on a mesh** is refused by the tracer, alike on every rank and before any
+   collective (:func:`refuse_compiled_transform`): under ``fullgraph=True`` the user's error,
+   without it the whole call runs eagerly, with no nested frame traced on its own.
 
 Example:
     >>> data_checks_enabled()
@@ -41,7 +44,7 @@ import torch._dynamo
 from torch._C._functorch import TransformType, get_unwrapped, is_functorch_wrapped_tensor
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-__all__ = ["refuse_compiled_transform", "vmapping", "compiling", "forward_mode", "higher_order", "func_active", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop", "symbolic_splits"]
+__all__ = ["refuse_compiled_transform", "CompiledTransformRefused", "vmapping", "compiling", "forward_mode", "higher_order", "func_active", "active", "data_checks_enabled", "peel", "without_jvp", "apply", "vmap_by_loop", "symbolic_splits"]
 
 
 def vmapping() -> bool:

@@ -9,6 +9,7 @@
 
 from collections import Counter
 
+import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
@@ -278,3 +279,79 @@ def test_compiled_all_reduce_layer_traces_without_a_host_count():
         for e, c in zip(eager, compiled):
             for a, b in zip(c, e):
                 close(a, b, "compiled all_reduce layer vs eager")
+
+
+# ------------------------------------------------------------------ the grouped operators stay opaque
+#: a kernel path forced: (dtype, rows, matmul); the grouped operators' kernels pick their path at run
+#: time from these (fmoe.experts.ops), never while Dynamo traces
+KERNEL_PATHS = {"grouped": (torch.float32, 8, "auto"),        # aligned fp32 rows: torch._grouped_mm
+                "loop": (torch.float32, 7, "grouped"),        # 7 rows: the loop, although "grouped" asked
+                "bucketed": (torch.bfloat16, 8, "auto"),      # bf16 on CPU: bucket-padded loop
+                "float64": (torch.float64, 8, "grouped")}     # never torch._grouped_mm (fp32 / bf16 / fp16)
+KERNEL_OPS = ("_grouped_mm", "aten.mm", "built-in method mm")   # a kernel body's ops in a Dynamo graph
+
+
+def _opaque_backend(graphs: list):
+    """``aot_eager``, recording each Dynamo graph's call targets (as text) in ``graphs``."""
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    return backend
+
+
+def _expert_case(path: str):
+    from fmoe.experts.ops import expert_mlp_offs, offsets
+    dtype, n, matmul = KERNEL_PATHS[path]
+    g = torch.Generator().manual_seed(n)
+    x, wgu, wd = (torch.randn(*s, generator=g).to(dtype) for s in ((n, 8), (2, 8, 8), (2, 8, 4)))
+    offs = offsets(torch.tensor([n // 2, n - n // 2]))
+    mlp = lambda x, wgu, wd: expert_mlp_offs(x, offs, wgu, wd, matmul=matmul)  # noqa: E731
+    return (x, wgu, wd), mlp
+
+
+def _transformed(transform: str, mlp):
+    from torch.func import grad, jvp, vmap
+    loss = lambda *a: mlp(*a).float().square().sum()  # noqa: E731
+    return {"compile(forward)": mlp,
+            "compile(grad)": grad(loss, argnums=(0, 1, 2)),
+            "compile(jvp)": lambda *a: jvp(mlp, a, tuple(torch.ones_like(t) for t in a)),
+            "compile(vmap)": lambda x, wgu, wd: vmap(mlp, in_dims=(0, None, None))(torch.stack([x, 2 * x]), wgu, wd),
+            }[transform]
+
+
+@pytest.mark.parametrize("transform", ["compile(forward)", "compile(grad)", "compile(jvp)", "compile(vmap)"])
+def test_grouped_operators_stay_opaque_under_every_compiled_transform(transform):
+    """``fmoe::grouped_mm`` / ``grouped_wgrad`` under ``torch.compile`` of each transform, each kernel
+    path forced (:data:`KERNEL_PATHS`; ``vjp`` traces as ``grad`` does): every Dynamo graph holds the operator and none of a kernel's
+    ops (Dynamo traced their fake rules, not their bodies, whose path depends on the rows: issue 46), and
+    the compiled result equals eager's, for every dtype the eager path accepts."""
+    for path in KERNEL_PATHS:
+        torch._dynamo.reset()
+        args, mlp = _expert_case(path)
+        fn, graphs = _transformed(transform, mlp), []
+        got, want = torch.compile(fn, backend=_opaque_backend(graphs), fullgraph=True)(*args), fn(*args)
+        assert graphs and all(any("fmoe.grouped_mm" in t for t in gr) for gr in graphs), (path, graphs)
+        assert not [t for gr in graphs for t in gr if any(k in t for k in KERNEL_OPS)], (path, graphs)
+        rtol = 1e-2 if args[0].dtype == torch.bfloat16 else None
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            close(a, b, f"{transform}, path {path}", rtol=rtol)
+
+
+def test_an_eager_fallback_never_traces_a_kernel():
+    """The issue's mechanism on one process: a graph break inside ``torch.compile(grad(f))`` makes
+    Dynamo run ``grad`` eagerly and trace each frame it calls on its own, with real rows; the
+    kernels' frames (aligned fp32 rows: the ``torch._grouped_mm`` path, whose meta rule takes bf16
+    only) are never among them, and the gradient equals eager's."""
+    from torch.func import grad
+    torch._dynamo.reset()
+    args, mlp = _expert_case("grouped")
+
+    def loss(x, wgu, wd):
+        torch._dynamo.graph_break()
+        return mlp(x, wgu, wd).square().sum()
+
+    graphs = []
+    got = torch.compile(grad(loss, argnums=(0, 1, 2)), backend=_opaque_backend(graphs))(*args)
+    assert not [t for gr in graphs for t in gr if any(k in t for k in KERNEL_OPS)], graphs
+    for a, b in zip(got, grad(loss, argnums=(0, 1, 2))(*args)):
+        close(a, b, "eager fallback of a compiled grad")

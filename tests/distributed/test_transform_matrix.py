@@ -82,11 +82,21 @@ ONE_PROCESS = ["grad", "vjp", "jvp", "jacfwd", "hvp fwd-over-rev", "hvp rev-over
                "remat under grad"]
 ON_MESH = ["grad", "vjp", "jvp", "jacfwd", "hvp fwd-over-rev", "grad arithmetic", "hvp rev-over-rev",
            "vmap(forward)", "vmap(grad)", "vmap ensemble", "compile(forward)", "compile(grad)",
-           "compiled step", "remat under grad"]
+           "compile(grad), no fullgraph", "compiled step", "compiled step, no fullgraph", "remat under grad"]
 TRANSFORMS = list(dict.fromkeys(ONE_PROCESS + ON_MESH))
+#: mesh cells run for some models only (the refusal and its eager fallback happen in the decoder's
+#: ``start``, before any layer: model-independent; one MoE and one dense model run each)
+SOME_MODELS = {"compile(forward)": COMPILED_ON_MESH,
+               "compile(grad), no fullgraph": {s: ("qwen3_moe", "llama") for s in MESHES},
+               "compiled step, no fullgraph": {"tp1/ep4": ("qwen3_moe",), "tp2/ep2": (), "fsdp (tp2/ep2, fsdp2)": ("llama",)}}
 CELLS = [(t, s, m) for t in TRANSFORMS for s in SETTINGS for m in MODELS
          if t in (ONE_PROCESS if s == ONE else ON_MESH)
-         and (s == ONE or t != "compile(forward)" or m in COMPILED_ON_MESH[s])]
+         and (s == ONE or t not in SOME_MODELS or m in SOME_MODELS[t][s])]
+#: forced routings of tp1/ep4's qwen3_moe compile cells (:func:`forced_table`): the rows each expert rank
+#: receives send each grouped-operator kernel path down on some rank: aligned rows (torch._grouped_mm),
+#: unaligned rows (the loop), no rows (empty expert slices), every row on one rank
+FORCED = ("skewed", "one rank")
+FORCED_MODEL, FORCED_MESH = "qwen3_moe", "tp1/ep4"
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -123,16 +133,24 @@ def fd(f, p, t, h=1e-6):
     return tmap(lambda a, b: (a - b) / (2 * h), hi, lo) if isinstance(hi, dict) else (hi - lo) / (2 * h)
 
 
-def _check(cell, fn):
-    """Run one cell; ``None`` when it meets its documented outcome, else a message."""
+def _outcome(cell, fn) -> tuple[str, Any]:
+    """Run one cell: ``(kind, None)`` when it meets its documented outcome, else ``(kind, message)``;
+    the kind (``"as documented"``, ``"raised <type>"``, ``"returned normally"``) is what ranks vote on."""
     want = outcome(*cell)
     try:
         fn()
     except Exception as e:                                   # noqa: BLE001  (the outcome decides)
         if want != "equal" and isinstance(e, want[0]) and re.search(want[1], str(e)):
-            return None
-        return f"{cell}: expected {want}, raised {type(e).__name__}: {str(e)[:300]}"
-    return None if want == "equal" else f"{cell}: expected {want[0].__name__}, returned normally"
+            return "as documented", None
+        return f"raised {type(e).__name__}", f"{cell}: expected {want}, raised {type(e).__name__}: {str(e)[:300]}"
+    if want == "equal":
+        return "as documented", None
+    return "returned normally", f"{cell}: expected {want[0].__name__}, returned normally"
+
+
+def _check(cell, fn):
+    """Run one cell; ``None`` when it meets its documented outcome, else a message."""
+    return _outcome(cell, fn)[1]
 
 
 # ------------------------------------------------------------------------------ one process
@@ -222,6 +240,79 @@ def test_one_process_cell(transform, name):
 
 
 # ------------------------------------------------------------------------------ meshes
+def forced_table(kind: str, source: int, t: int = 2 * S) -> torch.Tensor:
+    """Expert ids ``[t, 2]`` of the tokens of batch (rank) ``source`` under a forced routing, 8 experts
+    on 4 expert ranks (2 each). ``"one rank"``: every slot on rank 0's experts (rank 0 receives all
+    80 assignments, the others none). ``"skewed"``: slot 0 on expert 0, slot 1 on expert 2 for the first
+    ``source + 1`` tokens, on expert 6 for the rest: ranks 0..3 receive 40 (aligned), 10 and 30
+    (unaligned) and 0 (empty slices) assignments (:func:`received`)."""
+    ids = torch.zeros(t, 2, dtype=torch.long)
+    ids[:, 1] = 1 if kind == "one rank" else torch.where(torch.arange(t) <= source, 2, 6)
+    return ids
+
+
+def received(kind: str, ranks: int = 4, local: int = 2) -> list[int]:
+    """Assignments each expert rank receives under the forced routing ``kind``."""
+    ids = torch.cat([forced_table(kind, q) for q in range(ranks)]).flatten()
+    return torch.bincount(torch.div(ids, local, rounding_mode="floor"), minlength=ranks).tolist()
+
+
+def forced_router(cfg, table: torch.Tensor, use: torch.Tensor):
+    """The model's router, or (``use``, a 0-dim bool tensor) the ids of ``table`` with the softmax
+    weights of those experts: one compiled graph serves the free and every forced routing (the
+    tensors are inputs of the graph, changed in place between calls)."""
+    from fmoe.routing import Routing
+    free = MODELS[FORCED_MODEL].default_router(cfg)
+
+    def router(logits):
+        r = free(logits)
+        ids = torch.where(use, table, r.expert_ids)
+        w = torch.where(use, torch.softmax(logits.float(), -1).gather(-1, ids).to(r.weights.dtype), r.weights)
+        return Routing(w, ids, r.aux)
+    return router
+
+
+#: seconds a rank waits for the others' votes on a cell, beyond twice its own time on the cell
+VOTE_WAIT = 10.0
+
+
+def vote(index: int, cell: tuple, outcome: str, seconds: float) -> None:
+    """Every rank's outcome of ``cell`` must be this rank's ``outcome`` (``kind|detail``: the kinds
+    are compared). The ranks vote through the default group's store, not a collective, so a rank
+    stuck in a collective that its peer left cannot hang the vote: AssertionError naming the cell
+    and every rank's outcome when the kinds differ, or when a rank has not ended the cell within
+    ``VOTE_WAIT + 2 * seconds`` (``seconds``: this rank's time on the cell). ``index``: the cell's
+    position in the call (every rank runs the same cells in the same order)."""
+    import datetime
+
+    import torch.distributed as dist
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = [f"vote/{index}/{r}" for r in range(world)]
+    store.set(keys[rank], outcome)
+    wait = VOTE_WAIT + 2 * seconds
+    try:
+        store.wait(keys, datetime.timedelta(seconds=wait))
+    except RuntimeError:                                      # DistStoreError: a rank did not vote in time
+        ended = {r: store.get(k).decode() for r, k in enumerate(keys) if store.check([k])}
+        late = [r for r in range(world) if r not in ended]
+        raise AssertionError(f"{cell}: ranks {late} did not end the cell within {wait:.0f} s of rank {rank} "
+                             f"(stuck in a collective?); " + "; ".join(f"rank {r} ended: {v}" for r, v in ended.items())
+                             ) from None
+    votes = [store.get(k).decode() for k in keys]
+    if len({v.split("|")[0] for v in votes}) > 1:
+        raise AssertionError(f"{cell}: the ranks ended differently: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(votes)))
+
+
+def _voted(index: int, cell: tuple, fn: Callable[[], None]) -> Any:
+    """:func:`_outcome` of ``cell`` on this rank, then :func:`vote` on its outcome; the failure message or None."""
+    import time
+    start = time.monotonic()
+    kind, failure = _outcome(cell, fn)
+    vote(index, cell, f"{kind}|{failure or ''}"[:2000], time.monotonic() - start)
+    return failure
+
+
 def _mesh_of(setting):
     if setting == "tp1/ep4":
         return fmoe.Mesh(tp=1, ep=4), False
@@ -229,9 +320,11 @@ def _mesh_of(setting):
 
 
 def _mesh_cells(rank, world, setting):
+    import itertools
+
     from fmoe.fsdp import data_parallel_plan
     mesh, fsdp = _mesh_of(setting)
-    fails = []
+    fails, index = [], itertools.count()
     for name, model in MODELS.items():
         cfg = model.Config.tiny()
         full = model.init(cfg, seed=0)
@@ -243,6 +336,18 @@ def _mesh_cells(rank, world, setting):
         loss = lm_loss(model, cfg, mine, mesh)
         every = [tokens(cfg, seed=10 + b, b=2) for b in range(nb)]
         ref_grad = grad(lambda p: sum(lm_loss(model, cfg, t)(p) for t in every))(full)
+        forced = name == FORCED_MODEL and setting == FORCED_MESH
+
+        def routed_grad(kind):
+            """Under the forced routing ``kind``: the gathered gradient of ``torch.compile(grad)`` on the
+            mesh (the eager fallback) and the one-process gradient of the summed batches, each batch
+            routed as its rank routes it."""
+            def f(p, toks, source=None):
+                r = forced_router(cfg, forced_table(kind, mesh.batch_index if source is None else source), torch.tensor(True))
+                logits = model.forward(p, toks, cfg, mesh if source is None else None, router=r)
+                return nn.cross_entropy(logits[:, :-1], toks[:, 1:])
+            got = fmoe.gather(torch.compile(grad(lambda p: f(p, mine)), backend="aot_eager")(sh))
+            return got, grad(lambda p: sum(f(p, t, b) for b, t in enumerate(every)))(full)
 
         def run(transform):
             if transform == "grad":
@@ -261,6 +366,18 @@ def _mesh_cells(rank, world, setting):
                 jvp(grad(loss), (sh,), (sh,))
             elif transform == "vmap ensemble":
                 vmap(lambda p: model.forward(p, mine, cfg, mesh))(tmap(lambda *xs: torch.stack(xs), sh, sh))
+            elif transform == "compile(forward)" and forced:   # one graph, every routing (no recompile)
+                torch._dynamo.reset()
+                table, use = forced_table("skewed", mesh.batch_index), torch.tensor(False)   # graph inputs
+                router = forced_router(cfg, table, use)
+                fwd = lambda p: model.forward(p, mine, cfg, mesh, router=router)  # noqa: E731
+                compiled = torch.compile(fwd, fullgraph=True, backend="aot_eager")
+                for kind in ("free", *FORCED):
+                    use.fill_(kind != "free")
+                    table.copy_(forced_table(kind if kind != "free" else "skewed", mesh.batch_index))
+                    with fmoe.transforms.symbolic_splits():
+                        got = compiled(sh)
+                    close_trees(got, fwd(sh), f"compiled forward vs eager on the mesh, {kind} routing", 1e-5)
             elif transform == "compile(forward)":      # one graph: the split sizes traced as unbacked ints
                 torch._dynamo.reset()                  # (fsdp: Dynamo breaks at the FSDP gather's autograd Function)
                 fwd = lambda p: model.forward(p, mine, cfg, mesh)  # noqa: E731
@@ -270,10 +387,18 @@ def _mesh_cells(rank, world, setting):
             elif transform == "compile(grad)":
                 torch._dynamo.reset()
                 torch.compile(grad(loss), fullgraph=True, backend="aot_eager")(sh)
-            elif transform == "compiled step":
+            elif transform == "compile(grad), no fullgraph":   # the eager fallback: = the one-process gradient
                 torch._dynamo.reset()
-                torch.compile(lambda p, s: adamw.update(grad(loss)(p), s, p, lr=1e-2), fullgraph=True,
-                              backend="aot_eager")(sh, adamw.init(sh))
+                for kind in FORCED if forced else ("free",):
+                    got, want = routed_grad(kind) if forced else (
+                        fmoe.gather(torch.compile(grad(loss), backend="aot_eager")(sh)), ref_grad)
+                    close_trees(got, want, f"compiled grad (eager fallback) vs one process, {kind} routing", 1e-4)
+            elif transform in ("compiled step", "compiled step, no fullgraph"):
+                torch._dynamo.reset()
+                step = lambda p, s: adamw.update(grad(loss)(p), s, p, lr=1e-2)  # noqa: E731
+                got = torch.compile(step, fullgraph=transform == "compiled step", backend="aot_eager")(sh, adamw.init(sh))
+                close_trees(fmoe.gather(got[0]), fmoe.gather(step(sh, adamw.init(sh))[0]),
+                            "compiled step (eager fallback) vs eager on the mesh", 1e-5)
             elif transform == "grad arithmetic":
                 g = grad(loss)(sh)
                 new = tmap(lambda p, g: p - 0.1 * g + (g + g) * 0.0, sh, g)
@@ -292,7 +417,7 @@ def _mesh_cells(rank, world, setting):
                     grad(loss)(sh)
 
         for transform in [t for t in ON_MESH if (t, setting, name) in CELLS]:
-            f = _check((transform, setting, name), lambda: run(transform))
+            f = _voted(next(index), (transform, setting, name), lambda: run(transform))
             if f:
                 fails.append(f)
     return fails
@@ -303,6 +428,71 @@ def test_mesh_cells(setting):
     from helpers import on_ranks
     for rank, fails in enumerate(on_ranks(_mesh_cells, 4, setting, timeout=1500)):
         assert fails == [], f"rank {rank}: " + "\n".join(fails)
+
+
+def _issue_snippet(rank, world):
+    """Issue 46's snippet, as a new user wrote it (Inductor, the default backend), then with
+    ``fullgraph=True``; each ends with a vote."""
+    from fmoe.models import qwen3_moe as Q
+    cfg = Q.Config.tiny(initializer_range=0.2)
+    full = Q.init(cfg, 0)
+    T = [torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(100 + b)) for b in range(4)]
+    mesh = fmoe.Mesh(tp=1, ep=4)
+    sh = Q.shard(full, cfg, mesh)
+    t = T[mesh.batch_index]
+    loss = lambda q: nn.cross_entropy(Q.forward(q, t, cfg, mesh)[:, :-1], t[:, 1:])  # noqa: E731
+    ref = grad(lambda p: sum(nn.cross_entropy(Q.forward(p, x, cfg)[:, :-1], x[:, 1:]) for x in T))(full)
+    cells = {"compile(grad), no fullgraph": lambda: close_trees(fmoe.gather(torch.compile(grad(loss))(sh)), ref,
+                                                                "the issue's compiled grad vs one process", 1e-4),
+             "compile(grad)": lambda: torch.compile(grad(loss), fullgraph=True)(sh)}
+    fails = [_voted(i, (transform, "tp1/ep4", "qwen3_moe"), fn) for i, (transform, fn) in enumerate(cells.items())]
+    return [f for f in fails if f]
+
+
+def test_the_issue_snippet_ends_alike_on_every_rank():
+    """``torch.compile(grad(loss))`` over a sharded qwen3_moe on tp1/ep4 (issue 46: three ranks
+    entered the combine all-to-all, rank 2 raised alone, tracing its experts' kernel): on every rank
+    the documented eager fallback, equal to the one-process gradient; with ``fullgraph=True`` the
+    documented error on every rank."""
+    from helpers import on_ranks
+    for rank, fails in enumerate(on_ranks(_issue_snippet, 4, timeout=600)):
+        assert fails == [], f"rank {rank}: {fails}"
+
+
+def _planted(rank, world, stuck):
+    """A cell every rank passes, then one where the last rank raises an undocumented error (before
+    the all-reduce its peers enter, with ``stuck``: they wait in it forever)."""
+    import torch.distributed as dist
+
+    def fine():
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == world
+
+    def planted():
+        if rank == world - 1:
+            raise RuntimeError("a planted one-rank error")
+        if stuck:
+            dist.all_reduce(torch.ones(1))
+    _voted(0, ("grad", "tp1/ep4", "planted, all alike"), fine)
+    _voted(1, ("grad", "tp1/ep4", "planted, one rank raises"), planted)
+
+
+@pytest.mark.parametrize("stuck", [False, True], ids=["peers-end", "peers-stuck"])
+def test_the_vote_fails_a_planted_one_rank_error(stuck):
+    """The vote ending each mesh cell fails a one-rank error within seconds, naming the rank and the
+    cell, whether the other ranks end the cell (their outcome differs) or wait in a collective the
+    failing rank left (they never vote: the failing rank's wait runs out)."""
+    import time
+
+    from helpers import on_ranks
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as e:
+        on_ranks(_planted, 4, stuck, timeout=120)
+    took, msg = time.monotonic() - start, str(e.value)
+    assert "'planted, one rank raises'" in msg and "rank 3" in msg and "a planted one-rank error" in msg, msg
+    assert ("ranks [0, 1, 2] did not end the cell" if stuck else "the ranks ended differently") in msg, msg
+    assert took < VOTE_WAIT + 30, f"the vote took {took:.0f} s"
 
 
 # ------------------------------------------------------------------------------ README table
