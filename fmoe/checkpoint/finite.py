@@ -22,10 +22,12 @@ class NonFiniteState(RuntimeError):
 
 def first_nonfinite(tree: Any) -> Optional[str]:
     """The path of the first leaf whose local shard holds a NaN/Inf, or None: one fused pass (the
-    max-abs of every floating leaf, NaN propagating, by ``torch._foreach_norm``) and one host read.
+    2-norm of every floating leaf by ``torch._foreach_norm``, NaN and Inf propagating) and one host
+    read; only a leaf whose norm is not finite (a NaN/Inf, or values so large their squares
+    overflow) is then checked element by element.
 
     Example:
-        >>> first_nonfinite({"a": torch.ones(2), "b": {"c": torch.tensor([1.0, float("inf")])}})
+        >>> first_nonfinite({"a": torch.full((2,), 1e30), "b": {"c": torch.tensor([1.0, float("inf")])}})
         'b.c'
     """
     flat = [(p, local_shard(leaf)) for p, leaf in _tree.flatten(tree).items()]
@@ -33,6 +35,6 @@ def first_nonfinite(tree: Any) -> Optional[str]:
     if not flat:
         return None
     with torch.no_grad():
-        peaks = torch.stack([n.float() for n in torch._foreach_norm([t for _, t in flat], float("inf"))])
-        bad = ~torch.isfinite(peaks)
-        return flat[int(bad.nonzero()[0, 0])][0] if bool(bad.any()) else None
+        norms = torch.stack([n.float() for n in torch._foreach_norm([t for _, t in flat], 2)])
+        suspects = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+        return next((flat[i][0] for i in suspects if not bool(torch.isfinite(flat[i][1]).all())), None)
