@@ -182,6 +182,7 @@ def _backward_functional(dout, rows, row_of, scale, w_gate_up, w_down, h, counts
     return drows, None, dscale, dw_gu, dw_dn, None, None
 
 
+@torch.compiler.disable       # a kernel on host counts: never traced (a trace takes fmoe.experts.ops' operators)
 def weighted_expert_sum(
     rows: torch.Tensor,
     row_of: torch.Tensor,
