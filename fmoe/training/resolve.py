@@ -61,8 +61,6 @@ def resolve(cfg: JobConfig) -> Job:
         JobConfigError: a problem found before anything starts, naming the flag and the value.
     """
     job = _job(cfg)
-    if job.resume and job.init_hf:
-        _error("--resume and --init-hf are exclusive")
     found = _find_resume(job) if job.resume else None
     taken = resume.take_mesh(job, found[1], found[0], _error) if found else []   # mesh flags not given
     ep = _check_mesh(job, launcher_world(), f" ({', '.join(taken)} taken from the checkpoint {found[0]}; give them "

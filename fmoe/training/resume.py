@@ -32,7 +32,7 @@ walks them all):
   (default: the checkpoint's own run directory) ``--overwrite --export-hf --record-routing
   --threads --quiet --debug``;
 - **refused** (:data:`REFUSED`): ``--init-hf`` and ``--upcycle`` choose the starting weights,
-  which a resume takes from the checkpoint;
+  which a resume takes from the checkpoint (the run's own value, its command line again, is let by);
 - **nothing from a checkpoint is run, and every kept value is checked like its flag**: a kept
   value must pass the flag's own type and range check (``lr`` NaN or negative is refused naming
   ``meta.json``, the field and the value); a recorded ``--router`` is only a *name* of
@@ -82,7 +82,6 @@ FRESH = ("resume", "out", "overwrite", "export_hf", "record_routing", "threads",
 REFUSED = ("init_hf", "upcycle")
 _BATCH = ("batch", "grad_accum", "microbatches", "dp_batches")     # compared as one batch shape
 _BY_CONTENT = ("data", "tokenizer")                # compared by their digests (fmoe.training.identity)
-
 MIN_RATIO = 0.1     # the cosine ends at MIN_RATIO * lr
 
 def take_mesh(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> list[str]:
@@ -255,9 +254,11 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
     """
     file = os.path.join(where, "meta.json")
     saved = _settings(meta, where, error)
-    for name in REFUSED:
-        if name in job.explicit:
-            error(f"{flag(name)} chooses the starting weights; --resume {where} continues from the checkpoint's")
+    for name in REFUSED:                               # the run's own (its command line again) is let by
+        if name in job.explicit and getattr(job, name) != saved.get(name):
+            error(f"{flag(name)} {getattr(job, name)} chooses the starting weights; --resume {where} continues from "
+                  f"the checkpoint's (its run was started with {flag(name)} {saved.get(name)})")
+        setattr(job, name, None)
     for name in KEPT + CHANGEABLE + tuple(MESH_FOLLOWERS):
         if name in _BATCH or name in _BY_CONTENT:
             continue

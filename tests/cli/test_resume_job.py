@@ -83,9 +83,13 @@ def test_every_setting_is_restored_changeable_or_refused(base, tmp_path, corpus)
         assert "\n" not in str(e.value)
     for name, (_, other) in CHANGEABLE.items():                # may change
         assert getattr(resolve(JobConfig(resume=ckpt, **{name: other})), name) == other, name
-    for name, value in (("init_hf", str(tmp_path)), ("upcycle", "4,2")):
+    for name, value in (("init_hf", str(tmp_path)), ("upcycle", "8,2")):     # refused: the weights are the checkpoint's
         with pytest.raises(JobConfigError, match=flag(name)):
             resolve(JobConfig(resume=ckpt, **{name: value}))
+    upcycled = _craft(base, str(tmp_path / "up"), {"upcycle": "4,2"})        # the run's own: its command line again
+    assert resolve(JobConfig(resume=upcycled, upcycle="4,2")).upcycle is None
+    with pytest.raises(JobConfigError, match="--upcycle 8,2 chooses the starting weights"):
+        resolve(JobConfig(resume=upcycled, upcycle="8,2"))
 
 
 def test_a_pipeline_resumes_from_its_own_command_line_or_none(base, tmp_path):
