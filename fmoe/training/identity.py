@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from ..data import data_digest
+from ..data import data_digest, is_shard_dir
 
 __all__ = ["record", "restore"]
 
@@ -65,7 +65,8 @@ def restore(job: Any, saved: dict, meta: dict, where: str, error: Callable[[str]
         job.data, job.data_digest = None, None
     if "tokenizer" not in job.explicit:
         tokenizer = saved.get("tokenizer")
-        if tokenizer is None and meta.get("tokenizer") not in (None, "bytes") and job.data is None:
+        shards = job.data is not None and os.path.isdir(job.data) and is_shard_dir(job.data)   # (theirs)
+        if tokenizer is None and meta.get("tokenizer") not in (None, "bytes") and not shards:
             tokenizer = meta.get("tokenizer")              # found by the run (in its --init-hf directory)
         job.tokenizer = tokenizer
     want = meta.get("tokenizer_digest")

@@ -111,7 +111,11 @@ def run(rank: int, world: int, job: Any) -> dict:
     model = job.declared                              # the declared Model, resolved before the ranks started
     mesh = fmoe.Mesh(tp=job.tp, ep=job.ep, dp_replicate=job.dp_replicate, pp=job.pp, sp=job.sp, cp=job.cp)
     device = options.resolve_device(job.device, int(os.environ.get("LOCAL_RANK", rank)))
-    if job.init_hf and job.upcycle:    # a dense llama checkpoint, MLPs copied into experts
+    if job.resume_path:                               # the config the checkpoint was trained with (its
+        cfg = model.Config.from_hf(job.resume_meta["hf_config"])     # --init-hf run's too: the weights are its)
+        tokenizer = options.resolve_tokenizer(job, cfg.vocab_size)
+        full = model.init(cfg, seed=job.seed)
+    elif job.init_hf and job.upcycle:    # a dense llama checkpoint, MLPs copied into experts
         from fmoe.training.upcycle import parse_upcycle, upcycle
         dense, dense_cfg = get("llama").load_hf(job.init_hf, dtype=torch.float32)
         full, cfg = upcycle(dense, dense_cfg, model.Config, *parse_upcycle(job.upcycle), seed=job.seed)
@@ -119,10 +123,6 @@ def run(rank: int, world: int, job: Any) -> dict:
     elif job.init_hf:                                 # fp32 master weights whatever the file holds
         full, cfg = model.load_hf(job.init_hf, dtype=torch.float32)
         tokenizer = options.resolve_tokenizer(job, cfg.vocab_size)
-    elif job.resume_path:                             # the config the checkpoint was trained with
-        cfg = model.Config.from_hf(job.resume_meta["hf_config"])
-        tokenizer = options.resolve_tokenizer(job, cfg.vocab_size)
-        full = model.init(cfg, seed=job.seed)
     else:
         tokenizer = options.resolve_tokenizer(job)
         cfg = options.fit_vocab(model.preset(job.preset, job.tp), tokenizer, job.tp)

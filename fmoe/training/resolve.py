@@ -237,7 +237,7 @@ def _check_init_hf(job: Job) -> None:
 
 
 def _check_upcycle(job: Job) -> None:
-    if job.upcycle is None:
+    if job.upcycle is None or job.resume_path:         # a resume's weights are its checkpoint's
         return
     from .upcycle import parse_upcycle
 

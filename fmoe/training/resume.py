@@ -31,8 +31,8 @@ walks them all):
 - **this invocation's** (:data:`FRESH`, never taken from the checkpoint): ``--resume --out``
   (default: the checkpoint's own run directory) ``--overwrite --export-hf --record-routing
   --threads --quiet --debug``;
-- **refused** (:data:`REFUSED`): ``--init-hf`` and ``--upcycle`` choose the starting weights,
-  which a resume takes from the checkpoint (the run's own value, its command line again, is let by);
+- **refused** (:data:`REFUSED`): ``--init-hf`` and ``--upcycle`` chose the starting weights,
+  which a resume takes from the checkpoint: another value is refused, the run's own let by;
 - **nothing from a checkpoint is run, and every kept value is checked like its flag**: a kept
   value must pass the flag's own type and range check (``lr`` NaN or negative is refused naming
   ``meta.json``, the field and the value); a recorded ``--router`` is only a *name* of
@@ -258,7 +258,7 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
         if name in job.explicit and getattr(job, name) != saved.get(name):
             error(f"{flag(name)} {getattr(job, name)} chooses the starting weights; --resume {where} continues from "
                   f"the checkpoint's (its run was started with {flag(name)} {saved.get(name)})")
-        setattr(job, name, None)
+        setattr(job, name, saved.get(name))            # recorded again; the weights are the checkpoint's
     for name in KEPT + CHANGEABLE + tuple(MESH_FOLLOWERS):
         if name in _BATCH or name in _BY_CONTENT:
             continue

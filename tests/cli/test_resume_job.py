@@ -87,7 +87,7 @@ def test_every_setting_is_restored_changeable_or_refused(base, tmp_path, corpus)
         with pytest.raises(JobConfigError, match=flag(name)):
             resolve(JobConfig(resume=ckpt, **{name: value}))
     upcycled = _craft(base, str(tmp_path / "up"), {"upcycle": "4,2"})        # the run's own: its command line again
-    assert resolve(JobConfig(resume=upcycled, upcycle="4,2")).upcycle is None
+    assert resolve(JobConfig(resume=upcycled, upcycle="4,2")).upcycle == "4,2"
     with pytest.raises(JobConfigError, match="--upcycle 8,2 chooses the starting weights"):
         resolve(JobConfig(resume=upcycled, upcycle="8,2"))
 
