@@ -14,8 +14,9 @@ blocked     :mod:`fmoe.experts.blocked`: gather,        CPU, activation named ``
             GEMMs, weight and scatter-add block by      biases, and ``matmul="loop"`` or ``"auto"``
             block (no ``[A, D]`` temporaries)          with >= ``BLOCKED_MIN_ROWS`` rows/expert
                                                        (any number in bf16 / fp16)
-grouped     :mod:`fmoe.experts.mlp`: one               ``matmul="grouped"``, or ``"auto"`` with
-            ``torch._grouped_mm`` per projection       aligned shapes (bf16 on CUDA)
+grouped     :mod:`fmoe.experts.mlp`: one               ``matmul="grouped"`` or ``"auto"``, where
+            ``torch._grouped_mm`` per projection       it applies: aligned shapes, rows, fp32 /
+                                                       bf16 / fp16 (bf16 on CUDA)
 loop        :mod:`fmoe.experts.mlp`: one matmul per    otherwise
             expert
 traced      :mod:`fmoe.experts.ops`: the grouped       under ``torch.func`` transforms and

@@ -276,12 +276,12 @@ def forced_router(cfg, table: torch.Tensor, use: torch.Tensor):
 VOTE_WAIT = 10.0
 
 
-def vote(index: int, cell: tuple, outcome: str, seconds: float) -> None:
+def vote(index: int, cell: tuple, outcome: str, seconds: float, base: float = VOTE_WAIT) -> None:
     """Every rank's outcome of ``cell`` must be this rank's ``outcome`` (``kind|detail``: the kinds
     are compared). The ranks vote through the default group's store, not a collective, so a rank
     stuck in a collective that its peer left cannot hang the vote: AssertionError naming the cell
     and every rank's outcome when the kinds differ, or when a rank has not ended the cell within
-    ``VOTE_WAIT + 2 * seconds`` (``seconds``: this rank's time on the cell). ``index``: the cell's
+    ``base + 2 * seconds`` (``seconds``: this rank's time on the cell). ``index``: the cell's
     position in the call (every rank runs the same cells in the same order)."""
     import datetime
 
@@ -290,7 +290,7 @@ def vote(index: int, cell: tuple, outcome: str, seconds: float) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     keys = [f"vote/{index}/{r}" for r in range(world)]
     store.set(keys[rank], outcome)
-    wait = VOTE_WAIT + 2 * seconds
+    wait = base + 2 * seconds
     try:
         store.wait(keys, datetime.timedelta(seconds=wait))
     except RuntimeError:                                      # DistStoreError: a rank did not vote in time
@@ -304,12 +304,12 @@ def vote(index: int, cell: tuple, outcome: str, seconds: float) -> None:
         raise AssertionError(f"{cell}: the ranks ended differently: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(votes)))
 
 
-def _voted(index: int, cell: tuple, fn: Callable[[], None]) -> Any:
+def _voted(index: int, cell: tuple, fn: Callable[[], None], base: float = VOTE_WAIT) -> Any:
     """:func:`_outcome` of ``cell`` on this rank, then :func:`vote` on its outcome; the failure message or None."""
     import time
     start = time.monotonic()
     kind, failure = _outcome(cell, fn)
-    vote(index, cell, f"{kind}|{failure or ''}"[:2000], time.monotonic() - start)
+    vote(index, cell, f"{kind}|{failure or ''}"[:2000], time.monotonic() - start, base)
     return failure
 
 
@@ -474,8 +474,8 @@ def _planted(rank, world, stuck):
             raise RuntimeError("a planted one-rank error")
         if stuck:
             dist.all_reduce(torch.ones(1))
-    _voted(0, ("grad", "tp1/ep4", "planted, all alike"), fine)
-    _voted(1, ("grad", "tp1/ep4", "planted, one rank raises"), planted)
+    _voted(0, ("grad", "tp1/ep4", "planted, all alike"), fine, base=2.0)      # a 2 s wait: the test's time
+    _voted(1, ("grad", "tp1/ep4", "planted, one rank raises"), planted, base=2.0)
 
 
 @pytest.mark.parametrize("stuck", [False, True], ids=["peers-end", "peers-stuck"])
@@ -492,7 +492,7 @@ def test_the_vote_fails_a_planted_one_rank_error(stuck):
     took, msg = time.monotonic() - start, str(e.value)
     assert "'planted, one rank raises'" in msg and "rank 3" in msg and "a planted one-rank error" in msg, msg
     assert ("ranks [0, 1, 2] did not end the cell" if stuck else "the ranks ended differently") in msg, msg
-    assert took < VOTE_WAIT + 30, f"the vote took {took:.0f} s"
+    assert took < 30, f"the vote took {took:.0f} s"
 
 
 # ------------------------------------------------------------------------------ README table
