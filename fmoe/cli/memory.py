@@ -29,7 +29,7 @@ from ..checkpoint.config_check import read_config
 from ..memory.dry_run import dry_run_report, format_report
 from ..memory.plan import format_plan, memory_plan
 from ..model import PRESETS, Model
-from ..models import get
+from ..models import get, hf_model
 from ..training import JobConfig
 from ..training.parallel import stage_sizes
 from ..training.resolve import check_plan
@@ -39,7 +39,7 @@ __all__ = ["main", "build_parser"]
 
 #: flags of fmoe memory that are fmoe train's settings (built into a JobConfig and checked as the job does)
 JOB_FLAGS = ("model", "preset", "nproc", "tp", "ep", "dp_replicate", "batch", "seq", "dtype", "remat", "grad_accum",
-             "memory_gb", "master_dtype", "optim_dtype", "loss_chunks", "clip", "optim_in_backward", "sp", "pp",
+             "memory_gb", "master_dtype", "optim_dtype", "loss_chunks", "clip", "optim_in_backward", "sp", "cp", "pp",
              "microbatches", "pp_schedule", "pp_layers")
 
 
@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags of ``fmoe memory``."""
     ap = argparse.ArgumentParser(prog="fmoe memory",
                                  description="Per-rank memory and traffic of a training job, before running it.")
-    ap.add_argument("--model", default="qwen3_moe", metavar="NAME", help="the model: a name of fmoe.models (shipped, "
-                    "registered or an installed entry point) or module:attr, an import path to an fmoe.model.Model")
+    ap.add_argument("--model", default=None, metavar="NAME", help="the model: a name of fmoe.models (shipped, "
+                    "registered or an installed entry point) or module:attr, an import path to an fmoe.model.Model "
+                    "(default: --config's model_type, else qwen3_moe)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=PRESETS, default="tiny")
     src.add_argument("--config", default=None, help="a Hugging Face config.json")
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--optim-in-backward a clip takes a second backward pass)")
     g.add_argument("--optim-in-backward", action="store_true", help="update each layer inside backward")
     g.add_argument("--sp", action="store_true", help="sequence parallelism over --tp")
+    g.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split over N ranks")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--microbatches", type=int, default=None, help="micro-batches of a pipeline (default: --pp)")
     g.add_argument("--pp-schedule", choices=("1f1b", "gpipe"), default="1f1b")
@@ -104,6 +106,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ``--memory-gb``."""
     ap = build_parser()
     args = ap.parse_args(argv)
+    try:                                                # a --config's model_type names the model, as --init-hf's
+        args.model = hf_model(args.config, args.model) if args.config else args.model or "qwen3_moe"
+    except (ValueError, TypeError) as e:
+        ap.error(f"--config: {e}")
     try:                                                # the job's own settings and checks (one code path)
         settings = JobConfig(**{name: getattr(args, name) for name in JOB_FLAGS})
     except ValueError as e:
@@ -121,7 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            optim_dtype=job.optim_dtype, loss_chunks=job.loss_chunks,
                            optim_in_backward=job.optim_in_backward, clip=job.clip, sp=job.sp, pp=job.pp,
                            microbatches=job.microbatches, pp_schedule=job.pp_schedule,
-                           pp_layers=stage_sizes(job.pp_layers))
+                           pp_layers=stage_sizes(job.pp_layers), cp=job.cp)
         if args.dry_run and args.pp_layers is not None and len(set(stage_sizes(args.pp_layers))) > 1:
             raise ValueError(f"--pp-layers {args.pp_layers} with --dry-run: the dry run splits the layers into equal "
                              "stages; plan uneven stages without --dry-run")

@@ -79,7 +79,7 @@ def _placements(model: Any, cfg: Any, mesh) -> tuple[dict, dict, Any]:
 
 
 def rank_roles(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] = None,
-               dp_replicate: int = 1, tokens: int = 1, pp: int = 1, sp: bool = False) -> list[list[int]]:
+               dp_replicate: int = 1, tokens: int = 1, pp: int = 1, sp: bool = False, cp: int = 1) -> list[list[int]]:
     """Ranks grouped by role: equal local shapes of every leaf and equal token slice (the TP
     slice a rank dispatches) measure the same, so the dry run runs the first of each group.
 
@@ -92,9 +92,9 @@ def rank_roles(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[in
 
     roles: dict[tuple, list[int]] = {}
     for r in range(nproc):
-        mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate, pp, sp)
+        mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate, pp, sp, cp)
         full, placed, _ = _placements(model, cfg, mesh)
-        a, b = tp_slice_bounds(tokens, tp, mesh.rank_in("tp"))
+        a, b = tp_slice_bounds(tokens // cp, tp, mesh.rank_in("tp"))
         key = (b - a, mesh.stage) + tuple(local_shape(tuple(t.shape), placed[p], mesh) for p, t in full.items())
         roles.setdefault(key, []).append(r)
     return list(roles.values())
@@ -129,7 +129,7 @@ def _run_rank(model, cfg, rank: int, *, nproc, tp, ep, dp_replicate, batch, seq,
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nproc)
     try:
         mesh = Mesh(tp=tp, ep=ep, dp_replicate=dp_replicate, device_type=device.type, pp=parallel["pp"],
-                    sp=parallel["sp"])
+                    sp=parallel["sp"], cp=parallel["cp"])
         cfg = model_of(model).with_aux_loss(cfg, aux_weight)
         step_cfg = StepConfig(opt=AdamWConfig(max_grad_norm=parallel["clip"] or None), dtype=precision.compute,
                               remat=remat, grad_accum=grad_accum, pp_schedule=parallel["pp_schedule"],
@@ -156,14 +156,14 @@ def dry_run(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] 
             optim_dtype: str = "fp32", remat: str = "none", grad_accum: int = 1, loss_chunks: int = 1,
             device: str = "cpu", aux_weight: float = 0.01, optim_in_backward: bool = False,
             clip: Optional[float] = 1.0, sp: bool = False, pp: int = 1, microbatches: Optional[int] = None,
-            pp_schedule: str = "1f1b") -> dict:
+            pp_schedule: str = "1f1b", cp: int = 1) -> dict:
     """Measure one train step of every rank role on fake tensors (module docstring).
 
     Args:
         model, cfg: a model module of :mod:`fmoe.models` and its Config (any size: no weights).
         nproc, tp, ep, dp_replicate: the mesh, as the job's flags.
         batch, seq, dtype, master_dtype, optim_dtype, remat, grad_accum, loss_chunks, optim_in_backward,
-            clip, sp, pp, microbatches, pp_schedule: the job's flags (``batch``: rows per data-parallel
+            clip, sp, pp, microbatches, pp_schedule, cp: the job's flags (``batch``: rows per data-parallel
             batch; with ``pp`` split into ``microbatches`` (default ``pp``), without it each of the
             ``grad_accum`` micro-batches has ``batch`` rows).
         device: ``"cpu"`` or ``"cuda"`` (see :func:`check_device`).
@@ -177,14 +177,14 @@ def dry_run(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[int] 
     """
     precision = Precision(dtype, master_dtype, optim_dtype)
     dev = check_device(device)
-    VirtualMesh(nproc, 0, tp, ep, dp_replicate, pp, sp)              # mesh errors before any work
+    VirtualMesh(nproc, 0, tp, ep, dp_replicate, pp, sp, cp)          # mesh errors before any work
     M = (microbatches or pp) if pp > 1 else 1
     if batch % M:
         raise ValueError(f"dry run: microbatches={M} must divide batch={batch} (each micro-batch is batch / M rows)")
-    parallel = {"pp": pp, "sp": sp, "microbatches": M, "pp_schedule": pp_schedule, "clip": clip,
+    parallel = {"pp": pp, "sp": sp, "cp": cp, "microbatches": M, "pp_schedule": pp_schedule, "clip": clip,
                 "optim_in_backward": optim_in_backward}
     roles = rank_roles(model, cfg, nproc=nproc, tp=tp, ep=ep, dp_replicate=dp_replicate, tokens=batch // M * seq,
-                       pp=pp, sp=sp)
+                       pp=pp, sp=sp, cp=cp)
     ranks = {}
     for i, members in enumerate(roles):
         run = _run_rank(model, cfg, members[0], nproc=nproc, tp=tp, ep=ep, dp_replicate=dp_replicate,
@@ -218,7 +218,7 @@ def dry_run_report(plan: dict, model: Any, cfg: Any, *, device: str = "auto",
                   optim_dtype=plan["optim_dtype"], remat=plan["remat"], grad_accum=plan["grad_accum"],
                   loss_chunks=plan["loss_chunks"], device=dev, optim_in_backward=plan["optim_in_backward"],
                   clip=plan["clip"], sp=m["sp"], pp=m["pp"], microbatches=plan["microbatches"],
-                  pp_schedule=plan["pp_schedule"])
+                  pp_schedule=plan["pp_schedule"], cp=m.get("cp", 1))
     ranks = [{"rank": planned["rank"], "role": measured["role"], "measured_rank": measured["measured_rank"],
               "planned": {**planned["peak"], "collective_bytes": planned["collective_bytes"]},
               "measured": measured["measured"], "seconds": measured["seconds"]}
@@ -233,7 +233,8 @@ def dry_run_report(plan: dict, model: Any, cfg: Any, *, device: str = "auto",
 def format_report(result: dict, memory_gb: Optional[float] = None) -> str:
     """A table of :func:`dry_run_report`'s result: per rank role, planned / measured GB by category."""
     m = result["mesh"]
-    lines = [f"dry run: {result['model']} on {m['nproc']} ranks (tp={m['tp']} ep={m['ep']} fsdp={m['fsdp']}), "
+    lines = [f"dry run: {result['model']} on {m['nproc']} ranks (tp={m['tp']} ep={m['ep']} fsdp={m['fsdp']}"
+             + (f" cp={m['cp']}" if m.get("cp", 1) > 1 else "") + "), "
              f"batch {result['batch']} x seq {result['seq']}, dtype {result['dtype']}, master "
              f"{result['master_dtype']}, optim {result['optim_dtype']}, remat {result['remat']}, device "
              f"{result['device']}; GB = 1e9 bytes, planned / measured",

@@ -68,7 +68,8 @@ __all__ = ["layer_activations", "global_activations", "loss_temporaries", "layer
 SP_SPLIT_D = 8
 
 
-def layer_activations(w: dict, *, tokens: int, slots: int, tp: int, b: int, moe: bool, sp: bool = False) -> int:
+def layer_activations(w: dict, *, tokens: int, slots: int, tp: int, b: int, moe: bool, sp: bool = False,
+                      cp: int = 1) -> int:
     """Activation bytes one decoder layer keeps for backward (module docstring).
 
     Args:
@@ -76,11 +77,12 @@ def layer_activations(w: dict, *, tokens: int, slots: int, tp: int, b: int, moe:
         tokens: T; slots: A, routing slots computed by this rank's experts; tp: tensor parallel
         size; b: activation bytes per element; moe: a MoE layer (else a dense MLP layer);
         sp: sequence parallelism (:data:`SP_SPLIT_D` of the ``8 D`` on ``T / tp`` tokens).
+        cp: context parallelism: attention keeps the K/V gathered from the other ``cp - 1`` ranks.
     """
     D = w["D"]
     q, kv = w["H"] * w["hd"] // tp, w["G"] * w["hd"] // tp
     split = SP_SPLIT_D if sp else 0
-    attn = tokens * (8 * D - split * D + q + kv) + tokens // tp * split * D
+    attn = tokens * (8 * D - split * D + q + kv) + tokens // tp * split * D + 2 * (cp - 1) * tokens * kv
     ffn = slots * (4 * D + 3 * w["I"]) + tokens * 3 * w["Is"] // tp if moe else tokens * 3 * w["Id"] // tp  # Is: shared
     return b * (attn + ffn)
 
@@ -191,7 +193,7 @@ def rank_peak(w: dict, mesh: Any, T: int, moe_layers: int, layers: int, pol: Pre
     else:
         slots = T * w["K"]
     dense_layers = layers - moe_layers
-    kw = dict(tokens=T, tp=mesh.tp, b=b, sp=mesh.sp)
+    kw = dict(tokens=T, tp=mesh.tp, b=b, sp=mesh.sp, cp=mesh.cp)
     moe_l = layer_activations(w, slots=slots, moe=True, **kw) if moe_layers else 0
     dense_l = layer_activations(w, slots=0, moe=False, **kw) if dense_layers else 0
     if remat == "layer":

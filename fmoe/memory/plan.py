@@ -1,42 +1,38 @@
 """How much memory and traffic each rank of a training job needs, before running it.
 
-:func:`memory_plan` lays the model out exactly as ``fmoe train`` would (the model's
-plan plus the data-parallel splits of :func:`fmoe.fsdp.data_parallel_plan`, on a virtual
-mesh: no process group, no tensor allocated — parameters are built on the ``meta`` device) and
-counts, per rank:
+:func:`memory_plan` lays the model out exactly as ``fmoe train`` would (the model's plan plus the data-parallel
+splits of :func:`fmoe.fsdp.data_parallel_plan`, on a virtual mesh: no process group, no tensor allocated —
+parameters are built on the ``meta`` device) and counts, per rank:
 
 - ``params_bytes``: the local slices of the weights in ``master_dtype`` (exact);
-- ``grads_bytes``: the reduced gradients (same dtype), placed like the parameters, of every
-  leaf that requires grad (exact);
+- ``grads_bytes``: the reduced gradients (same dtype), placed like the parameters, of every leaf that requires grad (exact);
 - ``optimizer_bytes``: AdamW's two moments (``optim_dtype``) of every leaf plus the int64 step (exact);
 - ``activations_bytes``: tensors kept for backward at the end of forward (an estimate, below);
 - ``collective_bytes``: bytes this rank sends per step (an estimate, below);
 - ``total_bytes``: params + grads + optimizer + activations;
-- ``peak``: the step's predicted peak and its bytes by category then
-  (:mod:`fmoe.memory.peak`), what ``fmoe memory --dry-run`` measures.
+- ``peak``: the step's predicted peak and its bytes by category then (:mod:`fmoe.memory.peak`), as ``--dry-run`` measures.
 
-Activations are the tensors autograd saves for backward, which peak at the end of forward. For a
-decoder with T = batch * seq tokens per rank and micro-batch, per layer (fp32; q, kv the rank's
-query / KV widths after tp; R = T * K / tp expert rows per rank on average)::
+Activations are the tensors autograd saves for backward, which peak at the end of forward. For a decoder with
+T = batch * seq tokens per rank and micro-batch, per layer (fp32; q, kv the rank's query / KV widths after tp;
+R = T * K / tp expert rows per rank on average)::
 
     24 T D + 16 T (q + kv) + 6 T (H + G) / tp + 20 T            attention, norms, residuals
     4 T E + 40 T K + R (8 D + 8 I)                               router, routing, expert rows
     12 T I' / tp                                                 a dense MLP layer instead
 
-plus ``12 T D + 4 T V`` for the embedding, final norm and logits. The coefficients were counted
-on Qwen3-MoE (saved tensors of one forward, several shapes) and are checked against measured
-saved bytes on several meshes by ``tests/distributed/test_memory_plan.py`` (within 25%; routing imbalance
-moves R). ``remat="layer"`` keeps one ``[T, D]`` input per layer plus one layer recomputed in
-backward; ``remat="moe"`` drops the expert rows of all but one layer. With ``dtype="bf16"``
-autocast halves the matmul-side activations, keeps the fp32 logits copy for the loss, and saves
-a bf16 copy of every weight a matmul uses (2 bytes per gathered parameter).
+plus ``12 T D + 4 T V`` for the embedding, final norm and logits. The coefficients were counted on Qwen3-MoE (saved
+tensors of one forward, several shapes) and are checked against measured saved bytes on several meshes by
+``tests/distributed/test_memory_plan.py`` (within 25%; routing imbalance moves R). ``remat="layer"`` keeps one
+``[T, D]`` input per layer plus one layer recomputed in backward; ``remat="moe"`` drops the expert rows of all but one
+layer. With ``dtype="bf16"`` autocast halves the matmul-side activations, keeps the fp32 logits copy for the loss,
+and saves a bf16 copy of every weight a matmul uses (2 bytes per gathered parameter).
 
-Collectives (sent bytes, ring algorithms): FSDP all-gather forward + re-gather backward +
-reduce-scatter of gradients, ``3 (n - 1) / n`` of the gathered bytes, in the compute dtype (bf16
-weights are cast on the shard before the gather: half the bytes); the dispatch and combine
-exchanges of each MoE layer, forward and backward, ``4 R (ep - tp) / ep`` rows of D values
-(rows for the rank's own experts stay local); TP all-reduces of ``[T, D]`` twice per layer and
-direction; HSDP all-reduce of the gradients over ``dp_replicate``.
+Collectives (sent bytes, ring algorithms): FSDP all-gather forward + re-gather backward + reduce-scatter of
+gradients, ``3 (n - 1) / n`` of the gathered bytes, in the compute dtype (bf16 weights are cast on the shard
+before the gather: half the bytes); the dispatch and combine exchanges of each MoE layer, forward and backward,
+``4 R (ep - tp) / ep`` rows of D values (rows for the rank's own experts stay local); TP all-reduces of
+``[T, D]`` twice per layer and direction; HSDP all-reduce of the gradients over ``dp_replicate``; with
+``cp`` the K/V all-gather (and its reduce-scatter) of every layer, ``(cp - 1) T`` rows of K and V.
 
 Example:
     >>> from fmoe.models import qwen3_moe
@@ -75,9 +71,9 @@ class VirtualMesh(RankLayout):
     """
 
     def __init__(self, world: int, rank: int = 0, tp: int = 1, ep: Optional[int] = None, dp_replicate: int = 1,
-                 pp: int = 1, sp: bool = False):
+                 pp: int = 1, sp: bool = False, cp: int = 1):
         try:
-            super().__init__(world, rank, tp=tp, ep=ep, dp_replicate=dp_replicate, pp=pp, sp=sp, names={"world": "nproc"})
+            super().__init__(world, rank, tp, ep, None, dp_replicate, {"world": "nproc"}, pp, sp, cp)
         except (TypeError, ValueError) as e:
             raise ValueError(f"memory plan: {e}") from None
 
@@ -87,7 +83,7 @@ def _numel(shape) -> int:
 
 
 def activation_estimate(w: Widths, *, tokens: int, tp: int, moe_layers: int, dense_layers: int,
-                        dtype: str = "fp32", remat: str = "none", weight_bytes: int = 0) -> int:
+                        dtype: str = "fp32", remat: str = "none", weight_bytes: int = 0, cp: int = 1) -> int:
     """Bytes saved for backward on one rank (see the module docstring for the formula).
 
     Args:
@@ -99,10 +95,12 @@ def activation_estimate(w: Widths, *, tokens: int, tp: int, moe_layers: int, den
         remat: ``"none"``, ``"layer"`` or ``"moe"``.
         weight_bytes: fp32 bytes of the dense (non-expert) weights one rank's matmuls use in a
             forward, after FSDP gathering (autocast saves a bf16 copy of each for backward).
+        cp: context-parallel size: attention saves the K/V gathered from the other ``cp - 1`` ranks.
     """
     T = tokens
     q, kv = w.H * w.hd / tp, w.G * w.hd / tp
     attn = 24 * T * w.D + 16 * T * (q + kv) + 6 * T * (w.H + w.G) / tp + 20 * T
+    attn += (2 if dtype == "bf16" else 4) * 2 * (cp - 1) * T * kv          # cp: the gathered K and V
     R = T * w.K / tp
     experts = R * (8 * w.D + 8 * w.I)
     moe = 4 * T * w.E + 40 * T * w.K + experts + 12 * T * w.Is / tp          # + the shared experts' MLP
@@ -128,7 +126,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
                 model_plan: Any = None, master_dtype: str = "fp32", optim_dtype: str = "fp32",
                 loss_chunks: int = 1, optim_in_backward: bool = False, clip: Optional[float] = 1.0, sp: bool = False,
                 pp: int = 1, microbatches: Optional[int] = None, pp_schedule: str = "1f1b",
-                pp_layers: Optional[Sequence[int]] = None) -> dict:
+                pp_layers: Optional[Sequence[int]] = None, cp: int = 1) -> dict:
     """Per-rank memory and traffic of training ``model`` on ``nproc`` ranks (no process needed).
 
     Args:
@@ -150,6 +148,8 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
             ``batch`` split into ``microbatches`` (default ``pp``), ``"1f1b"`` (stage ``s`` holds
             ``min(M, pp - s)`` micro-batches' activations) or ``"gpipe"`` (all ``M``).
         pp_layers: decoder layers per stage (``--pp-layers``; default equal blocks).
+        cp: context parallelism (``--cp``): ``seq / cp`` tokens per rank; each layer all-gathers K/V
+            over the cp group (kept for backward; again when recomputed), their gradients reduce-scattered.
     Returns:
         ``{"model", "mesh", "batch", "seq", "dtype", "master_dtype", "optim_dtype", "remat",
         "ranks": [{rank, params_bytes, grads_bytes, optimizer_bytes, activations_bytes,
@@ -174,7 +174,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
     if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 1:
         raise ValueError(f"memory plan: loss_chunks must be an int >= 1, got {loss_chunks!r}")
     mb, ob = pol.master_dtype.itemsize, pol.optim_dtype.itemsize
-    m0 = VirtualMesh(nproc, 0, tp, ep, dp_replicate, pp, sp)  # mesh errors first, before any model work
+    m0 = VirtualMesh(nproc, 0, tp, ep, dp_replicate, pp, sp, cp)  # mesh errors first, before any model work
     declared = model_of(model)
     with torch.device("meta"):
         full = declared.init(cfg)
@@ -188,7 +188,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
     ranks = []
     act_bytes = 2 if dtype == "bf16" else 4      # bf16: weights cast on the shard, before the gather
     for r in range(nproc):
-        mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate, pp, sp)
+        mesh = VirtualMesh(nproc, r, tp, ep, dp_replicate, pp, sp, cp)
         placed = _tree.flatten(data_parallel_plan(mp, full, mesh).resolve(full, mesh))
         own = {p: t for p, t in flat.items() if _stage_of(p, stages) == mesh.stage}    # this stage's leaves
         moe_layers = sum(1 for p in own if p.endswith("moe.router"))
@@ -222,18 +222,19 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
             collective += 3 * (k - 1) * n * min(act_bytes, mb) * grad_accum * M   # gather, re-gather, reduce-scatter
             if mesh.dp_replicate > 1:
                 collective += 2 * (mesh.dp_replicate - 1) / mesh.dp_replicate * n * mb
-        T = batch // M * seq                       # tokens of one micro-batch
+        T = batch // M * seq // cp                 # tokens of one micro-batch (this rank's chunks with cp)
         R = T * w.K / tp if moe_layers else 0
         passes = grad_accum * M * (2 if optim_in_backward and clip else 1)     # backward passes (two with the clip)
         collective += grad_accum * M * moe_layers * 4 * R * (mesh.ep - tp) / mesh.ep * w.D * act_bytes
         collective += grad_accum * M * layers * 4 * 2 * (tp - 1) / tp * T * w.D * act_bytes
+        collective += grad_accum * M * layers * (2 + (remat == "layer")) * (cp - 1) * T * 2 * w.G * w.hd / tp * act_bytes
         if pp > 1:                                 # the residual stream to the next stage, its gradient back
             collective += M * T * w.D * act_bytes * (int(not last) + int(not first)) / tp
         if passes > grad_accum * M:                # the norm pass repeats the backward's exchanges (~ half)
             collective *= 1.5
         acts = inflight * activation_estimate(w, tokens=T, tp=tp, moe_layers=moe_layers,
                                               dense_layers=layers - moe_layers, dtype=dtype, remat=remat,
-                                              weight_bytes=int(dense_mm))
+                                              weight_bytes=int(dense_mm), cp=cp)
         optimizer += _STEP
         first_grads = layer_grads.get(f"layers.{mesh.stage * layers}", 0) + layer_grads.get("embed", 0)
         shape = memory_peak.Stage(inflight, first, last, max(layer_grads.values(), default=0) if optim_in_backward else None,
@@ -249,7 +250,7 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
                       "total_bytes": params + grads + optimizer + acts, "peak": peak})
     return {"model": declared.name,
             "mesh": {"nproc": nproc, "tp": tp, "ep": m0.ep, "fsdp": m0.fsdp, "efsdp": m0.efsdp,
-                     "dp_replicate": dp_replicate, "pp": pp, "sp": sp},
+                     "dp_replicate": dp_replicate, "pp": pp, "sp": sp, "cp": cp},
             "batch": batch, "seq": seq, "dtype": dtype, "master_dtype": master_dtype, "optim_dtype": optim_dtype,
             "loss_chunks": loss_chunks, "remat": remat, "grad_accum": grad_accum, "microbatches": M,
             "pp_schedule": pp_schedule, "pp_layers": None if pp_layers is None else list(pp_layers),
