@@ -367,7 +367,9 @@ def _mesh_cells(rank, world, setting):
             elif transform == "vmap ensemble":
                 vmap(lambda p: model.forward(p, mine, cfg, mesh))(tmap(lambda *xs: torch.stack(xs), sh, sh))
             elif transform == "compile(forward)" and forced:   # one graph, every routing (no recompile)
+                from torch._dynamo.utils import counters
                 torch._dynamo.reset()
+                counters.clear()
                 table, use = forced_table("skewed", mesh.batch_index), torch.tensor(False)   # graph inputs
                 router = forced_router(cfg, table, use)
                 fwd = lambda p: model.forward(p, mine, cfg, mesh, router=router)  # noqa: E731
@@ -378,6 +380,7 @@ def _mesh_cells(rank, world, setting):
                     with fmoe.transforms.symbolic_splits():
                         got = compiled(sh)
                     close_trees(got, fwd(sh), f"compiled forward vs eager on the mesh, {kind} routing", 1e-5)
+                assert counters["stats"]["unique_graphs"] == 1, f"graphs: {dict(counters['stats'])} (one per rank)"
             elif transform == "compile(forward)":      # one graph: the split sizes traced as unbacked ints
                 torch._dynamo.reset()                  # (fsdp: Dynamo breaks at the FSDP gather's autograd Function)
                 fwd = lambda p: model.forward(p, mine, cfg, mesh)  # noqa: E731
