@@ -173,7 +173,7 @@ def attention(a: dict, x: torch.Tensor, ctx: kit.Context, entry: Optional[dict])
     k_rot = k_rot[:, :, None].expand(-1, -1, k_nope.shape[2], -1)
     k = torch.cat([k_nope, k_rot], dim=-1)                                       # [B, Sk, H_local, n + r]
     o = nn.attention(torch.cat([q_nope, q_rot], dim=-1), k, val, causal=True, scale=softmax_scale(cfg),
-                     key_mask=step.key_mask)                                     # [B, S, H_local, v]
+                     key_mask=step.key_mask, cp=ctx.cp)                          # [B, S, H_local, v]
     return nn.linear(rearrange(o, "b s h d -> b s (h d)"), a["wo"]), entry
 
 
