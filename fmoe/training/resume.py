@@ -96,7 +96,7 @@ def take_mesh(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> 
         where: the checkpoint path (for messages).
         error: called with the message of a bad record; raises.
     Returns:
-        the settings taken, as ``--flag value`` (for messages).
+        the settings taken that are not their defaults, as ``--flag value`` (for messages).
     """
     mesh = meta.get("mesh")
     if not isinstance(mesh, dict):
@@ -112,7 +112,7 @@ def take_mesh(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> 
             error(f"--resume: {where}/meta.json: mesh {key!r} is {mesh.get(key)!r}, not a value {flag(dest)} "
                   f"accepts ({e})")
         setattr(job, dest, value)
-        taken.append(f"{flag(dest)} {value}")
+        taken += [f"{flag(dest)} {value}"] if value != DEFAULTS.get(dest) else []
     return taken
 
 

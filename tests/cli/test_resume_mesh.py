@@ -66,4 +66,4 @@ def test_a_mesh_the_checkpoint_fills_in_is_named_when_it_does_not_fit(run_a, tmp
     # --tp 2 given on 2 ranks from the checkpoint: the error says where --nproc came from
     out = train_cli("--resume", run_a, "--steps", "6", "--tp", "2", "--dp-replicate", "2", check=False)
     assert out.returncode == 2
-    assert "(--nproc 2, --pp 1 taken from the checkpoint" in out.stderr and "step-4" in out.stderr
+    assert "(--nproc 2 taken from the checkpoint" in out.stderr and "step-4" in out.stderr
