@@ -9,6 +9,7 @@
 
 from collections import Counter
 
+import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
@@ -359,3 +360,36 @@ def test_an_eager_fallback_never_traces_a_kernel():
     assert not [t for gr in graphs for t in gr if any(k in t for k in KERNEL_OPS)], graphs
     for a, b in zip(got, grad(loss, argnums=(0, 1, 2))(*args)):
         close(a, b, "eager fallback of a compiled grad")
+
+
+def test_a_compiled_transform_on_a_mesh_is_refused_or_runs_eagerly_whole():
+    """:func:`fmoe.transforms.refuse_compiled_transform` while Dynamo traces ``torch.compile(grad(f))``
+    (a stand-in mesh of 4 ranks, one process): with ``fullgraph=True`` the documented error; without,
+    the whole call runs eagerly (eager ``grad``'s value) and Dynamo traces no frame it calls (it traced
+    each on its own before, issue 46); a later compiled transform still compiles (the refusal leaves
+    no mark on the transform's code)."""
+    import types
+
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    from torch.func import grad
+
+    from fmoe.transforms import CompiledTransformRefused, refuse_compiled_transform
+    mesh, x, traced = types.SimpleNamespace(world=4), torch.arange(3.0), []
+
+    def inner(x):
+        traced.append(torch.compiler.is_compiling())
+        return x.sin()
+
+    def f(x):
+        refuse_compiled_transform(mesh)
+        return (inner(x) * x).sum()
+
+    torch._dynamo.reset()
+    with pytest.raises(CompiledTransformRefused, match="compile of a torch.func transform .* on a mesh"):
+        torch.compile(grad(f), fullgraph=True, backend="eager")(x)
+    counter = CompileCounter()
+    close(torch.compile(grad(f), backend=counter)(x), grad(f)(x), "eager fallback")
+    assert counter.frame_count == 0 and traced == [False, False], (counter.frame_count, traced)
+    torch.compile(grad(lambda x: (x * x).sum()), backend=counter, fullgraph=True)(x)
+    assert counter.frame_count == 1
