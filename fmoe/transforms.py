@@ -130,10 +130,11 @@ def refuse_compiled_transform(mesh: Any) -> None:
     and ``fmoe.moe`` call it first thing).
 
     The refusal is a ``torch._dynamo.exc.Unsupported`` carrying :data:`COMPILED_TRANSFORM`, raised
-    by the tracer itself (:func:`_refuse_trace`) with a frame execution strategy that skips the
-    compiled frame *and every frame it calls*: with ``fullgraph=True`` the user sees that error;
-    without it the whole call runs eagerly (``torch.func.grad`` on the mesh, which is right),
-    and Dynamo traces none of its nested frames. Without that strategy Dynamo traced each nested
+    by the tracer itself (:func:`_refuse_trace`) with a frame execution strategy: the compiled frame
+    runs eagerly this once (no mark left on its code: a later call traces it again) and *every frame
+    it calls* is skipped. With ``fullgraph=True`` the user sees that error; without it the whole
+    call runs eagerly (``torch.func.grad`` on the mesh, which is right), and Dynamo traces none of
+    its nested frames. Without that strategy Dynamo traced each nested
     frame of the eager fallback on its own, with each rank's data: ~30 s per rank, and the kernels'
     bodies, whose path depends on a rank's rows (issue 46).
 
@@ -162,7 +163,8 @@ class CompiledTransformRefused(torch._dynamo.exc.Unsupported):
 def _refuse_trace(world: int) -> bool:
     """Raise :class:`CompiledTransformRefused` from the tracer (Dynamo calls this in Python while
     it traces: a constant of the trace, never a graph op), with the ``frame_exec_strategy``
-    ``SKIP`` for the compiled frame and, recursively, for every frame it calls. Called eagerly
+    ``DEFAULT`` for the compiled frame (run eagerly, traced again next call) and ``SKIP``,
+    recursively, for every frame it calls. Called eagerly
     (after a graph break) it returns False: there is nothing to refuse there."""
     from torch._dynamo.types import FrameAction, FrameExecStrategy
     from torch._guards import TracingContext
