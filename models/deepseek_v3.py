@@ -256,6 +256,7 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
 
 
 MODEL = kit.Model("deepseek_v3", Config, init, forward, plan, hf_specs, tp_fields=kit.TP_FIELDS,
+                  context_parallel=True,
               init_cache=init_cache, width_fields={"E": "n_routed_experts", "G": None, "hd": None},
               hf_router=("sigmoid_topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob",
                                           "scale": "routed_scaling_factor", "num_groups": "n_group",

@@ -192,6 +192,7 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
 
 
 MODEL = kit.Model("llama", Config, init, forward, plan, hf_specs, tp_fields=kit.TP_FIELDS,
+                  context_parallel=True,
               init_cache=kit.init_kv_cache, routed=False, remat_blocks=("layer",),
               width_fields={"E": None, "K": None, "I": None})
 

@@ -177,6 +177,7 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
 
 
 MODEL = kit.Model("mixtral", Config, init, forward, plan, hf_specs, tp_fields=kit.TP_FIELDS,
+                  context_parallel=True,
               init_cache=kit.init_kv_cache, aux_loss_fields=kit.AUX_LOSS_FIELDS,
               width_fields={"E": "num_local_experts", "I": "intermediate_size"},
               hf_router=("topk", {"k": "num_experts_per_tok"}, {"normalize": True}), router=default_router)

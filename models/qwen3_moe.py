@@ -200,6 +200,7 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
 
 
 MODEL = kit.Model("qwen3_moe", Config, init, forward, plan, hf_specs, tp_fields=kit.TP_FIELDS,
+                  context_parallel=True,
               init_cache=kit.init_kv_cache, aux_loss_fields=kit.AUX_LOSS_FIELDS,
               hf_router=("topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob"}, {}),
               router=default_router)

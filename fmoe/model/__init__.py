@@ -96,6 +96,9 @@ class Model:
         aux_loss_fields: ``(switch, coefficient)`` config fields of the router's load-balance loss
             (``output_router_logits``, ``router_aux_loss_coef``), or None (:meth:`with_aux_loss`).
         remat_blocks: the blocks ``forward`` marks for :mod:`fmoe.nn.remat` (``--remat`` choices).
+        context_parallel: ``forward`` runs on a context-parallel mesh: it starts with :func:`start` (the
+            rank's chunks and their positions) and passes ``cp=ctx.cp`` to ``fmoe.nn.attention``
+            (``--cp`` is refused otherwise, before any rank starts).
         width_fields: shape letter -> config field, over :data:`WIDTH_FIELDS` (:meth:`widths`).
         hf_router: how the model's Hugging Face config states its router, for exports:
             ``(fmoe.routing scheme, {scheme argument: config field}, {fixed argument: value})``,
@@ -120,6 +123,7 @@ class Model:
     init_cache: Optional[Callable] = None
     aux_loss_fields: Optional[tuple] = None
     remat_blocks: tuple = ("layer", "moe")
+    context_parallel: bool = False
     width_fields: Mapping[str, Optional[str]] = field(default_factory=dict)
     hf_router: Optional[tuple] = None
     router: Optional[Callable] = None

@@ -147,6 +147,9 @@ def check_options(job: Job, error: Callable[[str], Any]) -> None:
         from ..data import find_tokenizer_file
         if find_tokenizer_file(job.tokenizer) is None:
             error(f"--tokenizer {job.tokenizer!r}: not 'bytes', a tokenizer.json, or a directory holding one")
+    if job.cp > 1 and not get(job.model).context_parallel:
+        error(f"--cp {job.cp}: model {job.model} does not declare context_parallel (its forward must start with "
+              "fmoe.model.start and pass cp=ctx.cp to fmoe.nn.attention); use --cp 1")
     blocks = ("none",) + get(job.model).remat_blocks      # declared on the model's Model
     if job.remat not in blocks:
         error(f"--remat {job.remat}: model {job.model} has no such block to recompute; it supports "

@@ -13,6 +13,8 @@ chunks, K/V all-gathered; the same numbers as one process. Shown here, fp32:
 - a sequence not divisible by ``2 cp``, a cache and a bad ``cp`` are refused in one line.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,6 +177,8 @@ def test_job_cp_losses_equal_without_cp(tmp_path, base, cp):
 @pytest.mark.parametrize("kw,match", [
     (dict(nproc=4, cp=3), r"--cp 3 times --tp 1 must divide --nproc 4"),
     (dict(nproc=2, cp=2, seq=10), r"--cp 2: context parallelism: --seq 10 must be divisible by 2 \* cp = 4"),
+    (dict(nproc=2, cp=2, model=dataclasses.replace(qwen3_moe.MODEL, name="qwen3_no_cp", context_parallel=False)),
+     r"--cp 2: model .*qwen3_no_cp.* does not declare context_parallel"),
 ])
 def test_job_refuses_bad_cp_before_any_rank_starts(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
