@@ -5,8 +5,6 @@ through ``tests/conftest.py``, in the pytest process and in every rank).
   tolerance derived from the dtype (``tolerance``), naming what differs;
 - ``hf_model`` / ``read_all``: a transformers oracle model with redrawn weights; the tensors of
   a safetensors directory;
-- ``check_grads_and_save_hf``: fmoe's gradients equal transformers' in the checkpoint layout,
-  and ``save_hf`` writes what ``save_pretrained`` writes and transformers loads it back;
 - ``tcp_sockets``: this process's TCP sockets ``(state, local ip, remote ip)``, from ``/proc``;
 - ``on_ranks``: ``fn(rank, world, *args)`` on the session's warm ranks (the fmoe plugin's
   ``fmoe_pools``, handed over by ``tests/conftest.py``), or on fresh ones outside pytest.
@@ -82,31 +80,6 @@ def read_all(path: str) -> dict:
             with safe_open(os.path.join(path, name), "pt") as f:
                 out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
-
-
-def check_grads_and_save_hf(model: Any, hf: Any, grads: Any, params: Any, logits: torch.Tensor,
-                            tokens: torch.Tensor, cfg: Any, path: Any, case: str) -> None:
-    """After ``.backward()`` on both sides: ``grads`` (fmoe's gradient tree) saved by
-    ``model.save_hf`` equals ``hf``'s ``.grad`` saved by ``save_pretrained``, key for key; then
-    ``model.save_hf(params)`` writes ``hf``'s keys (``path / "hf"`` must hold ``hf``'s own
-    checkpoint) and ``from_pretrained`` of it gives ``logits`` again."""
-    import pathlib
-
-    path = pathlib.Path(path)
-    model.save_hf(grads, cfg, path / "fmoe_grads")
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(p.grad)
-    hf.save_pretrained(path / "hf_grads")
-    ours, theirs = read_all(path / "fmoe_grads"), read_all(path / "hf_grads")
-    assert sorted(ours) == sorted(theirs)
-    for key, g in theirs.items():
-        close(ours[key], g, f"{case} grad {key}")
-    model.save_hf(params, cfg, path / "fmoe")
-    assert sorted(read_all(path / "fmoe")) == sorted(read_all(path / "hf"))
-    back = type(hf).from_pretrained(path / "fmoe", attn_implementation="eager").eval()
-    with torch.no_grad():
-        close(back(tokens).logits, logits.detach(), f"{case} logits after save_hf -> from_pretrained")
 
 
 class _Session:

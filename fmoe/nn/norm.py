@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import all_reduce, gather_slices, grad_sum
+from ..collectives import all_reduce, gather_slices, grad_sum, group_size
 from ..fsdp import unshard
 from ..precision import upcast
 from ..sharding import chunk_sizes, placement_of
-from ._tp import check_tensor, sp_group, tp_size_rank
+from ._tp import axis_group, check_tensor, sp_group, tp_size_rank
 
 __all__ = ["rms_norm", "head_rms_norm"]
 
@@ -49,7 +49,7 @@ def _norm(x: torch.Tensor, wl: torch.Tensor, eps: float) -> torch.Tensor:
 def _check(fn: str, x: torch.Tensor, w: torch.Tensor, eps: float, split: bool = False) -> None:
     check_tensor(fn, "x", x)
     check_tensor(fn, "w", w, 1)
-    if placement_of(w).dim_of("tp") is not None and not split:
+    if placement_of(w).dim_of("tp") is not None and not split and group_size(axis_group(w)) > 1:
         raise ValueError(f"{fn}: w must be replicated over tp, got placement {placement_of(w)!r}")
     if not split and x.shape[-1] != w.shape[0]:
         raise ValueError(f"{fn}: x has last dim {x.shape[-1]} but w has {w.shape[0]} entries")
@@ -75,9 +75,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
         tensor([[0.8485, 1.1314]])
     """
     group, n, _ = tp_size_rank(w)
-    split = placement_of(w).dim_of("tp") is not None and n > 1
-    _check("rms_norm", x, w, eps, split)
-    if not split:
+    _check("rms_norm", x, w, eps, split=placement_of(w).dim_of("tp") is not None and n > 1)
+    if n == 1 or placement_of(w).dim_of("tp") is None:
         partial = ("tp",) if sp_group(w)[1] > 1 else ()   # sequence parallel: this rank's tokens only
         return _norm(x, unshard(w, keep=("tp",), partial_grad=partial), eps)
     wl, width = unshard(w, keep=("tp",)), w.shape[0]      # wl: this rank's slice [D / tp]

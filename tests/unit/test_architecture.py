@@ -699,11 +699,12 @@ def preset_methods(tree: ast.AST) -> list[str]:
 def test_model_files_read_top_to_bottom(name):
     """A model file is its Config (presets as data), init, the layer loop in ``forward`` around
     its own ``block`` (attention, then the MoE or MLP), the plan and the name map: at most 0.65
-    of its 2026-12-01 length, and no alias lines (the shared methods come from ``MODEL`` through
+    of its 2026-12-01 length (a family added later, OLMoE: of mixtral's, the shortest MoE file), and no alias lines (the shared methods come from ``MODEL`` through
     the module's ``__getattr__``)."""
     short = name.rpartition(".")[2]
     lines = MODULES[name].read_text().count("\n")
-    assert lines <= int(0.65 * MODEL_LINES_2026_12_01[short]), f"{short}: {lines} lines"
+    then = MODEL_LINES_2026_12_01.get(short, MODEL_LINES_2026_12_01["mixtral"])  # a later family: mixtral's bound
+    assert lines <= int(0.65 * then), f"{short}: {lines} lines"
     assert model_aliases(TREES[name]) == []
     assert layer_loop_problems(TREES[name]) == []
     assert preset_methods(TREES[name]) == []

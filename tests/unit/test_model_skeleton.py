@@ -10,7 +10,7 @@ import torch
 
 import fmoe
 from fmoe import model as kit
-from fmoe.models import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
+from fmoe.models import deepseek_v3, gpt_oss, llama, mixtral, olmoe, qwen3_moe
 
 CONFIGS = [
     (qwen3_moe, qwen3_moe.Config.tiny()),
@@ -53,7 +53,7 @@ def test_fused_expert_keys_are_read_where_the_checkpoint_holds_them(model):
     assert router == f"model.layers.{moe[0]}.mlp.gate.weight"
 
 
-@pytest.mark.parametrize("model", [qwen3_moe, mixtral, gpt_oss, llama, deepseek_v3])
+@pytest.mark.parametrize("model", [qwen3_moe, mixtral, gpt_oss, llama, deepseek_v3, olmoe])
 def test_config_checks_follow_the_field_annotations(model):
     tiny = model.Config.tiny()
     hints = typing.get_type_hints(model.Config)
@@ -72,11 +72,11 @@ def test_config_checks_follow_the_field_annotations(model):
                 dataclasses.replace(tiny, **{f.name: []})
 
 
-@pytest.mark.parametrize("model", [qwen3_moe, mixtral, gpt_oss, llama, deepseek_v3])
+@pytest.mark.parametrize("model", [qwen3_moe, mixtral, gpt_oss, llama, deepseek_v3, olmoe])
 def test_pad_token_id_is_a_token_id_and_read_and_written_through_config_json(model):
     cfg = model.Config.tiny(pad_token_id=0)
     assert cfg.to_hf()["pad_token_id"] == 0 and model.Config.from_hf(cfg.to_hf()) == cfg
-    assert model.Config.from_hf(model.Config.tiny().to_hf()).pad_token_id is None
+    assert model.Config.from_hf(model.Config.tiny().to_hf()).pad_token_id == model.Config.pad_token_id  # None; OLMoE 1
     with pytest.raises(ValueError, match=f"pad_token_id={cfg.vocab_size} must be None or a token id below"):
         model.Config.tiny(pad_token_id=cfg.vocab_size)
 
