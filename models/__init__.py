@@ -25,8 +25,8 @@ not ship needs ``--model`` again).
 
 Example:
     >>> from fmoe import models
-    >>> models.names()[:5]
-    ('qwen3_moe', 'mixtral', 'gpt_oss', 'llama', 'deepseek_v3')
+    >>> models.names()[:6]
+    ('qwen3_moe', 'mixtral', 'gpt_oss', 'llama', 'deepseek_v3', 'olmoe')
     >>> models.get("llama").remat_blocks
     ('layer',)
     >>> models.get("fmoe.models.llama:MODEL") is models.get("llama")
@@ -46,13 +46,13 @@ from typing import Any, Mapping, Optional, Union
 
 from fmoe.model import Model, model_of
 
-from . import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
+from . import deepseek_v3, gpt_oss, llama, mixtral, olmoe, qwen3_moe
 
 __all__ = ["SHIPPED", "GROUP", "register", "get", "names", "text_of", "hf_model", "recorded"]
 
 #: name -> declared :class:`fmoe.model.Model` of the families fmoe ships, in the order programs list them.
 SHIPPED: Mapping[str, Model] = MappingProxyType(
-    {m.MODEL.name: m.MODEL for m in (qwen3_moe, mixtral, gpt_oss, llama, deepseek_v3)})
+    {m.MODEL.name: m.MODEL for m in (qwen3_moe, mixtral, gpt_oss, llama, deepseek_v3, olmoe)})
 
 #: the entry-point group installed packages declare their models in.
 GROUP = "fmoe.models"
@@ -220,11 +220,11 @@ def text_of(spec: Spec) -> str:
 
 def hf_model(path: Union[str, os.PathLike], given: Optional[Spec] = None) -> str:
     """The model of a Hugging Face checkpoint directory (``--init-hf``, ``fmoe generate --ckpt
-    HF_DIR``): its ``config.json``'s ``model_type``, a name of this registry, or the model
-    ``given`` (``--model``), which must load that ``model_type``.
+    HF_DIR``, ``fmoe memory --config``): its ``config.json``'s ``model_type``, a name of this
+    registry, or the model ``given`` (``--model``), which must load that ``model_type``.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory (or its ``config.json``).
         given: the ``--model`` given (as :func:`get` takes it), or None.
     Returns:
         the model as text (:func:`text_of`): ``given``'s, else the ``model_type``.
@@ -239,21 +239,21 @@ def hf_model(path: Union[str, os.PathLike], given: Optional[Spec] = None) -> str
         Traceback (most recent call last):
         ValueError: ...config.json: model_type 'llama' is not the model_type of mixtral ('mixtral')
     """
-    file = os.path.join(path, "config.json")
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
         with open(file, encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{file}: cannot read it as JSON ({e})") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
-    if not isinstance(kind, str) or not kind or ":" in kind:
-        raise ValueError(f"{file}: model_type is {kind!r}, not a model name")
     if given is not None:
         model = get(given)
-        if model.Config.HF.get("model_type") != kind:
+        if kind is not None and model.Config.HF.get("model_type") != kind:
             raise ValueError(f"{file}: model_type {kind!r} is not the model_type of {model.name} "
                              f"({model.Config.HF.get('model_type')!r})")
         return text_of(given)
+    if not isinstance(kind, str) or not kind or ":" in kind:
+        raise ValueError(f"{file}: model_type is {kind!r}, not a model name (pass --model)")
     if not _sources(kind):
         raise ValueError(f"{file}: model_type {kind!r} is not a model of fmoe.models ({', '.join(names())}); "
                          f"register it (fmoe.models.register, an entry point of group {GROUP!r}) or pass "
@@ -281,7 +281,7 @@ def recorded(text: Any, given: Optional[Spec], file: str) -> Model:
         'llama'
         >>> recorded("my_pkg.moe:MODEL", None, "meta.json")
         Traceback (most recent call last):
-        ValueError: meta.json: 'model' is 'my_pkg.moe:MODEL', not one of the models fmoe ships (qwen3_moe, mixtral, gpt_oss, llama, deepseek_v3); a checkpoint never chooses code to import and run. If you trust it, pass --model my_pkg.moe:MODEL again
+        ValueError: meta.json: 'model' is 'my_pkg.moe:MODEL', not one of the models fmoe ships (qwen3_moe, mixtral, gpt_oss, llama, deepseek_v3, olmoe); a checkpoint never chooses code to import and run. If you trust it, pass --model my_pkg.moe:MODEL again
     """
     if not isinstance(text, str) or not text:
         raise ValueError(f"{file}: 'model' is {text!r}; a model is recorded as its name or module:attr")

@@ -79,6 +79,10 @@ def test_memory_plans_it_with_and_without_a_dry_run(user_model, capsys):
     assert main(["--model", SPEC, "--nproc", "4", "--ep", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert len(plan["ranks"]) == 4 and plan["max_total_bytes"] > 0
+    config = str(user_model[0] / "export" / "config.json")                     # model_type "mixtral"
+    for flags, name in (([], "mixtral"), (["--model", SPEC], "byom_moe")):      # the registry, or --model
+        assert main([*flags, "--config", config, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["model"] == name
     assert main(["--model", SPEC, "--batch", "1", "--seq", "8", "--dry-run", "--json"]) == 0
     ranks = json.loads(capsys.readouterr().out)["ranks"]
     assert all(r["measured"]["peak_bytes"] > 0 and r["planned"]["total_bytes"] > 0 for r in ranks)
