@@ -7,7 +7,7 @@ The check the project writes by hand in its distributed tests, as one call:
    ``loss = sum(out * probe)`` (``probe``: a fixed random cotangent shaped like ``out``) with
    respect to every parameter leaf and every floating-point input leaf;
 2. on each mesh (``"tp2/ep2"``: sizes per axis, ``tp``, ``ep``, ``fsdp``, ``dp`` for
-   ``dp_replicate``), on every rank: ``fmoe.shard(params, plan, mesh)``, this rank's data-parallel
+   ``dp_replicate``, and the flag ``sp`` for sequence parallelism: ``"tp2/sp"``), on every rank: ``fmoe.shard(params, plan, mesh)``, this rank's data-parallel
    batch of ``inputs`` (split along dim 0 into ``mesh.num_batches`` pieces, ``torch.tensor_split``;
    TP ranks share one), ``out = fn(sharded, batch, mesh=mesh)``, the same loss on the batch's
    slice of ``probe``, backward, and ``fmoe.gather`` of the parameter gradients (the gradient of
@@ -70,20 +70,24 @@ _FIELD = {"tp": "tp", "ep": "ep", "fsdp": "fsdp", "dp": "dp_replicate"}
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    """``"tp2/ep2"`` -> ``{"tp": 2, "ep": 2}`` (the ``fmoe.Mesh`` keyword arguments).
+    """``"tp2/ep2"`` -> ``{"tp": 2, "ep": 2}`` (the ``fmoe.Mesh`` keyword arguments; the part
+    ``sp`` gives ``sp=True``).
 
     Example:
-        >>> parse_mesh("tp2/ep4/dp2")
-        {'tp': 2, 'ep': 4, 'dp_replicate': 2}
+        >>> parse_mesh("tp2/ep4/dp2"), parse_mesh("tp2/sp")
+        ({'tp': 2, 'ep': 4, 'dp_replicate': 2}, {'tp': 2, 'sp': True})
     """
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"assert_parity: a mesh is a string like 'tp2/ep2', got {spec!r}")
     sizes: dict[str, int] = {}
     for part in spec.split("/"):
+        if part == "sp" and "sp" not in sizes:
+            sizes["sp"] = True
+            continue
         m = _AXIS.match(part)
         if m is None or int(m.group(2)) < 1 or _FIELD[m.group(1)] in sizes:
             raise ValueError(f"assert_parity: mesh {spec!r}: bad part {part!r}; write axis and size "
-                             "joined by '/', each of tp, ep, fsdp, dp (dp_replicate) once, e.g. 'tp2/ep2'")
+                             "joined by '/', each of tp, ep, fsdp, dp (dp_replicate) once, e.g. 'tp2/ep2' (and 'sp')")
         sizes[_FIELD[m.group(1)]] = int(m.group(2))
     return sizes
 
