@@ -39,7 +39,9 @@ kind of each in ``router_keys`` (``{key: "loss" | "stat"}``: what a trainer adds
 what it logs; :mod:`fmoe.routing.core`), plus
 ``tokens_per_expert`` (``[E]`` int64, this rank's slots per global expert), ``dispatch_rows``
 (rows this rank sent to *other* ranks), ``load`` (``[E]`` int64, routed slots per expert over all
-batches) and ``imbalance`` (max / mean of ``load``). All statistics travel in one small
+batches), ``imbalance`` (max / mean of ``load``) and ``computed_slots`` (the active slots the
+experts compute over all batches: inactive slots, expert id ``-1``, are neither sent nor
+computed; logged per layer like a router statistic). All statistics travel in one small
 all-reduce over the batches, or inside the token dispatch's split-size exchange when its expert
 group holds the whole fsdp group (``impl.folds_stats``, :mod:`fmoe.ep.contract`).
 """
@@ -56,9 +58,10 @@ from .experts.activations import Activation, swiglu
 from .experts import LocalExperts, check_matmul
 from .fsdp import unshard
 from .mesh import Mesh
-from .routing.global_stats import finalize, pack, routed_load, stat_sums
+from .routing.global_stats import GlobalStat, finalize, pack, routed_load, stat_sums
 from .routing import Router, call, validate
-from .routing.core import accepted, as_stats
+from .routing.core import active, as_stats
+from .routing.inputs import accepted
 from .nn.shared_experts import check_shared, shared_expert
 from .precision import gemm
 from .sharding import sequence_parallel
@@ -237,7 +240,8 @@ def moe(
     routing = validate(call(router, logits, inputs), x.shape[0], E)
     experts = _local_experts(params, E, mesh, act, matmul)
     router_stats, router_keys = as_stats(routing.aux)     # losses unwrapped (fmoe.routing.core)
-    stats = {**router_stats, **routed_load(routing.weights, routing.expert_ids, E)}
+    stats = {**router_stats, **routed_load(routing.weights, routing.expert_ids, E),
+             "computed_slots": GlobalStat({"slots": (routing.expert_ids >= 0).sum().float()}, lambda s: s["slots"])}
     chosen = _ep.get(name)
     packed = pack(stat_sums(stats)) if _ep.takes_stats(chosen, mesh) else None   # summed by the dispatch
     result = _ep.run(chosen, x, routing.weights, routing.expert_ids, experts, mesh, packed)
@@ -245,9 +249,9 @@ def moe(
     if "shared" in params:
         out = out + shared_expert(params["shared"], x, act=act).to(out.dtype)
     aux = finalize(stats, mesh, summed_over_fsdp=result.stats_sum)
-    ids = routing.expert_ids.flatten()           # bincount without a data-dependent shape
-    aux["tokens_per_expert"] = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add(0, ids, torch.ones_like(ids))
+    ids, on = active(routing.expert_ids.flatten())    # bincount without a data-dependent shape; inactive: 0
+    aux["tokens_per_expert"] = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add(0, ids, on.long())
     aux["dispatch_rows"] = result.sent_rows
     aux.update(result.extra)
-    aux["router_keys"] = router_keys                # which router entries train, which are logged
+    aux["router_keys"] = {**router_keys, "computed_slots": "stat"}   # which entries train, which are logged
     return out.to(x.dtype), aux

@@ -22,7 +22,8 @@ __all__ = ["LOCAL", "ALL_REDUCE"]
 
 
 def _local_dispatch(x, weights, expert_ids, experts: LocalExperts, mesh, stats=None) -> Dispatch:
-    return Dispatch(x, weights, expert_ids - experts.first, torch.tensor(0), num_slots=expert_ids.numel())
+    local = torch.where(expert_ids >= 0, expert_ids - experts.first, -1)     # inactive slots stay -1
+    return Dispatch(x, weights, local, torch.tensor(0), num_slots=None)      # the experts count the active slots
 
 
 def _identity_combine(out: torch.Tensor, d: Dispatch, mesh) -> torch.Tensor:

@@ -5,7 +5,9 @@ With ``tp > 1`` the ranks of a TP group hold the same tokens, so each dispatches
 **once to each rank** that owns at least one of its experts, as one payload row
 ``[x (D) | K weights | K global expert ids]``, gathered once from a per-token row (the ids ride
 bit-cast in the payload dtype, :func:`pack_ids`, so one exchange carries all three; the expert
-rank keeps the slots it owns, whose unused weights get a zero gradient). The expert rank sorts
+rank keeps the slots it owns, whose unused weights get a zero gradient). An inactive slot (expert
+id ``-1``, :data:`fmoe.routing.core.INACTIVE`) sends nothing and counts no slot: a token whose
+slots are all inactive is not sent at all. The expert rank sorts
 the received (row, slot) assignments by expert once (the layer's only sort), runs its experts
 with the routing weight folded into the hidden activation and sums per row, so the combine
 returns **one already-weighted row per (token, rank)**; the source adds them up.
@@ -144,11 +146,12 @@ def _token_dispatch(x, weights, expert_ids, experts: LocalExperts, mesh, stats=N
         tok = torch.cat([xw, pack_ids(ids, x.dtype)], dim=1)                    # [Ts, D+2K]
     else:
         tok = torch.cat([x, weights.to(x.dtype), pack_ids(ids, x.dtype)], dim=1)
-    # ---- (token, destination rank) pairs, once per rank, grouped by rank (no sort): one gather
-    dest = torch.div(ids, e_local, rounding_mode="floor")                       # [Ts, K]
-    need = torch.zeros(Ts, ep, dtype=torch.bool, device=x.device).scatter(1, dest, True)   # out of place: vmap
-    flat = dest.reshape(-1)
-    slots = torch.zeros(ep, dtype=torch.int64, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
+    # ---- (token, destination rank) pairs, once per rank, grouped by rank (no sort): one gather;
+    # an inactive slot (id -1) needs no rank and counts no slot
+    on = (ids >= 0).long()                                                      # [Ts, K]
+    dest = torch.div(ids.clamp(min=0), e_local, rounding_mode="floor")          # [Ts, K]
+    need = torch.zeros(Ts, ep, dtype=torch.int64, device=x.device).scatter_add(1, dest, on) > 0   # out of place: vmap
+    slots = torch.zeros(ep, dtype=torch.int64, device=x.device).scatter_add(0, dest.reshape(-1), on.reshape(-1))
     counts = torch.stack([need.sum(0), slots], dim=1)                           # [ep, 2]: rows, slots to each rank
     # ---- split sizes (the layer's one host sync; routing statistics ride along)
     out_s, in_s, num_used, stats_sum = _exchange_splits(counts, stats, ep_group, mesh, (sizes, K))

@@ -4,7 +4,7 @@ A router is any callable ``router(logits[T, E]) -> Routing(weights[T, K], expert
 aux)``. It sees only this rank's tokens and never communicates, so a scheme written in a few
 lines runs distributed unchanged: ``fmoe.moe`` dispatches the tokens and reduces the global
 statistics a router reports (:class:`fmoe.routing.global_stats.GlobalStat`). Extra per-batch inputs
-(token ids, the expert bias) arrive as keyword arguments (see :mod:`fmoe.routing.core`).
+(token ids, the layer index, the router's state) arrive as keyword arguments (see :mod:`fmoe.routing.inputs`).
 
 A new scheme, e.g. top-1 on noisy logits::
 
@@ -56,7 +56,8 @@ from . import aux_losses, balance  # noqa: F401  (submodules: fmoe.routing.aux_l
 from .aux_losses import with_losses
 from .bias import sigmoid_topk, update_bias
 from .capacity import capacity, expert_choice, switch
-from .core import OFFERED, Loss, Router, Routing, call, validate
+from .core import Loss, Router, Routing, validate
+from .inputs import OFFERED, call
 from .fixed import balanced, hash_router, random_topk, token_hash
 from .record import replay
 from .relu import remoe

@@ -46,7 +46,8 @@ import torch
 
 from ..precision import at_least_f32, upcast
 from .global_stats import GlobalStat, weighted_sum
-from .core import Loss, Router, Routing, call, validate
+from .core import Loss, Router, Routing, active, validate
+from .inputs import call
 from .state import state_of
 
 __all__ = ["load_balance_loss", "seq_balance_loss", "z_loss", "softmax_probs", "normalized_sigmoid",
@@ -70,8 +71,8 @@ def normalized_sigmoid(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    ones = torch.ones(expert_ids.numel(), dtype=torch.float32, device=expert_ids.device)
-    return torch.zeros(num_experts, device=expert_ids.device).index_add(0, expert_ids.reshape(-1), ones)
+    ids, on = active(expert_ids)                                                # inactive slots count 0
+    return torch.zeros(num_experts, device=expert_ids.device).index_add(0, ids.reshape(-1), on.reshape(-1).float())
 
 
 def load_balance_loss(probs: torch.Tensor, expert_ids: torch.Tensor) -> GlobalStat:
@@ -124,8 +125,9 @@ def seq_balance_loss(probs: torch.Tensor, expert_ids: torch.Tensor, seq_ids: tor
     _, seq = torch.unique(seq_ids.to(probs.device), return_inverse=True)                          # [T] in [0, S)
     S = int(seq.max()) + 1 if T else 0
     count = torch.zeros(S, E, device=probs.device)                               # [S, E]
-    count.index_put_((seq.unsqueeze(1).expand(T, K).reshape(-1), expert_ids.reshape(-1)),
-                     torch.ones(T * K, device=probs.device), accumulate=True)
+    ids, on = active(expert_ids)                                                 # inactive slots count 0
+    count.index_put_((seq.unsqueeze(1).expand(T, K).reshape(-1), ids.reshape(-1)),
+                     on.reshape(-1).to(count.dtype), accumulate=True)
     prob = torch.zeros(S, E, device=probs.device, dtype=at_least_f32(probs.dtype)).index_add(0, seq, upcast(probs))  # [S, E]
     length = torch.bincount(seq, minlength=S).float()                            # [S]
     per_seq = E / K * (count * prob).sum(-1) / length.square()                   # [S]

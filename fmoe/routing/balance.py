@@ -33,7 +33,8 @@ import torch
 
 from .global_stats import GlobalStat
 from .aux_losses import normalized_sigmoid, softmax_probs
-from .core import Router, Routing, accepted, call, check_k, check_logits
+from .core import Router, Routing, active, check_k, check_logits
+from .inputs import accepted, call
 from .state import state_of
 from ..precision import upcast
 
@@ -150,9 +151,8 @@ def with_balance_sums(router: Router, probs: Callable[[torch.Tensor], torch.Tens
         if not isinstance(routing, Routing):
             routing = Routing(*routing)
         T, E = logits.shape
-        ids = routing.expert_ids.reshape(-1)
-        count = torch.zeros(E, dtype=torch.float32, device=logits.device).index_add(
-            0, ids, torch.ones(ids.numel(), dtype=torch.float32, device=logits.device))    # [E]
+        ids, on = active(routing.expert_ids.reshape(-1))                       # inactive slots count 0
+        count = torch.zeros(E, dtype=torch.float32, device=logits.device).index_add(0, ids, on.float())    # [E]
         sums = {"balance_count": count, "balance_prob": probs(logits).float().sum(0),
                 "balance_tokens": torch.tensor(float(T), device=logits.device)}
         aux = dict(routing.aux)

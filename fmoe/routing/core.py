@@ -6,22 +6,8 @@ logits and never communicates, so a scheme written in a notebook runs distribute
 :class:`fmoe.routing.global_stats.GlobalStat`). A ``Routing`` holds, per token, ``K`` global expert ids
 and the weights their outputs are mixed with, plus ``aux`` (losses and statistics).
 
-Extra inputs are keyword arguments. A router that needs more than the logits declares them::
-
-    def router(logits, *, token_ids): ...          # hash routing
-    def router(logits, *, layer, token_ids): ...   # a per-layer hash
-    def router(logits, *, expert_bias=None): ...   # aux-loss-free balancing
-
-Every model offers every router the inputs named in :data:`OFFERED`: ``token_ids [T]`` (the
-ids of the very rows the router scores: this rank's piece of the sequence under sequence
-parallelism, a pipeline stage's tokens) and ``layer`` (the decoder layer's index, an int). An
-offered input reaches a router only when it declares it (by name, or with ``**inputs``), so
-``router(logits)`` keeps working. ``fmoe.moe`` also passes ``expert_bias`` when its params hold
-one (detached: it never receives a gradient) and every entry of its ``router_inputs=`` mapping;
-:func:`call` checks that the router accepts those (or takes ``**inputs``) before calling it. What
-a router declares is read from its signature once per trace (:func:`accepted`:
-``torch.compiler.assume_constant_result``, so the choice costs nothing under ``torch.compile``
-and works under ``vmap``).
+Extra inputs (token ids, the layer index, router state) are keyword arguments the router
+declares: :mod:`fmoe.routing.inputs`.
 
 Attributes a router may carry, read by the trainer's balancing flags
 (:mod:`fmoe.training.balancing`): ``router.scores = "sigmoid"`` (the score function its balance
@@ -46,30 +32,43 @@ ever dropped silently. ``fmoe.moe`` returns the finished values (plain tensors) 
 which key is which in ``aux["router_keys"]`` (``{key: "loss" | "stat"}``).
 
 A slot with weight exactly 0 contributes nothing to the output or to any gradient that
-reaches the router (its weight is a constant), so routers that give a token fewer than ``K``
-experts (capacity dropping, expert choice) fill the spare slots with weight 0 and an expert id
-the token already uses: every id stays in ``[0, E)`` and no extra token is sent.
+reaches the router (its weight is a constant). **Inactive slots**: a router that gives a token
+fewer than ``K`` experts (ReLU routing, capacity dropping, expert choice) may mark the spare slots
+with expert id ``-1`` (:data:`INACTIVE`) and weight exactly 0: the dispatch neither sends nor
+computes them (every ``impl``: the expert ranks receive and run active slots only), and the
+statistics count active slots only. A spare slot may also hold weight 0 and an id the token
+already uses (computed, adding nothing), as the capacity routers do.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from .global_stats import GlobalStat, batch_mean
 from ..transforms import data_checks_enabled
 
-__all__ = ["Routing", "Router", "Loss", "RESERVED", "OFFERED", "validate", "check_aux", "as_stats", "call", "accepted",
+__all__ = ["Routing", "Router", "Loss", "RESERVED", "INACTIVE", "active", "validate", "check_aux", "as_stats",
            "check_k", "check_logits"]
 
 #: aux keys ``fmoe.moe`` writes itself; a router may not use them.
-RESERVED = ("load", "imbalance", "tokens_per_expert", "dispatch_rows", "router_keys")
+RESERVED = ("load", "imbalance", "tokens_per_expert", "dispatch_rows", "router_keys", "computed_slots")
 
-#: inputs every model offers its routers (``fmoe.moe(..., router_inputs=)`` from the decoder
-#: scaffold): passed only to a router that declares them; any other input must be accepted.
-OFFERED = ("token_ids", "layer")
+#: the expert id of an inactive slot (weight 0; neither sent nor computed).
+INACTIVE = -1
+
+
+def active(expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids with inactive slots as expert 0, active mask)``: for counts and scatters, whose
+    inactive entries then add 0 through the mask.
+
+    Example:
+        >>> active(torch.tensor([[2, -1]]))
+        (tensor([[2, 0]]), tensor([[ True, False]]))
+    """
+    on = expert_ids >= 0
+    return torch.where(on, expert_ids, torch.zeros_like(expert_ids)), on
 
 
 class Loss(NamedTuple):
@@ -94,7 +93,8 @@ class Routing(NamedTuple):
 
     Attributes:
         weights: ``[T, K]`` floating mixing weights (differentiable: gradients reach the router).
-        expert_ids: ``[T, K]`` int64 global expert ids in ``[0, E)``.
+        expert_ids: ``[T, K]`` int64 global expert ids in ``[0, E)``, or ``-1`` for an inactive
+            slot (weight 0: neither sent nor computed).
         aux: extra entries, each a loss (:class:`Loss`: trained and logged) or a statistic (a
             tensor, or a :class:`fmoe.routing.global_stats.GlobalStat` for a quantity over all
             data-parallel batches, which ``fmoe.moe`` reduces and finishes): logged.
@@ -121,64 +121,6 @@ def check_logits(logits: torch.Tensor, k: int) -> None:
         raise ValueError(f"router: logits must be [T, E], got shape {shape}")
     if k > logits.shape[1]:
         raise ValueError(f"router: k={k} exceeds the number of experts E={logits.shape[1]}")
-
-
-@torch.compiler.assume_constant_result
-def accepted(router: Callable) -> tuple[bool, tuple, tuple]:
-    """``(takes **inputs, keyword names it accepts, keyword-only names it requires)`` of a router,
-    read from its signature (a constant while Dynamo traces: the router is one object per trace).
-
-    Example:
-        >>> accepted(lambda logits, *, token_ids, layer=0: None)
-        (False, ('layer', 'token_ids'), ('token_ids',))
-    """
-    try:
-        sig = inspect.signature(router)
-    except (TypeError, ValueError):       # builtins without a signature: assume anything goes
-        return True, (), ()
-    params = list(sig.parameters.values())
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
-    names = {p.name for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
-    return var_kw, tuple(sorted(names)), tuple(sorted(required))
-
-
-def call(router: Callable, logits: torch.Tensor, inputs: Mapping[str, Any] | None = None) -> Any:
-    """Call ``router(logits, **inputs)``: the :data:`OFFERED` inputs only if the router declares
-    them, every other input after checking that the router takes it.
-
-    Args:
-        router: the router.
-        logits: ``[T, E]``.
-        inputs: extra keyword inputs (e.g. ``{"token_ids": ids, "layer": 3}``); None or empty:
-            ``router(logits)``.
-    Returns:
-        whatever the router returns (``fmoe.moe`` validates it).
-
-    Example:
-        >>> def r(logits, *, token_ids):
-        ...     return token_ids
-        >>> call(r, torch.zeros(2, 4), {"token_ids": 7, "layer": 0})       # layer: offered, not declared
-        7
-    """
-    var_kw, names, required = accepted(router)
-    given = dict(inputs or {})
-    inputs = {k: v for k, v in given.items() if var_kw or k in names or k not in OFFERED}
-    missing = sorted(set(required) - set(inputs))
-    if missing:
-        offered = [k for k in missing if k in OFFERED]
-        how = (f"{offered} are offered by every fmoe.model decoder; called directly, pass them with "
-               if offered else "pass them with ")
-        raise ValueError(f"router {getattr(router, '__name__', router)!r} needs keyword input(s) "
-                         f"{missing}; {how}fmoe.moe(..., router_inputs={{...}})")
-    if not var_kw:
-        unknown = sorted(set(inputs) - set(names))
-        if unknown:
-            raise ValueError(f"router {getattr(router, '__name__', router)!r} does not accept "
-                             f"keyword input(s) {unknown} (it accepts {sorted(names)}); declare "
-                             f"them, e.g. def router(logits, *, {unknown[0]}): ..., or drop them "
-                             f"(expert_bias comes from params['expert_bias'])")
-    return router(logits, **inputs)
 
 
 def check_aux(aux: object) -> dict:
@@ -282,10 +224,15 @@ def validate(routing: object, num_tokens: int, num_experts: int) -> Routing:
     if k < 1 or k > num_experts:
         raise ValueError(f"router: K={k} experts per token must be in [1, E={num_experts}]")
     if ids.numel() and data_checks_enabled():     # one host sync: eager only (fmoe.transforms)
-        lo, hi, bad = torch.stack([ids.min().long(), ids.max().long(),
-                                   (~torch.isfinite(w)).sum().long().to(ids.device)]).tolist()
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"router: expert_ids must be in [0, {num_experts}), got values in [{lo}, {hi}]")
+        lo, hi, bad, weighted = torch.stack([ids.min().long(), ids.max().long(),
+                                             (~torch.isfinite(w)).sum().long().to(ids.device),
+                                             ((ids < 0) & (w != 0)).sum().long().to(ids.device)]).tolist()
+        if lo < INACTIVE or hi >= num_experts:
+            raise ValueError(f"router: expert_ids must be in [0, {num_experts}) or -1 (an inactive slot), got "
+                             f"values in [{lo}, {hi}]")
         if bad:
             raise ValueError("router: weights contain NaN or inf")
+        if weighted:
+            raise ValueError(f"router: {weighted} inactive slot(s) (expert id -1) have a non-zero weight; an "
+                             "inactive slot's weight must be 0")
     return Routing(w, ids.long(), aux)

@@ -226,7 +226,7 @@ def routed_load(weights: torch.Tensor, expert_ids: torch.Tensor, num_experts: in
     """
     routed = (weights.detach() != 0).reshape(-1).long()                       # [T*K]
     counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids.device)
-    counts = counts.scatter_add(0, expert_ids.reshape(-1), routed)          # [E]
+    counts = counts.scatter_add(0, expert_ids.reshape(-1).clamp(min=0), routed)   # inactive (-1): weight 0
     return {"load": GlobalStat({"load": counts}, lambda s: s["load"]),
             "imbalance": GlobalStat({"load": counts}, lambda s: imbalance(s["load"]))}
 

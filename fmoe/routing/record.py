@@ -35,7 +35,8 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from .core import Router, Routing, call, check_logits
+from .core import Router, Routing, check_logits
+from .inputs import call
 from .state import state_of
 from ..precision import upcast
 

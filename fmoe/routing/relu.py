@@ -10,15 +10,16 @@ global batch's mean number of active experts per token (the ``active`` statistic
 so the routing settles at ``k`` experts per token on average. The state lives in the parameter
 tree (``layers.i.moe.l1_coef``), so a resumed run continues it bitwise.
 
-Slots: exact ReMoE gives each token all ``E`` slots, the inactive ones at weight 0 (they add
-nothing to the output or the gradients, but the experts still compute them: ``E / k`` times the
-rows of top-``k``); ``max_experts=M`` keeps each token's ``M`` largest gates only.
+Slots: exact ReMoE gives each token all ``E`` slots, the inactive ones (gate 0) marked with
+expert id ``-1`` (:data:`fmoe.routing.core.INACTIVE`): the dispatch neither sends nor computes
+them, so the experts compute the active slots only, about ``k`` per token;
+``max_experts=M`` keeps each token's ``M`` largest gates only.
 
 Example:
     >>> r = remoe(k=1)
     >>> out = r(torch.tensor([[1.0, -1.0, 2.0]]), l1_coef=torch.tensor(0.1))
     >>> out.expert_ids.tolist(), out.weights.tolist(), float(out.aux["active"].local())
-    ([[0, 1, 2]], [[1.0, 0.0, 2.0]], 2.0)
+    ([[0, -1, 2]], [[1.0, 0.0, 2.0]], 2.0)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 
 from ..precision import upcast
-from .core import Loss, Router, Routing, check_k, check_logits
+from .core import INACTIVE, Loss, Router, Routing, check_k, check_logits
 from .global_stats import GlobalStat
 from .state import RouterState, with_state
 
@@ -64,6 +65,7 @@ def remoe(k: int = 2, alpha: float = 1.2, l1_init: float = 1e-3, max_experts: Op
             weights, ids = gates.topk(M, dim=-1)                                     # [T, M]
         else:
             weights, ids = gates, torch.arange(E, device=logits.device).expand(T, E)
+        ids = torch.where(weights > 0, ids, torch.full_like(ids, INACTIVE))         # gate 0: inactive slot
         active = GlobalStat({"n": (gates > 0).sum().float(), "t": gates.new_tensor(float(T))},
                             lambda s: s["n"] / s["t"].clamp(min=1))
         l1 = l1_coef.detach().float() * gates.sum(-1).mean() if T else gates.sum()

@@ -21,8 +21,12 @@ The check the project writes by hand in its distributed tests, as one call:
    that the gradients were not compared).
 
 The ``AssertionError`` lists what differs, worst first (by the ratio of the error to its
-tolerance), each line naming the mesh, the rank, the leaf by its dotted path and the leaf's
-placement on that mesh.
+tolerance), each line naming the mesh, the rank, the leaf by its dotted path and the gradient's
+placement (``fsdp=P(sum)``: each rank held its batch's share). A sharded leaf's gradient is
+compared on each rank's own slice (the rank that computed it is named); a replicated leaf's is the
+sum of every rank's share, the same everywhere: named once, ``ranks summed``. With ``aux=True``
+(:mod:`fmoe.testing.parity_aux`) ``fn`` returns ``(out, aux)``: the router's aux values (per
+rank) and the gradients of its aux losses are compared too, each failure naming its key.
 
 **Routers that decide per batch** (switch and expert choice with their capacity, BASE-style
 balanced assignment: any function whose result on a token depends on the other tokens of its
@@ -60,7 +64,8 @@ import torch
 from fmoe import tree as _tree
 from fmoe.collectives import sum_over_world
 from fmoe.mesh import Mesh, RankLayout
-from fmoe.sharding import Plan, gather, placement_of, shard
+from fmoe.sharding import Plan, gather, placement_of, shard, slice_for_rank
+from fmoe.testing import parity_aux as _aux
 from fmoe.testing.pool import Pool
 
 __all__ = ["assert_parity", "parse_mesh"]
@@ -102,7 +107,7 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
                   meshes: Sequence[str] = ("tp1/ep4", "tp2/ep2"), grads: bool = True,
                   rtol: Optional[float] = None, atol: Optional[float] = None, world: Optional[int] = None,
                   pool: Optional[Pool] = None, timeout: float = 300.0, seed: int = 0,
-                  per_batch: bool = False) -> None:
+                  per_batch: bool = False, aux: Union[bool, Sequence[str]] = False) -> None:
     """Assert that ``fn`` on each mesh equals ``fn`` on one process (see the module docstring).
 
     Args:
@@ -121,6 +126,9 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
         seed: seed of the cotangent ``probe``.
         per_batch: the reference runs ``fn`` on each data-parallel batch of the mesh separately
             (routers that decide per batch; module docstring).
+        aux: ``fn`` returns ``(out, aux)``; also compare the aux losses' values and gradients,
+            ``load``, ``imbalance`` and ``computed_slots`` (a list: those and the statistics it
+            names), each failure naming its key (:mod:`fmoe.testing.parity_aux`).
     Raises:
         AssertionError: naming the worst leaf, its mesh, rank and placement.
         ValueError / TypeError: bad arguments, before any rank starts.
@@ -129,6 +137,9 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
         raise TypeError(f"assert_parity: fn must be callable, got {type(fn).__name__}")
     if isinstance(meshes, str) or not meshes:
         raise ValueError(f"assert_parity: meshes must be a non-empty list of strings like 'tp2/ep2', got {meshes!r}")
+    if aux and per_batch:
+        raise ValueError("assert_parity: aux= and per_batch=True exclude each other (per-batch references have no global aux)")
+    stats = () if isinstance(aux, bool) else tuple(aux)
     specs = {m: parse_mesh(m) for m in meshes}
     world = world if world is not None else max(_implied_world(s) for s in specs.values())
     for name, sizes in specs.items():
@@ -140,7 +151,7 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
         plan = plan if isinstance(plan, Plan) else Plan(plan)
         plan.resolve(params)                      # unknown leaves / globs raise here, not on ranks
     batches = {m: RankLayout(world, 0, **s).num_batches if per_batch else 1 for m, s in specs.items()}
-    refs = {n: _reference(fn, params, inputs, grads, seed, n) for n in sorted(set(batches.values()))}
+    refs = {n: _reference(fn, params, inputs, grads, seed, n, aux, stats) for n in sorted(set(batches.values()))}
     ref = next(iter(refs.values()))
     dtype = ref["out"].dtype if ref["out"].is_floating_point() else torch.float32
     rtol = 100 * torch.finfo(dtype).eps if rtol is None else rtol
@@ -152,10 +163,11 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
     try:
         for name, sizes in specs.items():
             results = pool.run(_on_rank, fn, params, inputs, plan, sizes, refs[batches[name]], grads, rtol, atol,
-                               timeout=timeout, world=world)
-            for r, (n, fails) in enumerate(results):
-                checks += n
-                failures += [(ratio, f"{name} rank {r}: {what}") for ratio, what in fails]
+                               aux, stats, timeout=timeout, world=world)
+            checks += sum(n for n, _ in results)
+            lines = {f"{name} (ranks summed): {what}" if "ranks summed" in what else f"{name} rank {r}: {what}": ratio
+                     for r, (_, fails) in enumerate(results) for ratio, what in fails}   # a sum: named once
+            failures += [(ratio, line) for line, ratio in lines.items()]
     finally:
         if own:
             pool.close()
@@ -181,24 +193,29 @@ def _grads(tree: Any) -> dict[str, Any]:
     return {p: t.grad for p, t in _tree.flatten(tree).items() if t.requires_grad}
 
 
-def _call(fn, params, inputs, mesh) -> torch.Tensor:
-    out = fn(params, inputs, mesh=mesh)
+def _call(fn, params, inputs, mesh, aux=False) -> Any:
+    out, extra = _aux.split(fn(params, inputs, mesh=mesh), aux)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"assert_parity: fn must return a torch.Tensor, got {type(out).__name__}")
-    return out
+    return (out, extra) if aux else out
 
 
-def _reference(fn, params, inputs, grads, seed, batches: int = 1) -> dict:
+def _reference(fn, params, inputs, grads, seed, batches: int = 1, aux=False, stats=()) -> dict:
     """The one-process run: output, cotangent probe, gradients of every leaf (zeros if unused);
-    with ``batches > 1``, ``fn`` on each of the ``batches`` pieces of the inputs, concatenated."""
+    with ``batches > 1``, ``fn`` on each of the ``batches`` pieces of the inputs, concatenated;
+    with ``aux``, its aux values and each aux loss's gradients."""
     p, x = _leaves(params, grads), _leaves(inputs, grads)
-    if batches == 1:
+    ref: dict = {}
+    if aux:
+        out, extra = _call(fn, p, x, None, aux)
+        ref.update(_aux.reference(extra, p, stats, grads))
+    elif batches == 1:
         out = _call(fn, p, x, None)
     else:
         out = torch.cat([_call(fn, p, _tree.map_with_path(lambda _, t: _batch(t, b, batches), x), None)
                          for b in range(batches)])
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
-    ref = {"out": out.detach(), "probe": probe}
+    ref.update({"out": out.detach(), "probe": probe})
     if grads:
         if out.requires_grad:
             (out * probe).sum().backward()
@@ -223,31 +240,61 @@ def _compare(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol
             f"{what}: max |diff| {err:.2e} > tolerance {tol:.2e} (max |one process| {scale:.2e})")
 
 
-def _on_rank(rank: int, world: int, fn, params, inputs, plan, sizes, ref, grads, rtol, atol) -> tuple:
+def _on_rank(rank: int, world: int, fn, params, inputs, plan, sizes, ref, grads, rtol, atol, aux=False,
+             stats=()) -> tuple:
     """One rank of one mesh: run, compare with the reference; ``(number of checks, failures)``."""
     mesh = Mesh(**sizes)
     sharded = shard(_leaves(params, grads), plan(mesh) if callable(plan) and not isinstance(plan, Plan) else plan,
                     mesh)
-    places = {p: repr(placement_of(t)) for p, t in _tree.flatten(sharded).items()}
     b, n = mesh.batch_index, mesh.num_batches
     x = _leaves(_tree.map_with_path(lambda _, t: _batch(t, b, n), inputs), grads)
-    out = _call(fn, sharded, x, mesh)
+    out, extra = _call(fn, sharded, x, mesh, aux) if aux else (_call(fn, sharded, x, mesh), None)
     results = [_compare("output", out, _batch(ref["out"], b, n), rtol, atol)]
+    got_aux = _aux.values(extra, stats) if aux else {}
+    for k, want in ref.get("aux", {}).items():       # global values: every rank holds the one-process value
+        results.append((float("inf"), f"aux {k}: missing") if k not in got_aux else
+                       _compare(f"aux {k}", got_aux[k], want, rtol, atol))
     differs = sum_over_world(torch.tensor([float(results[0] is not None)]))   # a vote: backward on all or none
     if grads and not differs.item():
+        for k, loss in (_aux.losses(extra).items() if aux else ()):        # each rank: its copy of the global loss
+            if loss.requires_grad:
+                loss.backward(retain_graph=True)
+            results += _param_grads(f"grad of aux {k}: ", sharded, ref["aux_grads"][k], rtol, atol, mesh, True)
+            for t in _tree.leaves(x):
+                t.grad = None
         if out.requires_grad:
             (out * _batch(ref["probe"], b, n)).sum().backward()
-        flat, got = _tree.flatten(sharded), _grads(sharded)
-        missing = sorted(p for p, g in got.items() if g is None)
-        full = gather({p: g if g is not None else torch.zeros_like(flat[p]) for p, g in got.items()})
-        for p, want in ref["grads"].items():
-            if p in missing:
-                results.append((float("inf"), f"grad params.{p}: no gradient on this rank (placement {places[p]})"))
-                continue
-            r = _compare(f"grad params.{p}", full[p], want, rtol, atol)
-            results.append(None if r is None else (r[0], f"{r[1]}, placement {places[p]}"))
+        results += _param_grads("grad ", sharded, ref["grads"], rtol, atol, mesh)
         for p, g in _grads(x).items():
             want = _batch(ref["input_grads"][p], b, n)
             name = f"grad inputs.{p}" if p else "grad inputs"
             results.append((float("inf"), f"{name}: no gradient") if g is None else _compare(name, g, want, rtol, atol))
     return len(results), [r for r in results if r is not None]
+
+
+def _param_grads(prefix: str, sharded: Any, want: dict, rtol: float, atol: float, mesh: Mesh,
+                 unused_is_zero: bool = False) -> list:
+    """Compare the gathered gradients of every leaf with ``want`` (then clear them): a sharded
+    leaf's own slice on this rank (a failure names the rank that computed it), a replicated leaf's
+    whole gradient (the sum of every rank's share: ``ranks summed``); each failure names the
+    gradient's placement. ``unused_is_zero``: a leaf without a gradient has a zero one (an aux loss
+    does not reach the experts)."""
+    flat, got = _tree.flatten(sharded), _grads(sharded)
+    if unused_is_zero:
+        got = {p: g if g is not None else torch.zeros_like(flat[p]) for p, g in got.items()}
+    places = {p: _aux.grad_place(g) for p, g in got.items()}
+    full = gather({p: g if g is not None else torch.zeros_like(flat[p]) for p, g in got.items()})
+    results = []
+    for p, w in want.items():
+        if got.get(p) is None:
+            results.append((float("inf"), f"{prefix}params.{p}: no gradient on this rank "
+                                           f"(placement {placement_of(flat[p])!r})"))
+            continue
+        mine, own = slice_for_rank(full[p], placement_of(flat[p]), mesh), slice_for_rank(w, placement_of(flat[p]), mesh)
+        split = tuple(mine.shape) != tuple(w.shape)          # this rank's slice: its own computation
+        r = _compare(f"{prefix}params.{p}", mine if split else full[p], own if split else w, rtol, atol)
+        where = "this rank's slice" if split else "ranks summed"
+        results.append(None if r is None else (r[0], f"{r[1]}; gradient {places[p]}, {where}"))
+    for t in flat.values():
+        t.grad = None
+    return results

@@ -50,7 +50,7 @@ def test_a_gradient_x2_on_one_mesh_is_caught_naming_leaf_and_mesh(pool):
     with pytest.raises(AssertionError) as info:
         assert_parity(doubled_on_tp2, moe_params(), x, MOE_PLAN, meshes=["tp1/ep4", "tp2/ep2"], pool=pool)
     msg = str(info.value)
-    assert "worst: tp2/ep2 rank 0: grad params.w_down" in msg, msg
+    assert "worst: tp2/ep2 rank" in msg and ": grad params.w_down" in msg and "this rank's slice" in msg, msg
     assert "tp1/ep4" not in msg and "grad params.w_gate_up" not in msg and "output" not in msg, msg
     assert "4 of 40 checks differ" in msg, msg              # 4 ranks x w_down; 10 checks per rank
 
@@ -83,7 +83,7 @@ def test_a_wrong_gradient_placement_is_caught_naming_the_leaf(pool):
     with pytest.raises(AssertionError) as info:
         assert_parity(forgets_partial, dense_params(), x, DENSE_PLAN, meshes=["tp2", "tp4"], pool=pool)
     msg = str(info.value)
-    assert "grad params.scale" in msg.partition("\n")[0] and "placement P()" in msg, msg
+    assert "grad params.scale" in msg.partition("\n")[0] and "fsdp=R, tp=R, ranks summed" in msg, msg   # not P()
     assert all("grad params.scale" in line for line in msg.splitlines()[1:]), msg
 
 
@@ -127,8 +127,57 @@ def test_a_one_rank_difference_fails_within_seconds_naming_mesh_rank_and_leaf(po
     with pytest.raises(AssertionError) as info:
         assert_parity(grad_off_on_rank1, moe_params(), x, MOE_PLAN, meshes=["tp1/ep2"], world=2, pool=pool)
     msg = str(info.value)
-    assert "tp1/ep2 rank" in msg and "grad params.w_down" in msg and "output" not in msg, msg   # gathered on both
+    assert "worst: tp1/ep2 rank 1: grad params.w_down" in msg and "output" not in msg, msg   # its own slice
+    assert "rank 0" not in msg and "this rank's slice" in msg, msg
     assert time.perf_counter() - t0 < 30, "a parity failure must not wait for a timeout"
+
+
+def z_penalty_router(value_bug=False, grad_bug=False):
+    """Top-2 with a z penalty of the global batch; planted on rank 1: the value off by 1e-3, or the
+    same value with a doubled gradient."""
+    import torch.distributed as dist
+
+    def router(logits):
+        r = fmoe.routing.topk(2)(logits)
+        sq = torch.logsumexp(logits.float(), -1).square().sum()
+        on_rank1 = dist.is_initialized() and dist.get_rank() == 1
+        if grad_bug and on_rank1:
+            sq = sq + (sq - sq.detach())
+        z = fmoe.routing.global_stats.GlobalStat({"sq": sq, "t": sq.new_tensor(float(len(logits)))},
+                                                 lambda s: 1e-2 * s["sq"] / s["t"])
+        aux = {"z_penalty": fmoe.routing.Loss(z)}
+        if value_bug:
+            aux["z_penalty"] = fmoe.routing.Loss(fmoe.routing.global_stats.GlobalStat(
+                {"sq": sq, "t": sq.new_tensor(float(len(logits)))},
+                lambda s: 1e-2 * s["sq"] / s["t"] + (1e-3 if on_rank1 else 0.0)))
+        return fmoe.routing.Routing(r.weights, r.expert_ids, aux)
+
+    return router
+
+
+def aux_layer(params, x, mesh=None, **bugs):
+    return fmoe.moe(params, x, router=z_penalty_router(**bugs), mesh=mesh)
+
+
+def test_aux_values_and_aux_loss_gradients_are_compared_naming_key_and_rank(pool):
+    """aux=True: a correct router passes (values and gradients of its aux loss on every mesh); a
+    value off on rank 1 names the key and rank 1; a doubled aux-loss gradient on rank 1 names the
+    key and the leaf (the router's gradient is the sum of every rank's share: ranks summed)."""
+    from functools import partial
+
+    x = torch.randn(32, D, generator=torch.Generator().manual_seed(1))
+    assert_parity(aux_layer, moe_params(), x, MOE_PLAN, meshes=["tp1/ep4", "tp2/ep2"], pool=pool, aux=True)
+    with pytest.raises(AssertionError) as info:
+        assert_parity(partial(aux_layer, value_bug=True), moe_params(), x, MOE_PLAN, meshes=["tp1/ep2"], world=2,
+                      pool=pool, aux=True)
+    msg = str(info.value)
+    assert "worst: tp1/ep2 rank 1: aux z_penalty" in msg and "rank 0" not in msg, msg
+    with pytest.raises(AssertionError) as info:
+        assert_parity(partial(aux_layer, grad_bug=True), moe_params(), x, MOE_PLAN, meshes=["tp1/ep2"], world=2,
+                      pool=pool, aux=True)
+    msg = str(info.value)
+    assert "worst: tp1/ep2 (ranks summed): grad of aux z_penalty: params.router" in msg, msg
+    assert "fsdp=P(sum)" in msg and ": aux z_penalty" not in msg and "grad params." not in msg, msg
 
 
 def switch_layer(params, x, mesh=None):

@@ -42,7 +42,13 @@ def router_cases(tp):
         "shared": (routing.topk(2), {"shared": shared_params()}, None, shared_rules),
         "losses": (aux_losses.with_losses(routing.topk(2), load_balance=0.1, seq_balance=0.2, z=0.3),
                    None, seq_inputs, None),
+        "inactive": (aux_losses.with_losses(remoe_fixed, load_balance=0.1, z=0.3), None, None, None),
     }
+
+
+def remoe_fixed(logits):
+    """ReMoE's ReLU gates with a fixed L1 coefficient: slots of gate 0 inactive (expert id -1)."""
+    return routing.remoe(k=2)(logits, l1_coef=torch.tensor(0.01))
 
 
 MESHES = [(dict(tp=1, ep=4), [5, 0, 3, 2]), (dict(tp=2, ep=2), [4, 3]), (dict(tp=2, ep=4), [0, 5]),
@@ -90,7 +96,7 @@ def _four_ranks(rank, world):
         for name, (router, extra, inputs, rules) in router_cases(mesh.tp).items():
             fails += check_router_case(mesh, "all_to_all", router, sizes, name, extra, inputs, rules)
         if mesh.ep == mesh.tp:
-            for name in ("sigmoid_bias", "expert_choice", "shared"):
+            for name in ("sigmoid_bias", "expert_choice", "shared", "inactive"):
                 router, extra, inputs, rules = router_cases(mesh.tp)[name]
                 fails += check_router_case(mesh, "all_reduce", router, sizes, name, extra, inputs, rules)
         even = [2 * (n // 2) for n in sizes]                                # whole sequences of 2

@@ -404,13 +404,53 @@ def test_bad_input_raises_clear_errors(call, exc, match):
         call()
 
 
-@pytest.mark.parametrize("bad_id", [E, -1])
-def test_with_losses_refuses_expert_ids_out_of_range_with_the_documented_error(bad_id):
+@pytest.mark.parametrize("bad_id, message", [(E, rf"expert_ids must be in \[0, {E}\) or -1"),
+                                             (-2, r"expert_ids must be in \[0, 8\) or -1 \(an inactive slot\)"),
+                                             (-1, r"1 inactive slot\(s\) \(expert id -1\) have a non-zero weight")])
+def test_with_losses_refuses_expert_ids_out_of_range_with_the_documented_error(bad_id, message):
     def broken(logits):
         ids = torch.zeros(logits.shape[0], 2, dtype=torch.long)
         ids[1, 1] = bad_id
         return Routing(torch.full(ids.shape, 0.5), ids, {})
 
     router = aux_losses.with_losses(broken, load_balance=0.01, z=1e-3)
-    with pytest.raises(ValueError, match=rf"expert_ids must be in \[0, {E}\)"):
+    with pytest.raises(ValueError, match=message):
         router(torch.randn(4, E))
+
+
+def test_inactive_slots_are_neither_computed_nor_counted():
+    """Slots with expert id -1 (weight 0: ReMoE's gates at 0) give the output and gradients of the
+    same weights on real experts, count in no statistic, and cost no expert FLOPs: the eager loop
+    path and the grouped operators under torch.func compute the active slots only."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    T = 32
+    p = full_params()
+    I = p["w_down"].shape[2]
+    x, _ = batch(0, T)
+    sparse = lambda lg: routing.remoe(k=2)(lg, l1_coef=torch.tensor(0.01))     # noqa: E731
+
+    def dense(lg):                                      # the same weights, every slot on a real expert
+        r = sparse(lg)
+        return Routing(r.weights, torch.arange(E).expand(T, E), r.aux)
+
+    runs = {}
+    for name, r in (("sparse", sparse), ("dense", dense)):
+        w = p["w_down"].clone().requires_grad_(True)
+        with FlopCounterMode(display=False) as eager:
+            y, aux = fmoe.moe({**p, "w_down": w}, x, router=r, matmul="loop")
+        y.square().sum().backward()
+        with FlopCounterMode(display=False) as traced:
+            torch.func.grad(lambda v: fmoe.moe({**p, "w_down": v}, x, router=r)[0].square().sum())(p["w_down"])
+        runs[name] = (y, w.grad, aux, eager.get_total_flops(), traced.get_total_flops())
+    (y, g, aux, f_eager, f_traced), (y2, g2, aux2, _, _) = runs["sparse"], runs["dense"]
+    A = int((sparse(x @ p["router"].t()).expert_ids >= 0).sum())
+    assert 0 < A < T * E
+    near(y, y2)
+    near(g, g2)
+    assert torch.equal(aux["load"], aux2["load"]) and int(aux["tokens_per_expert"].sum()) == A
+    assert float(aux["computed_slots"]) == A and float(aux2["computed_slots"]) == T * E   # logged per layer
+    router_flops = 2 * T * D * E
+    assert f_eager == router_flops + 6 * A * D * I                    # gate_up and down GEMMs, active slots only
+    assert f_traced == router_flops + 8 * A * D * I                   # + the w_down gradient
+    assert runs["dense"][3] == router_flops + 6 * T * E * D * I
