@@ -220,11 +220,11 @@ def text_of(spec: Spec) -> str:
 
 def hf_model(path: Union[str, os.PathLike], given: Optional[Spec] = None) -> str:
     """The model of a Hugging Face checkpoint directory (``--init-hf``, ``fmoe generate --ckpt
-    HF_DIR``): its ``config.json``'s ``model_type``, a name of this registry, or the model
-    ``given`` (``--model``), which must load that ``model_type``.
+    HF_DIR``, ``fmoe memory --config``): its ``config.json``'s ``model_type``, a name of this
+    registry, or the model ``given`` (``--model``), which must load that ``model_type``.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory (or its ``config.json``).
         given: the ``--model`` given (as :func:`get` takes it), or None.
     Returns:
         the model as text (:func:`text_of`): ``given``'s, else the ``model_type``.
@@ -239,21 +239,21 @@ def hf_model(path: Union[str, os.PathLike], given: Optional[Spec] = None) -> str
         Traceback (most recent call last):
         ValueError: ...config.json: model_type 'llama' is not the model_type of mixtral ('mixtral')
     """
-    file = os.path.join(path, "config.json")
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
         with open(file, encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{file}: cannot read it as JSON ({e})") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
-    if not isinstance(kind, str) or not kind or ":" in kind:
-        raise ValueError(f"{file}: model_type is {kind!r}, not a model name")
     if given is not None:
         model = get(given)
-        if model.Config.HF.get("model_type") != kind:
+        if kind is not None and model.Config.HF.get("model_type") != kind:
             raise ValueError(f"{file}: model_type {kind!r} is not the model_type of {model.name} "
                              f"({model.Config.HF.get('model_type')!r})")
         return text_of(given)
+    if not isinstance(kind, str) or not kind or ":" in kind:
+        raise ValueError(f"{file}: model_type is {kind!r}, not a model name (pass --model)")
     if not _sources(kind):
         raise ValueError(f"{file}: model_type {kind!r} is not a model of fmoe.models ({', '.join(names())}); "
                          f"register it (fmoe.models.register, an entry point of group {GROUP!r}) or pass "
