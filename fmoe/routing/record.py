@@ -40,7 +40,8 @@ from .inputs import call
 from .state import state_of
 from ..precision import upcast
 
-__all__ = ["recording", "save_record", "load_record", "replay", "record_writer", "REPLAY_SCORES"]
+__all__ = ["recording", "save_record", "load_record", "record_router", "scores_of", "replay", "record_writer",
+           "REPLAY_SCORES", "KNOWN_SCORES"]
 
 REPLAY_SCORES = ("softmax", "sigmoid", "topk_softmax")
 
@@ -73,22 +74,48 @@ def _id_dtype(num_experts: int) -> torch.dtype:
     return torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32768 else torch.int32
 
 
-def save_record(calls: Sequence[torch.Tensor], path: Union[str, os.PathLike], num_experts: int | None = None) -> None:
-    """Write a record (one ``[T, K]`` id tensor per router call) as a safetensors file, atomically.
+#: the weights of the routers whose scores :func:`replay` recomputes, by ``--router`` name.
+KNOWN_SCORES = {"topk": "softmax", "sigmoid_topk": "sigmoid", "topk_softmax": "topk_softmax"}
+
+
+def scores_of(spec: str | None) -> str:
+    """How a router's weights follow from its logits, for the record: a :data:`REPLAY_SCORES`
+    formula, ``"default"`` (the model's own router, no ``--router``) or ``"own"`` (its own score
+    function: capacity, expert choice, ReMoE, a user router: replay calls the router itself).
+
+    Example:
+        >>> scores_of("sigmoid_topk:k=2"), scores_of("switch:capacity_factor=1.0"), scores_of("mymod:router")
+        ('sigmoid', 'own', 'own')
+    """
+    if not spec:
+        return "default"
+    head, _, rest = spec.partition(":")
+    if head == "replay":
+        return "own"
+    return KNOWN_SCORES.get(head, "own") if "." not in head and head.isidentifier() and head.islower() else "own"
+
+
+def save_record(calls: Sequence[torch.Tensor], path: Union[str, os.PathLike], num_experts: int | None = None,
+                router: str | None = None) -> None:
+    """Write a record (one ``[T, K]`` id tensor per router call) as a safetensors file, atomically,
+    with the recording router's spec and score family (:func:`scores_of`) in its metadata.
 
     Args:
-        calls: the ids, in call order.
+        calls: the ids, in call order (``-1``: an inactive slot).
         path: the file to write.
         num_experts: E (chooses the smallest id dtype; default: the largest recorded id + 1).
+        router: the ``--router`` spec that chose them (None: the model's own router).
     """
     from safetensors.torch import save_file
 
     if num_experts is None:
         num_experts = 1 + max((int(c.max()) for c in calls if c.numel()), default=0)
-    dtype = _id_dtype(num_experts)
+    inactive = any(bool((c < 0).any()) for c in calls)
+    dtype = torch.int16 if inactive and num_experts <= 32767 else _id_dtype(num_experts)   # -1 needs a sign
     tensors = {f"call.{i:09d}": ids.to(dtype).contiguous() for i, ids in enumerate(calls)}
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    save_file(tensors, tmp, metadata={"format": "fmoe.routing.replay", "num_experts": str(num_experts)})
+    save_file(tensors, tmp, metadata={"format": "fmoe.routing.replay", "num_experts": str(num_experts),
+                                      "router": router or "", "scores": scores_of(router)})
     os.replace(tmp, path)
 
 
@@ -102,18 +129,36 @@ def load_record(path: Union[str, os.PathLike]) -> list[torch.Tensor]:
     return [tensors[k].long() for k in sorted(tensors)]
 
 
+def record_router(path: Union[str, os.PathLike]) -> tuple[str, str]:
+    """``(router spec, scores)`` a record file was made with (``("", "softmax")`` for a record
+    written before they were stored)."""
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), "pt") as f:
+        meta = f.metadata() or {}
+    return meta.get("router", ""), meta.get("scores", "softmax")
+
+
 def _rank_file(path: str, rank: int) -> str:
     return os.path.join(path, f"rank-{rank}.safetensors") if os.path.isdir(path) else path
 
 
-def replay(record: Union[str, os.PathLike, Sequence[torch.Tensor]], *, scores: str = "softmax",
+def replay(record: Union[str, os.PathLike, Sequence[torch.Tensor]], *, scores: str | None = None,
            normalize: bool = True, scale: float = 1.0, rank: int | None = None) -> Router:
     """A router answering each call with the next recorded ids; weights from the live logits.
+
+    A record holds the spec of the router that made it. A router whose weights follow from one of
+    the formulas (``topk``, ``sigmoid_topk``, ``topk_softmax``, the model's own) is replayed by its
+    formula; any other (capacity, expert choice, ReMoE, a user router: its own score function) is
+    called itself, by its recorded spec, and its routing used where it chose the recorded experts
+    (bitwise the live run, aux included); a call where it chose others is a ``ValueError`` naming
+    it, as is ``scores`` naming another formula than the record's router.
 
     Args:
         record: a record directory (``--record-routing DIR``: this rank's ``rank-R.safetensors``),
             a record file, or the list of ids itself.
-        scores: the weight formula (module docstring): ``softmax``, ``sigmoid`` or ``topk_softmax``.
+        scores: the weight formula (module docstring): ``softmax``, ``sigmoid`` or ``topk_softmax``
+            (default: the record's router's, else softmax).
         normalize: rescale the k weights to sum to 1 (softmax / sigmoid).
         scale: multiply the weights.
         rank: which rank's file of a directory (default: ``$RANK``, else 0).
@@ -125,16 +170,29 @@ def replay(record: Union[str, os.PathLike, Sequence[torch.Tensor]], *, scores: s
         >>> r.expert_ids.tolist(), r.weights.tolist()
         ([[1]], [[0.25]])
     """
-    if scores not in REPLAY_SCORES:
+    if scores is not None and scores not in REPLAY_SCORES:
         raise ValueError(f"replay: scores must be one of {REPLAY_SCORES}, got {scores!r}")
+    spec, recorded = "", "default"
     if isinstance(record, (str, os.PathLike)):
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-        calls = load_record(_rank_file(os.fspath(record), rank))
+        path = _rank_file(os.fspath(record), rank)
+        calls = load_record(path)
+        spec, recorded = record_router(path)
     else:
         calls = [torch.as_tensor(c).long() for c in record]
+    if scores is not None and recorded not in ("default", scores):
+        raise ValueError(f"replay: the record was made by router {spec!r} "
+                         f"({'its own score function' if recorded == 'own' else recorded + ' scores'}); replaying it with "
+                         f"scores={scores!r} would train another router's model; drop scores= to replay {spec!r} itself")
+    scores = scores or (recorded if recorded in REPLAY_SCORES else "softmax")
+    own = None
+    if recorded == "own":
+        from .spec import from_spec
+
+        own = from_spec(spec, "replay: the recorded router")
     position = [0]
 
-    def router(logits: torch.Tensor) -> Routing:
+    def router(logits: torch.Tensor, **inputs) -> Routing:
         i = position[0]
         if i >= len(calls):
             raise ValueError(f"replay: the record holds {len(calls)} router calls; this is call {i + 1} "
@@ -145,6 +203,14 @@ def replay(record: Union[str, os.PathLike, Sequence[torch.Tensor]], *, scores: s
             raise ValueError(f"replay: call {i + 1} recorded ids of shape {tuple(ids.shape)} for "
                              f"{logits.shape[0]} tokens; replay the same batches as the recording")
         position[0] = i + 1
+        if own is not None:                     # the router's own score function: the router itself
+            live = call(own, logits, inputs)
+            live = live if isinstance(live, Routing) else Routing(*live)
+            if not torch.equal(live.expert_ids, ids):
+                raise ValueError(f"replay: call {i + 1}: the recorded router {spec!r} now chooses other experts than "
+                                 "its record, and its weights are its own score function (no formula to reweight the "
+                                 "recorded ones); replay its run on the same parameters and batches")
+            return live
         if scores == "topk_softmax":
             weights = torch.softmax(upcast(logits).gather(1, ids), dim=-1)
         else:
@@ -154,12 +220,14 @@ def replay(record: Union[str, os.PathLike, Sequence[torch.Tensor]], *, scores: s
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if scores == "sigmoid" else 0.0))
         return Routing(weights * scale, ids, {})
 
+    router.state = state_of(own)            # a replayed router's state (e.g. ReMoE's) is the job's state too
     return torch.compiler.disable(router)    # eager under torch.compile: a traced call counter recompiles each call
 
 
-def record_writer(calls: list, path: str, rank: int) -> Callable[[], None]:
-    """``write()`` saving ``calls`` as rank ``rank``'s file of a record directory ``path``."""
+def record_writer(calls: list, path: str, rank: int, router: str | None = None) -> Callable[[], None]:
+    """``write()`` saving ``calls`` as rank ``rank``'s file of a record directory ``path``, made by
+    the ``--router`` spec ``router`` (None: the model's own)."""
     def write() -> None:
         os.makedirs(path, exist_ok=True)
-        save_record(calls, os.path.join(path, f"rank-{rank}.safetensors"))
+        save_record(calls, os.path.join(path, f"rank-{rank}.safetensors"), router=router)
     return write

@@ -254,7 +254,7 @@ def with_recording(args: Any, step_cfg: Any, rank: int) -> tuple[Any, Optional[C
         return step_cfg, None
     calls: list = []
     return (dataclasses.replace(step_cfg, router=recording(step_cfg.router, calls)),
-            record_writer(calls, args.record_routing, rank))
+            record_writer(calls, args.record_routing, rank, args.router))
 
 
 def run_router(job: Any) -> Optional[Callable]:

@@ -62,3 +62,31 @@ def test_record_and_replay_from_the_command_line(tmp_path):
     bad = train_cli(*base, "--router", f"replay:record={rec}", "--remat", "layer", "--out", str(tmp_path / "c"),
                     check=False)
     assert bad.returncode == 2 and "recomputation calls the router again" in bad.stderr
+
+
+def test_a_record_names_its_router_and_replays_a_user_router_bitwise_or_refuses(tmp_path):
+    """The record stores the router's spec: a user router (its own score function) is replayed by
+    calling it, bitwise the live run (loss and router gradients); a replay that would reweight it
+    with another formula, or a call where it now chooses other experts, is refused naming it. A
+    built-in's formula comes from the record (sigmoid_topk replays as sigmoid)."""
+    from router_cases import own_top2
+
+    cfg = qwen3_moe.Config.tiny()
+    params = qwen3_moe.init(cfg, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    calls = []
+    loss, grads = _loss_and_router_grads(params, cfg, tokens, recording(own_top2, calls))
+    save_record(calls, tmp_path / "own.safetensors", router="router_cases:own_top2")
+    loss2, grads2 = _loss_and_router_grads(params, cfg, tokens, replay(tmp_path / "own.safetensors"))
+    assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    with pytest.raises(ValueError, match=r"made by router 'router_cases:own_top2' \(its own score function\); "
+                                         r"replaying it with scores='softmax'"):
+        replay(tmp_path / "own.safetensors", scores="softmax")
+    moved = fmoe.tree.map_with_path(lambda p, t: t + torch.randn_like(t) if p.endswith("router") else t, params)
+    with pytest.raises(ValueError, match=r"call 1: the recorded router 'router_cases:own_top2' now chooses other"):
+        _loss_and_router_grads(moved, cfg, tokens, replay(tmp_path / "own.safetensors"))
+    save_record(calls, tmp_path / "sig.safetensors", router="sigmoid_topk:k=2")
+    with pytest.raises(ValueError, match=r"made by router 'sigmoid_topk:k=2' \(sigmoid scores\)"):
+        replay(tmp_path / "sig.safetensors", scores="softmax")
+    r = replay(tmp_path / "sig.safetensors")(torch.zeros(24, cfg.num_experts))
+    assert torch.allclose(r.weights, torch.full((24, 2), 0.5))               # sigmoid, renormalized
