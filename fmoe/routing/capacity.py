@@ -121,7 +121,10 @@ def expert_choice(capacity_factor: float = 1.0, k: int = 1, max_experts: Optiona
             ``E``: exact). A token chosen by more experts keeps its best ones.
     Returns:
         a router with ``aux["drop_rate"]`` (fraction of tokens that no expert chose),
-        ``aux["load_routed"]`` and ``aux["truncated_rate"]`` (module docstring).
+        ``aux["load_routed"]`` and ``aux["truncated_rate"]`` (module docstring), and
+        ``aux["uses_future_tokens"]`` (1): each expert picks from the whole batch, so a token's
+        routing depends on the tokens after it; its held-out loss (``eval_...``) is optimistic
+        against a causal router's, and the log row says so (``eval_uses_future_tokens``).
 
     Example:
         >>> r = expert_choice(k=1)(torch.log(torch.tensor([[.7, .3], [.6, .4], [.2, .8]])))
@@ -150,6 +153,7 @@ def expert_choice(capacity_factor: float = 1.0, k: int = 1, max_experts: Optiona
         cut = (chosen.sum(-1) - used.sum(-1)).sum().float()                   # choices beyond K slots
         aux = _statistics(weights, scores.detach().topk(k, dim=-1).indices, E)
         aux["truncated_rate"] = _rate(cut, scores.new_tensor(float(C * E), dtype=torch.float32))
+        aux["uses_future_tokens"] = torch.tensor(1.0, device=logits.device)   # an expert ranks the whole batch
         return Routing(weights, ids, aux)
 
     router.no_balance_loss = "every expert takes exactly C tokens: the load is balanced by construction"

@@ -159,7 +159,9 @@ def finalize(aux: Mapping[str, Any], mesh=None, summed_over_fsdp: Optional[torch
     out = dict(aux)
     for key, st in aux.items():
         if isinstance(st, GlobalStat):
-            out[key] = st.finish({n: reduced[_index_of(t, sums)] for n, t in st.sums.items()})
+            graph = any(t.requires_grad for t in st.sums.values())   # a sum of detached values stays detached
+            out[key] = st.finish({n: reduced[_index_of(t, sums)] if graph else reduced[_index_of(t, sums)].detach()
+                                  for n, t in st.sums.items()})
     return out
 
 

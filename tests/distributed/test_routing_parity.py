@@ -111,3 +111,20 @@ def _four_ranks(rank, world):
 def test_routers_and_aux_losses_on_four_ranks():
     fails = sum(on_ranks(_four_ranks, 4, timeout=600), [])
     assert not fails, "\n".join(fails[:40])
+
+
+def _stat_grads(rank, world):
+    """A statistic of detached sums stays detached once summed over the batches; a loss keeps its graph."""
+    mesh = fmoe.Mesh(tp=1, ep=2)
+    p = fmoe.shard({k: v.requires_grad_(True) for k, v in full_params().items()},
+                   Plan({"w_*": P("ep", None, None)}, default=P()), mesh)
+    x, _ = batch(rank, 6)
+    router = aux_losses.with_losses(remoe_fixed, z=0.3)
+    _, aux = fmoe.moe(p, x, router=router, mesh=mesh)
+    ec = fmoe.moe(p, x, router=routing.expert_choice(capacity_factor=1.0), mesh=mesh)[1]
+    return (aux["active"].requires_grad, aux["load"].requires_grad, aux["z_loss"].requires_grad,
+            float(ec["uses_future_tokens"]))
+
+
+def test_statistics_carry_no_graph_on_two_ranks_and_expert_choice_says_it_looks_ahead():
+    assert on_ranks(_stat_grads, 2) == [(False, False, True, 1.0)] * 2
