@@ -4,8 +4,8 @@ A path says where data was, not what it was. A new run records ``--data`` as an 
 with its content digest (:func:`fmoe.data.data_digest`: shard headers, or the bytes of the text
 files), and ``meta.json`` the tokenizer's digest. A resume (:mod:`fmoe.training.resume`) takes
 them when not given and compares digests either way: a moved or renamed corpus is the same data,
-a same-named file elsewhere or a corpus edited in place is refused naming the file, and so is
-another tokenizer. A run whose tokenizer came from its ``--init-hf`` directory resumes with that
+a same-named file elsewhere or a corpus edited in place is refused naming the file (unless
+``--data-changed``: then said on stderr, and the new digest recorded), and so is another tokenizer. A run whose tokenizer came from its ``--init-hf`` directory resumes with that
 tokenizer file.
 
 Example:
@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable
 
 from ..data import data_digest, is_shard_dir
@@ -58,8 +59,11 @@ def restore(job: Any, saved: dict, meta: dict, where: str, error: Callable[[str]
         if digest != saved.get("data_digest"):
             was = f"{saved.get('data')!r} (digest {saved.get('data_digest')})" if saved.get("data") else \
                 "the built-in corpus (no --data)"
-            error(f"--resume {where}: --data {path!r} (digest {digest}) is not the data the run trained on, {was}; "
-                  "a resumed run trains on the same corpus (restore the file, or start a new run)")
+            what = f"--data {path!r} (digest {digest}) is not the data the run trained on, {was}"
+            if not job.data_changed:
+                error(f"--resume {where}: {what}; a resumed run trains on the same corpus (restore the file, pass "
+                      "--data-changed to continue on this one, or start a new run)")
+            print(f"fmoe train: note: --data-changed: {what}; continuing on it", file=sys.stderr)
         job.data, job.data_digest = path, digest
     elif "data" not in job.explicit:
         job.data, job.data_digest = None, None

@@ -132,6 +132,9 @@ class JobConfig:
     data: Optional[str] = _f("data", ("str",), "a .txt/.jsonl file, a directory of them, or a shard directory from "
                              "`fmoe data prepare` (default: the Python standard library's source, byte tokens)",
                              metavar="PATH")
+    data_changed: Optional[bool] = _f("data", ("bool",), "with --resume: continue on a --data whose content differs "
+                                      "from the corpus the checkpoint trained on (said on stderr and recorded; "
+                                      "default: refused)", False)
     tokenizer: Optional[str] = _f("data", ("str",), "'bytes' or a Hugging Face tokenizer.json (file or directory) "
                                   "(default: bytes, or the tokenizer.json in --init-hf DIR)", metavar="T")
     eval_every: Optional[int] = _f("data", ("int", 0, None), "evaluate on the held-out split every N steps (0: never)", 0, "N")

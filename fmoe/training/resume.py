@@ -77,7 +77,7 @@ MESH: dict[str, str] = {"nproc": "world", "tp": "tp", "ep": "ep", "dp_replicate"
                         "cp": "cp"}
 MESH_FOLLOWERS = {"sp": "tp", "pp_layers": "pp"}
 #: this invocation's own settings, never taken from a checkpoint
-FRESH = ("resume", "out", "overwrite", "export_hf", "record_routing", "threads", "quiet", "debug")
+FRESH = ("resume", "out", "overwrite", "export_hf", "record_routing", "data_changed", "threads", "quiet", "debug")
 #: settings a resume refuses (they choose the starting weights)
 REFUSED = ("init_hf", "upcycle")
 _BATCH = ("batch", "grad_accum", "microbatches", "dp_batches")     # compared as one batch shape

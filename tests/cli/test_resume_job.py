@@ -38,7 +38,7 @@ CHANGEABLE = {"steps": (4, 6), "save_every": (1, 3), "keep_last": (2, 0), "eval_
               "pp_schedule": ("gpipe", "1f1b"), "device": ("cpu", "auto"), "timeout": (600.0, 900.0)}
 FOLLOWERS = {"sp": False, "pp_layers": None}
 FRESH = {"resume": None, "out": "elsewhere", "overwrite": True, "export_hf": "hf", "record_routing": "rec",
-         "threads": 2, "quiet": True, "debug": True}
+         "data_changed": True, "threads": 2, "quiet": True, "debug": True}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_every_setting_is_restored_changeable_or_refused(base, tmp_path, corpus)
         assert getattr(job, name) == value, (name, getattr(job, name), value)
     assert (job.nproc, job.world, job.tp, job.ep, job.pp, job.sp, job.pp_layers) == (1, 1, 1, 1, 1, False, None)
     assert job.out == str(tmp_path / "run") and not job.overwrite and job.export_hf is None      # this invocation's
-    assert (job.record_routing, job.threads, job.quiet, job.debug) == (None, None, False, False)
+    assert (job.record_routing, job.data_changed, job.threads, job.quiet, job.debug) == (None, False, None, False, False)
     data = os.path.join(corpus[1], "b.txt")
     others = {**{n: o for n, (_, o) in KEPT.items()}, "data": data, "tokenizer": corpus[2]}
     for name, other in others.items():                         # refused by name
@@ -138,7 +138,7 @@ def test_dp_batches_eval_seed_and_eval_fraction_survive_a_resume(tmp_path):
     assert (meta["dp_batches"], meta["eval_seed"], meta["eval_fraction"]) == (2, 7, 0.1)
 
 
-def test_the_data_is_recorded_by_content(tmp_path, monkeypatch):
+def test_the_data_is_recorded_by_content(tmp_path, monkeypatch, capsys):
     """Issue 44's reproduction 3: ``--data`` is recorded as an absolute path with its digest; a
     resume from another directory finds it, a same-named file elsewhere or an edited corpus is
     refused naming the file."""
@@ -162,6 +162,8 @@ def test_the_data_is_recorded_by_content(tmp_path, monkeypatch):
     (here / "c.txt").write_text("edited in place " * 60)
     with pytest.raises(JobConfigError, match=r"here/c.txt' \(digest [0-9a-f]{64}\) is not the data"):
         resolve(JobConfig(resume=out, steps=2))
+    job = resolve(JobConfig(resume=out, steps=2, data_changed=True))       # accepted when asked, and said
+    assert job.data_digest != settings["data_digest"] and "--data-changed: --data" in capsys.readouterr().err
     from fmoe.data import data_digest, write_shards                # shards: their header, with a digest per shard
     one, two = (write_shards(str(tmp_path / n), [np.arange(n_, dtype=np.uint16)], vocab_size=300)
                 for n, n_ in (("s1", 50), ("s2", 51)))
