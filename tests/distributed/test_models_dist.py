@@ -78,7 +78,8 @@ def _rank_case(name: str, path: str, tp: int, ep: int, plan, save_to=None) -> di
         model.forward(params, tokens, cfg)   # raised before any communication
     layer = next(layer["moe"] for layer in params["layers"] if "moe" in layer)   # a forward without the kit's start
     with pytest.raises(ValueError, match=r"experts on this rank, expected \d+ .*: pass mesh="):
-        fmoe.moe(layer, torch.zeros(2, cfg.hidden_size), router=fmoe.routing.topk(1))
+        fmoe.moe({k: layer[k] for k in ("router", "w_gate_up", "w_down")}, torch.zeros(2, cfg.hidden_size),
+                 router=fmoe.routing.topk(1))
     logits, aux = model.forward(params, tokens, cfg, mesh, return_aux=True)
     nn.cross_entropy(logits[:, :-1], tokens[:, 1:]).backward()
     with torch.no_grad():
