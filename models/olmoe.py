@@ -183,10 +183,9 @@ def hf_specs(cfg: Config, keys: Optional[Sequence[str]] = None) -> dict[str, Spe
 
 TP_FIELDS = {**kit.TP_FIELDS, ("attn.q_norm", 0): "num_attention_heads", ("attn.k_norm", 0): "num_key_value_heads"}
 MODEL = kit.Model("olmoe", Config, init, forward, plan, hf_specs, tp_fields=TP_FIELDS, init_cache=kit.init_kv_cache,
-                  context_parallel=True,
                   aux_loss_fields=kit.AUX_LOSS_FIELDS, width_fields={"I": "intermediate_size", "Id": None},
                   hf_router=("topk", {"k": "num_experts_per_tok", "normalize": "norm_topk_prob"}, {}),
-                  router=default_router)
+                  router=default_router, context_parallel=True)
 
 
 def __getattr__(name: str) -> Any:  # load_hf, save_hf, shard, check_plan, init_cache: MODEL's methods
