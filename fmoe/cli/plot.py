@@ -2,12 +2,14 @@
 
 Reads each run directory's ``log.jsonl`` (one JSON object per step, written by the main job) and
 the ``meta.json`` of its latest checkpoint, and draws panels against the step: training loss,
-held-out loss (``eval_loss``, where logged), load imbalance (max / mean expert load, averaged
-over MoE layers) and tokens per second, then the routing panels of :data:`OPTIONAL` for the keys
-some run logged: drop rate (capacity routers), MaxVio after dropping and before it
-(``maxvio_routed``), and each rank's step time (``rank_step_time``, one value per rank: the band
-from the fastest to the slowest rank, and the ranks' mean as its line). Each run has one colour in every panel and one legend entry: its directory,
-then model, router, mesh and balancing from its ``meta.json``. A run without a panel's key has
+held-out loss (``eval_loss``, where logged), load imbalance (max / mean expert load) and tokens
+per second, then the routing panels of :data:`OPTIONAL` for the keys some run logged: drop rate
+(capacity routers), MaxVio after dropping and before it (``maxvio_routed``), and each rank's step
+time (``rank_step_time``). A value per MoE layer or per rank is drawn as a band from the best to
+the worst layer (rank) and their mean as the line, so a dead layer beside a healthy one shows
+(a drop rate of 1.0 and 0.0: the band spans 0..1 around the mean 0.5). Each run has one colour in
+every panel and one legend entry, beside the panels: its directory, then model, router, mesh and
+balancing from its ``meta.json``. A run without a panel's key has
 no line there, and a note on stderr says so. Drawn with
 matplotlib's non-interactive Agg backend (no display needed). The image is written to a
 temporary file beside it and renamed into place (never through a link); the default
@@ -40,7 +42,7 @@ DEFAULT_OUT = "runs.png"
 #: (metric key in log.jsonl, panel title)
 PANELS = (("loss", "training loss"), ("eval_loss", "held-out loss"), ("load_imbalance", "load imbalance (max/mean)"),
           ("tokens_per_s", "tokens / s"))
-#: panels drawn only when some run logged the key (routing studies; per-layer keys: the layers' mean)
+#: panels drawn only when some run logged the key (routing studies; per-layer keys: a band over the layers)
 OPTIONAL = (("drop_rate", "drop rate (tokens no expert takes)"), ("maxvio", "MaxVio after dropping"),
             ("maxvio_routed", "MaxVio before dropping (routed)"))
 #: optional panels of one value per rank (fmoe.training.observe): a min-max band over the ranks and their mean
@@ -49,7 +51,7 @@ PER_RANK = (("rank_step_time", "step time per rank, s (min-max band, mean)"),)
 
 def load_run(out: str) -> dict:
     """``{"steps": {metric: ([step...], [value...])}, "meta": dict}`` of a run directory (a
-    :data:`PER_RANK` metric's value: the list of the ranks' values).
+    per-layer or :data:`PER_RANK` metric's value: the list of the layers' or ranks' values).
 
     Raises:
         ValueError: ``out`` has no ``log.jsonl`` or a line is not JSON.
@@ -63,11 +65,11 @@ def load_run(out: str) -> dict:
                 series[key][1].append([float(x) for x in v])
         for key, _ in PANELS + OPTIONAL:
             v = row.get(key)
-            if isinstance(v, list):                        # per MoE layer: the layers' mean
-                v = sum(v) / len(v) if v else None
-            if isinstance(v, (int, float)) and "step" in row:
+            if isinstance(v, list):                        # per MoE layer: kept whole (a band)
+                v = [float(x) for x in v] if v and all(isinstance(x, (int, float)) for x in v) else None
+            if isinstance(v, (int, float, list)) and "step" in row:
                 series[key][0].append(row["step"])
-                series[key][1].append(float(v))
+                series[key][1].append(v if isinstance(v, list) else float(v))
     return {"steps": series, "meta": latest_meta(out), "out": out}
 
 
@@ -99,13 +101,14 @@ def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
             if not run["steps"][key][0]:
                 print(f"fmoe plot: note: {run['out']} logged no {key!r}; no line in that panel", file=sys.stderr)
     rows = -(-len(panels) // 2)
-    fig, axes = plt.subplots(rows, 2, figsize=(11, 3.5 * rows), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(rows, 2, figsize=(16, 3.5 * rows), sharex=True, squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax, (key, name) in zip(axes.flat, panels):
         for run, color in zip(runs, colors):
             xs, ys = run["steps"][key]
-            if xs and key in dict(PER_RANK):               # the ranks' spread, and their mean
+            if xs and any(isinstance(v, list) for v in ys):   # layers' (ranks') spread, and their mean
+                ys = [v if isinstance(v, list) else [v] for v in ys]
                 ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], color=color, alpha=0.25,
                                 linewidth=0)
                 ax.plot(xs, [sum(v) / len(v) for v in ys], label=label(run), color=color)
@@ -117,9 +120,9 @@ def plot_runs(outs: Sequence[str], path: str, title: Optional[str] = None):
     for ax in axes[-1]:
         ax.set_xlabel("step")
     handles = [Line2D([], [], color=c) for c in colors]           # every run, whatever it logged
-    fig.legend(handles, [label(r) for r in runs], loc="lower center", ncol=1, fontsize=8)
     fig.suptitle(title or "fmoe training runs")
-    fig.tight_layout(rect=(0, 0.04 + 0.03 * len(runs), 1, 1))
+    fig.tight_layout(rect=(0, 0, 0.68, 1))                       # the legend beside the panels
+    fig.legend(handles, [label(r) for r in runs], loc="center left", bbox_to_anchor=(0.685, 0.5), fontsize=7)
     save_png(fig, path)
     plt.close(fig)
     return fig

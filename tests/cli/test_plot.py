@@ -173,3 +173,28 @@ def test_plot_draws_per_rank_step_time_as_a_band_and_the_mean(tmp_path, capsys):
     ys = band.get_paths()[0].vertices[:, 1]
     assert np.min(ys) == pytest.approx(0.1) and np.max(ys) == pytest.approx(1.6)     # fastest .. slowest rank
     assert f"{b} logged no 'rank_step_time'" in capsys.readouterr().err
+
+
+def test_a_dead_layer_shows_as_the_band_of_worst_and_best_layer_and_the_legend_sits_beside(tmp_path):
+    """Per-layer metrics: the band from the best to the worst layer and their mean (a layer at
+    drop rate 1.0 beside one at 0.0 is not just 0.5); the legend is right of every panel."""
+    import numpy as np
+
+    run = _fake_run(tmp_path / "a", "qwen3_moe", "switch:capacity_factor=1.0", 4.0)
+    rows = [json.loads(line) for line in open(tmp_path / "a" / "log.jsonl")]
+    with open(tmp_path / "a" / "log.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "drop_rate": [1.0, 0.0]}) + "\n")
+    fig = plot_runs([run], str(tmp_path / "r.png"))
+    ax = {a.get_title(): a for a in fig.axes if a.get_visible()}["drop rate (tokens no expert takes)"]
+    (band,) = ax.collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert np.min(ys) == pytest.approx(0.0) and np.max(ys) == pytest.approx(1.0)
+    assert list(ax.lines[0].get_ydata()) == pytest.approx([0.5] * len(rows))
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)                       # the closed figure, drawn again to measure it
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    right = max(a.get_window_extent(renderer).x1 for a in fig.axes if a.get_visible())
+    assert fig.legends[0].get_window_extent(renderer).x0 >= right
