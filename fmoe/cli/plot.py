@@ -13,7 +13,8 @@ balancing from its ``meta.json``. A run without a panel's key has
 no line there, and a note on stderr says so. Drawn with
 matplotlib's non-interactive Agg backend (no display needed). The image is written to a
 temporary file beside it and renamed into place (never through a link); the default
-``runs.png`` is never overwritten silently (pass ``--out``).
+``runs.png`` is never overwritten silently (pass ``--out``). ``--table`` prints a study's summary
+table instead (:mod:`fmoe.cli.plot_table`: one row per arm, mean ± sd over its seeds).
 
 Example:
     >>> import json, tempfile
@@ -34,6 +35,7 @@ import sys
 from typing import Optional, Sequence
 
 from .plot_metric import latest_meta, log_rows, plot_metric, pyplot, save_png, settings_label
+from .plot_table import study_table
 
 __all__ = ["load_run", "label", "plot_runs", "main", "PANELS", "OPTIONAL", "PER_RANK", "DEFAULT_OUT"]
 
@@ -147,8 +149,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--log", action="store_true", help="with --metric: logarithmic y axis")
     ap.add_argument("--smooth", type=int, default=1, metavar="N", help="with --metric: trailing mean over N points")
     ap.add_argument("--per-layer", action="store_true", help="with --metric: one line per MoE layer")
+    ap.add_argument("--table", action="store_true", help="print the study table instead of drawing: one row per arm "
+                    "(runs of the same settings), held-out loss, training loss, drop rate, MaxVio, mean +- sd over "
+                    "the runs (fmoe.cli.plot_table)")
     args = ap.parse_args(argv)
     path = args.out or DEFAULT_OUT
+    if args.table:
+        try:
+            print(study_table(args.outs))
+        except ValueError as e:
+            print(f"fmoe plot: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         if args.out is None and os.path.lexists(DEFAULT_OUT):
             raise ValueError(f"{DEFAULT_OUT} exists; pass --out {DEFAULT_OUT} to replace it, or another --out")

@@ -198,3 +198,32 @@ def test_a_dead_layer_shows_as_the_band_of_worst_and_best_layer_and_the_legend_s
     renderer = canvas.get_renderer()
     right = max(a.get_window_extent(renderer).x1 for a in fig.axes if a.get_visible())
     assert fig.legends[0].get_window_extent(renderer).x0 >= right
+
+
+def test_the_study_table_groups_seeds_into_arms_mean_and_sd(tmp_path, capsys):
+    """``fmoe plot --table``: runs of the same settings are one arm (seeds), each cell the mean ±
+    sd of the runs' last values; expert choice's held-out loss is marked as looking ahead."""
+    import statistics
+
+    from fmoe.cli.plot import main
+
+    outs = []
+    for name, router, loss0, drop in (("t0", "topk:k=2", 6.0, None), ("t1", "topk:k=2", 7.0, None),
+                                      ("e0", "expert_choice", 6.0, [0.1, 0.3]), ("e1", "expert_choice", 6.5, [0.2, 0.2])):
+        out = _fake_run(tmp_path / name, "qwen3_moe", router, loss0)
+        rows = [json.loads(line) for line in open(tmp_path / name / "log.jsonl")]
+        with open(tmp_path / name / "log.jsonl", "w") as f:
+            for r in rows:
+                extra = {"eval_maxvio": [0.5, 0.7]} if "eval_loss" in r else {}
+                if drop and "eval_loss" in r:
+                    extra.update(eval_drop_rate=drop, eval_uses_future_tokens=[1.0, 1.0])
+                f.write(json.dumps({**r, **extra}) + "\n")
+        outs.append(out)
+    assert main([*outs, "--table"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "| arm | runs | held-out loss | training loss | drop rate | MaxVio |"
+    top, ec = table[2].rstrip(" |").split(" | "), table[3].rstrip(" |").split(" | ")
+    held = [6.0 / 6 + 0.5, 7.0 / 6 + 0.5]
+    assert top[1] == "2" and top[2] == f"{statistics.mean(held):.3f} ± {statistics.stdev(held):.3f}"
+    assert top[4] == "—" and top[5] == "0.600 ± 0.000" and "router topk:k=2" in top[0]
+    assert ec[0].endswith("*") and ec[4] == "0.200 ± 0.000" and "optimistic" in table[-1]
