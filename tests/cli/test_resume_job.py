@@ -284,3 +284,15 @@ def test_fmoe_memory_refuses_what_the_job_refuses(capsys):
         assert e.value.code == 2 and want in err[-1], (args, err[-1:])
     assert memory.main(["--nproc", "2", "--pp", "2", "--pp-layers", "1,1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["microbatches"] == 2
+
+
+def test_generate_on_two_ranks_leaves_no_semaphore(base):
+    """Issue 44's low item: ``fmoe generate --nproc 2`` ended with the resource tracker's "leaked
+    semaphore" warning (tqdm's multiprocessing lock on each spawned rank)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fmoe", "generate", "--ckpt", base, "--prompt", "hi", "--bytes",
+                          "--max-new-tokens", "2", "--nproc", "2", "--ep", "2"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "leaked semaphore" not in out.stderr, out.stderr[-2000:]
