@@ -136,10 +136,15 @@ def test_a_flipped_bit_is_caught_on_resume_and_on_load_hf(params, export, tmp_pa
         llama.load_hf(hf)
 
 
-def test_non_finite_checkpoint_values_are_refused(params, tmp_path):
+def test_non_finite_checkpoint_values_are_refused(params, tmp_path, monkeypatch):
     bad = fmoe.tree.map_with_path(lambda p, t: t.clone(), params)
     bad["layers"][1]["attn"]["wq"][0, 0] = float("nan")
-    path = _train_ckpt(bad, str(tmp_path / "run"))
+    with pytest.raises(ckpt.NonFiniteState, match=r"first: rank 0: 'params\.layers\.1\.attn\.wq'.* was not written"):
+        _train_ckpt(bad, str(tmp_path / "refused"))                   # nothing non-finite is saved
+    assert not os.path.exists(tmp_path / "refused")                  # checked before anything is written
+    with monkeypatch.context() as m:                                  # a writer without the check (a crafted file)
+        m.setattr(ckpt, "first_nonfinite", lambda tree: None)
+        path = _train_ckpt(bad, str(tmp_path / "run"))
     fresh = llama.init(CFG, seed=1)
     with pytest.raises(ValueError, match=r"layers\.1\.attn\.wq' holds non-finite values"):
         ckpt.load(path, fresh, adamw_init(fresh))
