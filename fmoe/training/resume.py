@@ -55,6 +55,7 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, Mapping, Optional
 
 from . import identity
@@ -77,7 +78,8 @@ MESH: dict[str, str] = {"nproc": "world", "tp": "tp", "ep": "ep", "dp_replicate"
                         "cp": "cp"}
 MESH_FOLLOWERS = {"sp": "tp", "pp_layers": "pp"}
 #: this invocation's own settings, never taken from a checkpoint
-FRESH = ("resume", "out", "overwrite", "export_hf", "record_routing", "data_changed", "threads", "quiet", "debug")
+FRESH = ("resume", "out", "overwrite", "export_hf", "record_routing", "data_changed", "router_changed", "threads", "quiet",
+         "debug")
 #: settings a resume refuses (they choose the starting weights)
 REFUSED = ("init_hf", "upcycle")
 _BATCH = ("batch", "grad_accum", "microbatches", "dp_batches")     # compared as one batch shape
@@ -265,6 +267,10 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
         if name in MESH_FOLLOWERS and getattr(job, MESH_FOLLOWERS[name]) != saved.get(MESH_FOLLOWERS[name]):
             continue                                   # another --tp / --pp: its followers are this run's own
         value = saved[name]
+        if name == "router" and job.router_changed and "router" in job.explicit and job.router != value:
+            print(f"fmoe train: note: --router-changed: --resume {where} trained with --router {value}; continuing "
+                  f"with --router {job.router} on its parameters and optimizer state", file=sys.stderr)
+            continue
         if name in ("router", "model"):
             problem = (check_router if name == "router" else check_model)(value, job, file)
             if problem:
@@ -274,7 +280,9 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
         if name not in job.explicit:
             setattr(job, name, value)
         elif name in KEPT and getattr(job, name) != value:
-            error(_refuse(where, name, repr(value), repr(getattr(job, name))))
+            error(_refuse(where, name, repr(value), repr(getattr(job, name)))
+                  + ("; --router-changed switches the router, keeping parameters and optimizer state" if name == "router"
+                     else ""))
     _restore_batch(job, saved, where, error)
     identity.restore(job, saved, meta, where, error)      # --data and --tokenizer by content
     step = meta["step"]

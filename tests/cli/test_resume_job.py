@@ -38,7 +38,7 @@ CHANGEABLE = {"steps": (4, 6), "save_every": (1, 3), "keep_last": (2, 0), "eval_
               "pp_schedule": ("gpipe", "1f1b"), "device": ("cpu", "auto"), "timeout": (600.0, 900.0)}
 FOLLOWERS = {"sp": False, "pp_layers": None}
 FRESH = {"resume": None, "out": "elsewhere", "overwrite": True, "export_hf": "hf", "record_routing": "rec",
-         "data_changed": True, "threads": 2, "quiet": True, "debug": True}
+         "data_changed": True, "router_changed": True, "threads": 2, "quiet": True, "debug": True}
 
 
 @pytest.fixture(scope="module")
