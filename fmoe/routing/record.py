@@ -144,7 +144,8 @@ def _rank_file(path: str, rank: int) -> str:
 
 
 def replay(record: Union[str, os.PathLike, Sequence[torch.Tensor]], *, scores: str | None = None,
-           normalize: bool = True, scale: float = 1.0, rank: int | None = None) -> Router:
+           normalize: bool = True, scale: float = 1.0, rank: int | None = None,
+           resolve: Callable[[str], Router] | None = None) -> Router:
     """A router answering each call with the next recorded ids; weights from the live logits.
 
     A record holds the spec of the router that made it. A router whose weights follow from one of
@@ -162,6 +163,8 @@ def replay(record: Union[str, os.PathLike, Sequence[torch.Tensor]], *, scores: s
         normalize: rescale the k weights to sum to 1 (softmax / sigmoid).
         scale: multiply the weights.
         rank: which rank's file of a directory (default: ``$RANK``, else 0).
+        resolve: ``resolve(spec) -> router``, how a recorded router with its own score function is
+            rebuilt (``fmoe.routing.from_spec``; ``--router replay:...`` passes it).
     Returns:
         a router; a call past the end of the record, or of another shape, is a ValueError.
 
@@ -187,9 +190,10 @@ def replay(record: Union[str, os.PathLike, Sequence[torch.Tensor]], *, scores: s
     scores = scores or (recorded if recorded in REPLAY_SCORES else "softmax")
     own = None
     if recorded == "own":
-        from .spec import from_spec
-
-        own = from_spec(spec, "replay: the recorded router")
+        if resolve is None:
+            raise ValueError(f"replay: the record was made by router {spec!r}, whose weights are its own score "
+                             "function; replay calls it itself: pass resolve=fmoe.routing.from_spec")
+        own = resolve(spec)
     position = [0]
 
     def router(logits: torch.Tensor, **inputs) -> Routing:

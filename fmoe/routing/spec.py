@@ -143,6 +143,8 @@ def from_spec(spec: str, what: str = "router") -> Callable:
         if not kwargs and _takes_logits(factory):
             return factory                           # the user's router itself
     _check_keys(factory, kwargs, name, what, spec)
+    if factory is replay and "resolve" not in kwargs:
+        kwargs["resolve"] = from_spec            # a replayed record's own router is rebuilt from its spec
     try:
         return factory(**kwargs)
     except TypeError as e:

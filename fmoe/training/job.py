@@ -169,8 +169,8 @@ class JobConfig:
     router: Optional[str] = _f("optimization", ("str",), "NAME[:k=v,...] of fmoe.routing, or "
                                "module:function[:k=v,...] (default: the model's own router)", metavar="SPEC")
     router_changed: Optional[bool] = _f("optimization", ("bool",), "with --resume: train on with this --router instead "
-                                        "of the checkpoint's, keeping its parameters and optimizer state (said on "
-                                        "stderr and recorded; default: refused)", False)
+                                        "of the checkpoint's, keeping its parameters and optimizer state (the new "
+                                        "router recorded; default: refused)", False)
     # precision, devices, memory
     dtype: Optional[str] = _f("precision", ("choice", PRECISIONS), "compute dtype (autocast); the weights and "
                               "moments keep --master-dtype / --optim-dtype (default: fp32)")

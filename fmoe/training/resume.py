@@ -9,8 +9,8 @@ walks them all):
 - **kept** (:data:`KEPT`): what each step computes — model, preset, seed, batch (with the
   micro-batches of ``--grad-accum`` / ``--microbatches`` / ``--dp-batches``), seq, the data, its
   tokenizer and held-out cut (``--eval-fraction --eval-seed``), learning-rate schedule, optimizer,
-  router, balancing and precision settings. A flag given with another value is an error naming
-  both. ``--data`` and ``--tokenizer`` are compared by content (the checkpoint records the data's
+  router (``--router-changed`` switches it, keeping parameters and optimizer state), balancing
+  and precision settings. A flag given with another value is an error naming both. ``--data`` and ``--tokenizer`` are compared by content (the checkpoint records the data's
   absolute path and digest, :func:`fmoe.data.data_digest`, and the tokenizer's digest), so a moved
   corpus is the same data and an edited one is refused, naming the file. The model config itself
   comes from the checkpoint (``hf_config``), never from the flags. A pipeline's ``--batch B
@@ -26,11 +26,10 @@ walks them all):
   as the data-parallel batches of sequences per step stay (``world / (tp * pp * cp) *
   --dp-batches``); a mesh flag not given takes the checkpoint's value (:func:`take_mesh`; ``--ep`` only when
   ``--tp`` is not given either, else it follows ``--tp``; ``--pp`` and ``--cp`` only when ``--nproc``
-  is not given), so ``--resume OUT --steps N``
-  continues on the mesh the run had, pipeline included;
+  is not given), so ``--resume OUT --steps N`` continues on the mesh the run had, pipeline included;
 - **this invocation's** (:data:`FRESH`, never taken from the checkpoint): ``--resume --out``
   (default: the checkpoint's own run directory) ``--overwrite --export-hf --record-routing
-  --threads --quiet --debug``;
+  --data-changed --router-changed --threads --quiet --debug``;
 - **refused** (:data:`REFUSED`): ``--init-hf`` and ``--upcycle`` chose the starting weights,
   which a resume takes from the checkpoint: another value is refused, the run's own let by;
 - **nothing from a checkpoint is run, and every kept value is checked like its flag**: a kept
@@ -55,7 +54,6 @@ Example:
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Callable, Mapping, Optional
 
 from . import identity
@@ -78,8 +76,8 @@ MESH: dict[str, str] = {"nproc": "world", "tp": "tp", "ep": "ep", "dp_replicate"
                         "cp": "cp"}
 MESH_FOLLOWERS = {"sp": "tp", "pp_layers": "pp"}
 #: this invocation's own settings, never taken from a checkpoint
-FRESH = ("resume", "out", "overwrite", "export_hf", "record_routing", "data_changed", "router_changed", "threads", "quiet",
-         "debug")
+FRESH = ("resume", "out", "overwrite", "export_hf", "record_routing", "data_changed", "router_changed", "threads",
+         "quiet", "debug")
 #: settings a resume refuses (they choose the starting weights)
 REFUSED = ("init_hf", "upcycle")
 _BATCH = ("batch", "grad_accum", "microbatches", "dp_batches")     # compared as one batch shape
@@ -267,11 +265,7 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
         if name in MESH_FOLLOWERS and getattr(job, MESH_FOLLOWERS[name]) != saved.get(MESH_FOLLOWERS[name]):
             continue                                   # another --tp / --pp: its followers are this run's own
         value = saved[name]
-        if name == "router" and job.router_changed and "router" in job.explicit and job.router != value:
-            print(f"fmoe train: note: --router-changed: --resume {where} trained with --router {value}; continuing "
-                  f"with --router {job.router} on its parameters and optimizer state", file=sys.stderr)
-            continue
-        if name in ("router", "model"):
+        if name in ("router", "model") and not (name == "router" and job.router_changed and job.router):
             problem = (check_router if name == "router" else check_model)(value, job, file)
             if problem:
                 error(f"--resume: {problem}")
@@ -279,10 +273,8 @@ def apply(job: Any, meta: dict, where: str, error: Callable[[str], Any]) -> None
                 continue                               # the --model given names the recorded model
         if name not in job.explicit:
             setattr(job, name, value)
-        elif name in KEPT and getattr(job, name) != value:
-            error(_refuse(where, name, repr(value), repr(getattr(job, name)))
-                  + ("; --router-changed switches the router, keeping parameters and optimizer state" if name == "router"
-                     else ""))
+        elif name in KEPT and getattr(job, name) != value and not (name == "router" and job.router_changed):
+            error(_refuse(where, name, repr(value), repr(getattr(job, name))))
     _restore_batch(job, saved, where, error)
     identity.restore(job, saved, meta, where, error)      # --data and --tokenizer by content
     step = meta["step"]

@@ -77,14 +77,15 @@ def test_a_record_names_its_router_and_replays_a_user_router_bitwise_or_refuses(
     calls = []
     loss, grads = _loss_and_router_grads(params, cfg, tokens, recording(own_top2, calls))
     save_record(calls, tmp_path / "own.safetensors", router="router_cases:own_top2")
-    loss2, grads2 = _loss_and_router_grads(params, cfg, tokens, replay(tmp_path / "own.safetensors"))
+    loss2, grads2 = _loss_and_router_grads(params, cfg, tokens,
+                                           fmoe.routing.from_spec(f"replay:record={tmp_path / 'own.safetensors'}"))
     assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
     with pytest.raises(ValueError, match=r"made by router 'router_cases:own_top2' \(its own score function\); "
                                          r"replaying it with scores='softmax'"):
         replay(tmp_path / "own.safetensors", scores="softmax")
     moved = fmoe.tree.map_with_path(lambda p, t: t + torch.randn_like(t) if p.endswith("router") else t, params)
     with pytest.raises(ValueError, match=r"call 1: the recorded router 'router_cases:own_top2' now chooses other"):
-        _loss_and_router_grads(moved, cfg, tokens, replay(tmp_path / "own.safetensors"))
+        _loss_and_router_grads(moved, cfg, tokens, replay(tmp_path / "own.safetensors", resolve=fmoe.routing.from_spec))
     save_record(calls, tmp_path / "sig.safetensors", router="sigmoid_topk:k=2")
     with pytest.raises(ValueError, match=r"made by router 'sigmoid_topk:k=2' \(sigmoid scores\)"):
         replay(tmp_path / "sig.safetensors", scores="softmax")

@@ -93,9 +93,9 @@ def test_router_state_moves_every_step_and_resumes_bitwise(tmp_path):
     assert saved["settings"]["router"] == flags["router"]
 
 
-def test_the_router_changes_on_resume_only_behind_router_changed(tmp_path, capsys):
+def test_the_router_changes_on_resume_only_behind_router_changed(tmp_path):
     """``--resume R --router X`` is refused (the router is kept); with ``--router-changed`` the run
-    continues with X on the checkpoint's parameters and optimizer state, said on stderr and recorded."""
+    continues with X on the checkpoint's parameters and optimizer state, the new router recorded."""
     import json
 
     from fmoe.training import JobConfigError
@@ -103,10 +103,9 @@ def test_the_router_changes_on_resume_only_behind_router_changed(tmp_path, capsy
     flags = dict(FLAGS, balance="z")
     fmoe.training.run(JobConfig(out=str(tmp_path / "a"), router="topk:k=2", **flags))
     resume = dict(flags, steps=3, router="topk:k=1", resume=str(tmp_path / "a" / "step-2"))
-    with pytest.raises(JobConfigError, match=r"trained with --router 'topk:k=2'.*--router-changed switches the router"):
+    with pytest.raises(JobConfigError, match=r"trained with --router 'topk:k=2'.*Changeable on resume: .*--router-changed"):
         fmoe.training.run(JobConfig(out=str(tmp_path / "b"), **resume))
     fmoe.training.run(JobConfig(out=str(tmp_path / "c"), router_changed=True, **resume))
-    assert "--router-changed: --resume" in capsys.readouterr().err
     row = read_log(tmp_path / "c")[-1]
     assert row["step"] == 3 and [sum(layer) for layer in row["expert_load"]] == [2 * 16] * 2     # top-1 now
     meta = json.load(open(tmp_path / "c" / "step-3" / "meta.json"))
