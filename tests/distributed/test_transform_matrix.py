@@ -85,9 +85,10 @@ ON_MESH = ["grad", "vjp", "jvp", "jacfwd", "hvp fwd-over-rev", "grad arithmetic"
            "compile(grad), no fullgraph", "compiled step", "compiled step, no fullgraph", "remat under grad"]
 TRANSFORMS = list(dict.fromkeys(ONE_PROCESS + ON_MESH))
 #: mesh cells run for some models only (the refusal and its eager fallback happen in the decoder's
-#: ``start``, before any layer: model-independent; one MoE and one dense model run each)
+#: ``start``, before any layer: model-independent; the MoE model runs on every mesh, the dense one on fsdp)
 SOME_MODELS = {"compile(forward)": COMPILED_ON_MESH,
-               "compile(grad), no fullgraph": {s: ("qwen3_moe", "llama") for s in MESHES},
+               "compile(grad), no fullgraph": {"tp1/ep4": ("qwen3_moe",), "tp2/ep2": ("qwen3_moe",),
+                                               "fsdp (tp2/ep2, fsdp2)": ("qwen3_moe", "llama")},
                "compiled step, no fullgraph": {"tp1/ep4": ("qwen3_moe",), "tp2/ep2": (), "fsdp (tp2/ep2, fsdp2)": ("llama",)}}
 CELLS = [(t, s, m) for t in TRANSFORMS for s in SETTINGS for m in MODELS
          if t in (ONE_PROCESS if s == ONE else ON_MESH)
