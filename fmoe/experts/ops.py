@@ -21,7 +21,7 @@ with ``fullgraph=True``. Each is a ``torch.library`` operator with
   :mod:`fmoe.experts.buckets`: torch's CPU ``_grouped_mm`` made that step 2x slower; on a CPU
   without native bf16 fp32 GEMMs of the bf16 values, :func:`fmoe.precision.gemm_dtype`; the kernel
   reads the group sizes on the host, invisible to the compiler because the operator is opaque: the
-  kernels and the autograd kernels below are ``torch.compiler.disable``\ d, so Dynamo never traces
+  kernels and the autograd kernels below are marked ``torch.compiler.disable``, so Dynamo never traces
   their bodies, not even from a frame of an eager fallback, where a rank's rows would pick the path
   and aligned fp32 rows would reach ``torch._grouped_mm``'s bf16-only meta rule: issue 46);
 - a fake (meta) rule for any float dtype (``torch._grouped_mm``'s own rule accepts bf16 only);
