@@ -47,7 +47,7 @@ def _train(name, mesh, micro, schedule_name="1f1b", steps=STEPS, eps=None, route
         step_cfg = dataclasses.replace(step_cfg, opt=dataclasses.replace(step_cfg.opt, eps=eps))
     state, data, losses, norms = adamw_init(params), corpus(), [], []
     for step in range(1, steps + 1):
-        batch = data.batch(step, mesh_.batch_index, ROWS * micro, S, seed=0)
+        batch = data.batch(step, mesh_.sequence_index, ROWS * micro, S, seed=0)   # a cp group's sequences
         params, state, m = train_step(model, cfg, params, state, batch, mesh=mesh_, step_cfg=step_cfg,
                                       lr=lr_at(step, LR, 1, steps))
         losses.append(m["loss"] + m.get("load_balance_loss", 0.0))
@@ -132,6 +132,16 @@ def test_pp2_tp2_sp_equals_one_process():
     ref = _train("qwen3_moe", None, 2, eps=1.0)
     _compare(ref, on_ranks(_on_mesh, 4, "qwen3_moe", 2, "1f1b", dict(pp=2, tp=2, sp=True), 1.0, timeout=300),
              "pp2 x tp2 sp")
+
+
+def test_pp2_cp2_equals_one_process():
+    """pp2 x cp2 on 4 ranks (each stage's two ranks split every sequence in head and tail chunks,
+    attention gathers K/V, the experts on ep2 over the cp ranks): equal to one process, every
+    parameter and both moments after each step (AdamW with eps=1: the cp ranks sum a sequence's
+    pieces in another order)."""
+    ref = _train("qwen3_moe", None, 2, eps=1.0)
+    _compare(ref, on_ranks(_on_mesh, 4, "qwen3_moe", 2, "1f1b", dict(pp=2, cp=2, ep=2), 1.0, timeout=300),
+             "pp2 x cp2")
 
 
 @pytest.mark.slow
