@@ -133,17 +133,32 @@ class TokenStream:
                 raise ValueError(f"TokenStream.batch: {name} must be an int >= 1, got {v!r}")
         if batch_index < 0 or (num_batches is not None and batch_index >= num_batches):
             raise ValueError(f"TokenStream.batch: batch_index={batch_index} must be in [0, {num_batches})")
+        self.check_rows(seq, num_batches)
         lo, hi = 0, len(self)
         if num_batches is not None:
             lo, hi = len(self) * batch_index // num_batches, len(self) * (batch_index + 1) // num_batches
-        if hi - lo < seq + 2:
-            raise ValueError(f"TokenStream.batch: {self.name} has {len(self)} tokens, "
-                             f"{hi - lo} per data-parallel batch ({num_batches or 1} batches); seq={seq} needs "
-                             f"at least {seq + 2} per batch")
         g = torch.Generator().manual_seed(_seed(seed, step, batch_index))
         starts = torch.randint(lo, hi - seq - 1, (batch,), generator=g)
         rows = torch.from_numpy(np.stack([self.tokens(s, s + seq + 1) for s in starts.tolist()]))
         return rows[:, :-1], rows[:, 1:]
+
+    def check_rows(self, seq: int, num_batches: int | None = None) -> None:
+        """Raise ``ValueError`` unless each of ``num_batches`` data-parallel batches (None: 1) has
+        a row of ``seq`` tokens to draw from: ``seq + 2`` tokens in its slice (:meth:`batch`'s rule).
+
+        Example:
+            >>> s = TokenStream(np.arange(40, dtype=np.uint8), "forty")
+            >>> s.check_rows(18, 2)
+            >>> s.check_rows(19, 2)
+            Traceback (most recent call last):
+            ...
+            ValueError: TokenStream.batch: forty has 40 tokens, 20 per data-parallel batch (2 batches); seq=19 needs at least 21 per batch
+        """
+        per = len(self) // (num_batches or 1)              # the smallest slice of :meth:`batch`
+        if per < seq + 2:
+            raise ValueError(f"TokenStream.batch: {self.name} has {len(self)} tokens, "
+                             f"{per} per data-parallel batch ({num_batches or 1} batches); seq={seq} needs "
+                             f"at least {seq + 2} per batch")
 
     def union(self, step: int, batch: int, seq: int, seed: int, num_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``num_batches`` data-parallel batches of a step, stacked in batch-index order

@@ -15,11 +15,11 @@ called with the ``:k=v,...`` that follow (:mod:`fmoe.routing.spec`).
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["resolve_device", "open_streams", "resolve_tokenizer", "shard_tokenizer", "fit_vocab", "run_meta",
+__all__ = ["resolve_device", "open_streams", "check_data_length", "resolve_tokenizer", "shard_tokenizer", "fit_vocab", "run_meta",
            "step_options", "should_eval", "print_memory_plan"]
 
 
@@ -43,6 +43,43 @@ def open_streams(job: Any, tokenizer: Any):
     from ..data import open_data
 
     return open_data(job.data, tokenizer).split(job.eval_fraction)
+
+
+TEXT_BYTES_PER_TOKEN = 64     # text with fewer bytes than this many per token needed is tokenized to check it
+
+
+def check_data_length(job: Any, error: Callable[[str], Any]) -> None:
+    """``--data`` has a sequence for every data-parallel batch in its training split, and in its
+    held-out split when the job evaluates (the stream's own rule,
+    :meth:`fmoe.data.TokenStream.check_rows`), before any rank starts. A shard directory's header
+    gives its length; text is tokenized here when it is small enough to be in doubt (fewer than
+    ``TEXT_BYTES_PER_TOKEN`` bytes per token the split needs; tokenizing it costs little), else
+    left to the ranks. ``job.world`` is known (the mesh checked); ``error`` raises."""
+    from ..data import is_shard_dir, list_files
+    from ..mesh import RankLayout
+
+    if job.data is None:
+        return
+    layout = RankLayout(job.world, 0, tp=job.tp, ep=job.ep, dp_replicate=job.dp_replicate, pp=job.pp, cp=job.cp)
+    batches = job.dp_batches if job.dp_batches > 1 else layout.num_sequences
+    need = (job.seq + 2) * batches / (1.0 - job.eval_fraction)
+    try:                                               # what cannot be read here, the ranks report
+        if is_shard_dir(job.data):
+            tokenizer = None                           # (the ranks check the shards' tokenizer)
+        elif (job.init_hf and job.tokenizer is None or            # (its tokenizer: the model's vocabulary)
+              sum(map(os.path.getsize, list_files(job.data))) >= TEXT_BYTES_PER_TOKEN * need):
+            return
+        else:
+            tokenizer = resolve_tokenizer(job)
+        train, held_out = open_streams(job, tokenizer)
+    except (OSError, ValueError):
+        return
+    for stream, rows, what in ((train, batches, "training split"), (held_out, None, "held-out split")):
+        try:
+            if stream is train or job.eval_every:
+                stream.check_rows(job.seq, rows)
+        except ValueError as e:
+            error(f"--data {job.data!r} is too short for --seq {job.seq}: its {what} ({e})")
 
 
 def resolve_tokenizer(job: Any, vocab_size: Optional[int] = None):

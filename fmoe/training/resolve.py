@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from ..mesh import check_layout
 from ..models import SHIPPED, get, hf_model
-from . import balancing, identity, parallel, resume
+from . import balancing, identity, options, parallel, resume
 from .job import FIELDS, JobConfig, JobConfigError
 
 FLAG_NAMES = {"tp": "--tp", "ep": "--ep", "dp_replicate": "--dp-replicate", "pp": "--pp", "cp": "--cp"}   # mesh fields as flags
@@ -92,6 +92,7 @@ def resolve(cfg: JobConfig) -> Job:
     balancing.resolve(job, _error, {**SHIPPED, job.model: job.declared})   # after a resume filled in the kept settings
     _check_upcycle(job)
     parallel.check_stages(job, _error, found)
+    options.check_data_length(job, _error)             # a sequence per data-parallel batch
     _check_out(job)
     return job
 

@@ -241,7 +241,10 @@ def test_run_files_beside_the_log_belong_to_the_run(base, tmp_path, monkeypatch)
 
 def test_small_usage_errors_name_the_field(tmp_path, capsys):
     """Issue 44's low items: one line naming the field or file, exit 2, before anything starts."""
+    short = tmp_path / "short.txt"
+    short.write_text("a text shorter than one row\n")
     cases = ((["--out", "a\0b"], "--out must not hold a NUL byte"),
+             (["--data", str(short)], f"--data {str(short)!r} is too short for --seq 32: its training split"),
              (["--pp-layers", "²,1"], "--pp-layers must be comma-separated layer counts"),
              (["--profile-steps", "30:31", "--steps", "2"], "--profile-steps 30:31 is outside the steps"))
     for args, want in cases:
@@ -265,6 +268,15 @@ def test_small_usage_errors_name_the_field(tmp_path, capsys):
     cfg = JobConfig(steps=np.int64(3), lr=np.float32(0.5), out=pathlib.Path(tmp_path), sp=np.bool_(False))
     assert (cfg.steps, cfg.lr, cfg.out, cfg.sp) == (3, 0.5, str(tmp_path), False) and type(cfg.steps) is int
     assert DEFAULTS["steps"] == 20 and JobConfig().steps is None
+    from fmoe.data import write_shards                         # shards: their header's count, per data batch
+    write_shards(str(tmp_path / "shards"), [np.arange(60, dtype=np.uint8)], vocab_size=256)
+    job = dict(model="qwen3_moe", preset="tiny", seq=32, data=str(tmp_path / "shards"), out=str(tmp_path / "s"))
+    assert resolve(JobConfig(**job)).data == str(tmp_path / "shards")       # 57 training tokens: 34 needed
+    with pytest.raises(JobConfigError, match=r"is too short for --seq 32: its training split .* 28 per data-parallel "
+                                             r"batch \(2 batches\); seq=32 needs at least 34"):
+        resolve(JobConfig(**job, nproc=2))
+    with pytest.raises(JobConfigError, match=r"--seq 32: its held-out split .* has 3 tokens"):
+        resolve(JobConfig(**job, eval_every=1))
 
 
 def test_fmoe_memory_refuses_what_the_job_refuses(capsys):
