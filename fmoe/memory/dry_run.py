@@ -42,6 +42,7 @@ from .. import tree as _tree
 from .plan import VirtualMesh
 from ..sharding import local_shape
 from ..precision import Precision
+from ..routing.state import is_state
 from .tracker import CATEGORIES, CollectiveBytes, HostReads, StepTracker
 
 __all__ = ["dry_run", "dry_run_report", "format_report", "rank_roles", "check_device", "StepTracker",
@@ -69,12 +70,13 @@ def _placements(model: Any, cfg: Any, mesh) -> tuple[dict, dict, Any]:
     """Full meta shapes of this rank's pipeline stage and its placements (the trainer's plan,
     data-parallel splits), by path, and the stage's tree (other stages' layers None)."""
     from ..model import model_of
-    from ..training.pipeline import stage_tree
+    from ..training.pipeline import stage_plan, stage_tree
 
     with torch.device("meta"):
-        full = stage_tree(model.init(cfg), mesh.stage, mesh.pp)
-    m = model_of(model)
-    plan = m.build_plan(cfg, m.build_plan(cfg, mesh=mesh), mesh, full, data_parallel=True)
+        whole = model.init(cfg)
+    m = model_of(model)                                 # the trainer's plan of the whole model, then the stage's
+    plan = m.build_plan(cfg, m.build_plan(cfg, mesh=mesh), mesh, whole, data_parallel=True)
+    plan, full = stage_plan(plan, whole, mesh.stage, mesh.pp), stage_tree(whole, mesh.stage, mesh.pp)
     return _tree.flatten(full), _tree.flatten(plan.resolve(full, mesh)), full
 
 
@@ -108,7 +110,7 @@ def _fake_params(model: Any, cfg: Any, mesh, dtype: torch.dtype, device: torch.d
 
     def fake(path: str, t: torch.Tensor) -> torch.Tensor:
         local = torch.empty(local_shape(tuple(t.shape), placed[path], mesh), dtype=dtype, device=device)
-        return from_local_slice(local, t.shape, placed[path], mesh).requires_grad_(not path.endswith("expert_bias"))
+        return from_local_slice(local, t.shape, placed[path], mesh).requires_grad_(not is_state(path))
 
     return _tree.map_with_path(fake, tree)
 

@@ -15,6 +15,7 @@
 import dataclasses
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -173,8 +174,9 @@ def test_plan_and_dry_run_of_a_pipeline_stage():
 
 
 def test_cli_takes_the_jobs_issue_34_flags(capsys):
-    """``fmoe memory --optim-in-backward --sp --dry-run --json`` and ``--pp 2 --sp``: the flags reach
-    the plan and the real step (one role per stage with --pp), the measured gradients alive at
+    """``fmoe memory --optim-in-backward --sp --dry-run --json`` and ``--pp 2 --pp-layers 1,1 --sp``:
+    the flags reach the plan and the real step (one role per stage with --pp; no stage warns of a plan
+    rule that matches on the other stage, e.g. ``lm_head``), the measured gradients alive at
     once stay below the plan's whole gradients without the flag; what the job refuses (the
     optimizer in backward with --pp, a --microbatches not dividing --batch) is a usage error."""
     base = ["--model", "qwen3_moe", "--preset", "tiny", "--nproc", "8", "--tp", "2", "--ep", "2", "--batch", "2",
@@ -187,8 +189,11 @@ def test_cli_takes_the_jobs_issue_34_flags(capsys):
     assert got["optim_in_backward"] is True and got["mesh"]["sp"] is True and got["clip"] == 0
     for r in got["ranks"]:
         assert r["measured"]["max_grads_bytes"] < normal["ranks"][r["rank"]]["grads_bytes"], r
-    out = _plan_cli(capsys, *base, "--pp", "2", *run)
+    with warnings.catch_warnings(record=True) as seen:     # each stage's plan: no rule of another stage's
+        warnings.simplefilter("always")
+        out = _plan_cli(capsys, *base, "--pp", "2", "--pp-layers", "1,1", *run)     # (equal stages, given)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert not [str(w.message) for w in seen if "matches no parameter" in str(w.message)], [str(w.message) for w in seen]
     got = json.loads(out.stdout)
     assert got["mesh"]["pp"] == 2 and got["microbatches"] == 2 and got["pp_schedule"] == "1f1b"
     stages = {tuple(sorted({r // 4 for r in role})) for role in got["roles"]}
