@@ -62,6 +62,7 @@ from .routing.global_stats import GlobalStat, finalize, pack, routed_load, stat_
 from .routing import Router, call, validate
 from .routing.core import active, as_stats
 from .routing.inputs import accepted
+from .routing.state import state_keys
 from .nn.shared_experts import check_shared, shared_expert
 from .precision import gemm
 from .sharding import sequence_parallel
@@ -79,7 +80,7 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
     if missing:
         raise ValueError(f"moe: params is missing {missing}; expected keys router [E, D], "
                          f"w_gate_up [E, 2I, D], w_down [E, D, I]")
-    bad = sorted(k for k in _state_keys(params) if not isinstance(params[k], torch.Tensor)
+    bad = sorted(k for k in state_keys(params) if not isinstance(params[k], torch.Tensor)
                  or not params[k].dtype.is_floating_point)
     if bad:
         raise ValueError(f"moe: unexpected params {bad}; valid keys: router, router_bias, shared, "
@@ -106,7 +107,7 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
     if "shared" in params:
         check_shared(params["shared"], D, x.dtype)
     for key in params:
-        if key == "shared" or key in _state_keys(params):      # checked above; router state may stay fp32
+        if key == "shared" or key in state_keys(params):      # checked above; router state may stay fp32
             continue
         if params[key].dtype != x.dtype:
             raise ValueError(f"moe: x dtype {x.dtype} differs from params[{key!r}] dtype "
@@ -149,12 +150,6 @@ def _local_experts(params: dict, E: int, mesh, act: Activation, matmul: str) -> 
     return LocalExperts(weights, rng.start, E, act=act, matmul=matmul)
 
 
-def _state_keys(params: dict) -> list:
-    """The router-state entries of MoE params (:mod:`fmoe.routing.state`): every key that is not a
-    weight of the layer (``expert_bias``, ReMoE's ``l1_coef``, ...)."""
-    return [k for k in params if k not in ("router", "router_bias", "shared", *_EXPERT_KEYS)]
-
-
 def _router_inputs(params: dict, router_inputs: Optional[Mapping[str, Any]], router: Router) -> dict:
     """Keyword inputs for the router: its state entries (detached) and ``router_inputs``."""
     if router_inputs is not None and not isinstance(router_inputs, Mapping):
@@ -165,7 +160,7 @@ def _router_inputs(params: dict, router_inputs: Optional[Mapping[str, Any]], rou
     if bad:
         raise TypeError(f"moe: router_inputs keys must be strings, got {bad}")
     var_kw, names, _ = accepted(router)
-    for key in _state_keys(params):
+    for key in state_keys(params):
         if key in inputs:
             raise ValueError(f"moe: {key} is given both in params and in router_inputs; keep one")
         if not var_kw and key not in names:
@@ -223,7 +218,7 @@ def moe(
         raise TypeError(f"moe: router must be callable (e.g. fmoe.routing.topk(2)), got {router!r}")
     check_matmul("moe", "matmul", matmul)          # before any gather or dispatch
     inputs = _router_inputs(params, router_inputs, router)
-    trained = [v for k, v in params.items() if k not in ("shared", *_state_keys(params))]
+    trained = [v for k, v in params.items() if k not in ("shared", *state_keys(params))]
     trained += list(params.get("shared", {}).values())
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(v.requires_grad for v in trained))
     sp = mesh is not None and mesh.sp

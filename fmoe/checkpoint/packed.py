@@ -4,21 +4,23 @@ A leaf placed with ``P(..., packed=k)`` (a fused ``[gate | up]`` weight split pe
 is not one plain shard per rank, so DCP cannot reshard it as a whole: :func:`dcp_view` saves it
 as ``k`` blocks along its packed dim (``PATH.__block{j}``), each a plainly sharded tensor, and
 :func:`restore` concatenates the loaded blocks back into the leaf. Every other leaf is saved and
-loaded in place. The layout (``{path: (k, dim)}``) is :func:`fmoe.checkpoint.training.packed_layout`.
+loaded in place. The layout (``{path: (k, dim)}``) is :func:`fmoe.checkpoint.training.packed_layout`;
+:func:`saved_paths` lists the leaves a checkpoint holds.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import tree as _tree
 from ..sharding import local_shard
 
-__all__ = ["dcp_view", "restore", "views"]
+__all__ = ["dcp_view", "restore", "views", "saved_paths"]
 
 
 def _blocks(path: str, leaf: Any, k: int, d: int) -> list[Any]:
@@ -41,10 +43,13 @@ def _blocks(path: str, leaf: Any, k: int, d: int) -> list[Any]:
             for b in leaf._local_tensor.detach().chunk(k, dim=d)]
 
 
-def dcp_view(tree: Any, packed: dict[str, tuple[int, int]]) -> dict[str, Any]:
-    """Flat ``{key: tensor}`` that DCP can save/load; packed leaves split into blocks."""
+def dcp_view(tree: Any, packed: dict[str, tuple[int, int]], skip: Collection[str] = ()) -> dict[str, Any]:
+    """Flat ``{key: tensor}`` that DCP can save/load; packed leaves split into blocks; the paths
+    in ``skip`` left out (leaves a checkpoint lacks, kept as they are)."""
     out: dict[str, Any] = {}
     for path, leaf in _tree.flatten(tree).items():
+        if path in skip:
+            continue
         if path in packed:
             for j, b in enumerate(_blocks(path, leaf, *packed[path])):
                 out[f"{path}.__block{j}"] = b
@@ -63,8 +68,16 @@ def restore(tree: Any, view: dict[str, Any], packed: dict[str, tuple[int, int]])
                 local_shard(leaf).copy_(torch.cat([local_shard(b) for b in blocks], dim=d))
 
 
-def views(params: Any, opt_state: Any, packed: dict) -> dict:
-    """What DCP saves and loads: the parameters and the optimizer state, packed leaves as blocks."""
-    return {"params": dcp_view(params, packed),
-            "opt": {"step": opt_state["step"], "m": dcp_view(opt_state["m"], packed),
-                    "v": dcp_view(opt_state["v"], packed)}}
+def views(params: Any, opt_state: Any, packed: dict, skip: Collection[str] = ()) -> dict:
+    """What DCP saves and loads: the parameters and the optimizer state, packed leaves as blocks
+    (``skip``: as :func:`dcp_view`'s)."""
+    return {"params": dcp_view(params, packed, skip),
+            "opt": {"step": opt_state["step"], "m": dcp_view(opt_state["m"], packed, skip),
+                    "v": dcp_view(opt_state["v"], packed, skip)}}
+
+
+def saved_paths(ckpt: str) -> set[str]:
+    """The parameter paths a training checkpoint directory holds (a packed leaf by its own path);
+    reads the safetensors headers only (JSON)."""
+    keys = dcp.HuggingFaceStorageReader(ckpt).read_metadata().state_dict_metadata
+    return {k[len("params."):].split(".__block")[0] for k in keys if k.startswith("params.")}

@@ -36,7 +36,7 @@ import contextlib
 import json
 import os
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,12 +49,12 @@ from .errors import io_error
 from .finite import NonFiniteState, first_nonfinite
 from .integrity import digests, verify
 from .retention import complete_steps
-from .packed import dcp_view, restore, views
+from .packed import dcp_view, restore, saved_paths, views
 from .progress import bar
 from .steps import step_dir, step_of
 from ..collectives import all_gather_objects, barrier, broadcast_object
 
-__all__ = ["save", "load", "latest", "read_meta", "packed_layout", "on_rank0", "FORMAT"]
+__all__ = ["save", "load", "saved_paths", "latest", "read_meta", "packed_layout", "on_rank0", "FORMAT"]
 
 FORMAT = "fmoe-train-safetensors/1"   # meta.json "format" of this layout
 
@@ -267,10 +267,11 @@ def _check_finite(tree: Any, ckpt: str) -> None:
 
 
 def load(ckpt: str, params: Any, opt_state: Optional[Any], packed: Optional[dict] = None,
-         progress: bool = False) -> dict:
+         progress: bool = False, fresh: Sequence[str] = ()) -> dict:
     """Load a checkpoint into ``params`` and ``opt_state`` in place (any mesh: DCP reshards);
     call on every rank with the same ``packed`` layout as the save. Returns the meta.
-    ``opt_state=None`` reads the parameters only (decoding needs no optimizer state).
+    ``opt_state=None`` reads the parameters only (decoding needs no optimizer state). ``fresh``: leaves
+    the checkpoint lacks (a new router's state), kept as they are, moments too.
 
     Nothing is unpickled; the files are checked against ``meta.json``'s checksums first and the
     loaded values must be finite (``ValueError`` naming the file or the leaf otherwise).
@@ -281,7 +282,7 @@ def load(ckpt: str, params: Any, opt_state: Optional[Any], packed: Optional[dict
         _check_files(ckpt, meta)
         next_part()
         packed = packed or {}
-        state = views(params, opt_state, packed) if opt_state is not None else {"params": dcp_view(params, packed)}
+        state = views(params, opt_state, packed, fresh) if opt_state is not None else {"params": dcp_view(params, packed, fresh)}
         try:
             with torch.no_grad(), _single_process_ok():
                 dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(ckpt), no_dist=not _dist())

@@ -53,6 +53,7 @@ from ..mesh import RankLayout, stage_layers
 from ..model import Widths, model_of
 from ..sharding import local_shape
 from ..precision import Precision
+from ..routing.state import is_state
 from . import peak as memory_peak
 
 __all__ = ["memory_plan", "format_plan", "VirtualMesh", "activation_estimate"]
@@ -205,15 +206,14 @@ def memory_plan(model: Any, cfg: Any, *, nproc: int, tp: int = 1, ep: Optional[i
             n = _numel(local_shape(tuple(t.shape), p, mesh))
             params += n * mb
             optimizer += 2 * n * ob
-            if not path.endswith("expert_bias"):
-                grads += n * mb
-                largest = max(largest, n)
+            if not is_state(path):            # router state: no gradient
+                grads, largest = grads + n * mb, max(largest, n)
             data = [a for a in p.mesh_axes() if a in ("fsdp", "efsdp")]
             k = math.prod(mesh.size(a) for a in data) if data else 1
             layer = ".".join(path.split(".")[:2]) if path.startswith("layers.") else path
             if layer != path and k > 1:
                 gathered[layer] = gathered.get(layer, 0) + n * k * mb
-            if not path.endswith("expert_bias"):
+            if not is_state(path):
                 layer_grads[layer] = layer_grads.get(layer, 0) + n * mb
                 if layer != path and k == 1 and "ep" in p.mesh_axes():     # its experts' gradients
                     unsplit[layer] = unsplit.get(layer, 0) + n * mb

@@ -190,7 +190,7 @@ def apply_flat(flat_g: dict, flat_m: dict, flat_v: dict, flat_p: dict, count: to
     fused: dict = {}                                 # (dtype, device, decay) -> [(path, g, m, v, p)]
     with torch.no_grad():
         for path, p in flat_p.items():
-            if path not in flat_g:                   # frozen (e.g. expert_bias): left as it is
+            if path not in flat_g:                   # frozen (e.g. router state): left as it is
                 new_p[path], new_m[path], new_v[path] = p, flat_m[path], flat_v[path]
                 continue
             g0, m0, v0, p0 = local_shard(flat_g[path]), local_shard(flat_m[path]), local_shard(flat_v[path]), local_shard(p)

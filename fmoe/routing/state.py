@@ -9,8 +9,12 @@ target, lowered while it is sparser). One mechanism serves them all:
   ``init(E) -> {name: tensor}`` gives one MoE layer's initial state, ``update(state, stats) ->
   state`` its next value from the step's statistics of that layer (pure, no collectives);
 - the state lives in the parameter tree beside the layer's weights (``layers.3.moe.<name>``), so
-  it is sharded, checkpointed, resumed bitwise and resharded like any leaf; it never receives a
-  gradient (the job marks it so, the optimizer leaves it alone);
+  it is sharded, checkpointed, resumed bitwise and resharded like any leaf; what makes a leaf state
+  is where it sits, not its name: every entry of an MoE layer that is not one of its
+  :data:`WEIGHTS` (:func:`state_keys`, :func:`is_state`). State never receives a gradient (the
+  job marks it so, the optimizer leaves it alone), keeps its fp32 master value under a bf16
+  compute dtype, and a resume into a stateful router from a checkpoint without it starts it
+  from the router's ``init`` (:mod:`fmoe.training.router_state`);
 - ``fmoe.moe`` passes each state entry to the router as a keyword input of its name, detached
   (the router declares it: ``def router(logits, *, l1_coef): ...``);
 - after each optimizer step the trainer (:mod:`fmoe.training.step`) calls :func:`update_layer` per
@@ -36,7 +40,34 @@ import torch
 
 from ..sharding import placed_like, to_local
 
-__all__ = ["RouterState", "with_state", "state_of", "bias_state", "init_layer", "update_layer", "scalars"]
+__all__ = ["RouterState", "WEIGHTS", "state_keys", "is_state", "with_state", "state_of", "bias_state", "init_layer",
+           "update_layer", "scalars"]
+
+#: The entries of an MoE layer's params (:func:`fmoe.moe`) that are its weights; every other is router state.
+WEIGHTS = ("router", "router_bias", "shared", "w_gate_up", "w_down", "b_gate_up", "b_down")
+
+
+def state_keys(moe: Mapping) -> list[str]:
+    """The router-state entries of one MoE layer's params: every key that is not one of :data:`WEIGHTS`.
+
+    Example:
+        >>> state_keys({"router": 0, "w_gate_up": 0, "w_down": 0, "expert_bias": 0, "l1_coef": 0})
+        ['expert_bias', 'l1_coef']
+    """
+    return [k for k in moe if k not in WEIGHTS]
+
+
+def is_state(path: str) -> bool:
+    """Whether the leaf at a model-tree ``path`` is router state (an entry of an MoE layer,
+    ``...moe.<name>``, that is not one of its :data:`WEIGHTS`): no gradient, no optimizer
+    update, kept in its master dtype.
+
+    Example:
+        >>> [is_state(p) for p in ("layers.0.moe.l1_coef", "layers.0.moe.router", "layers.0.moe.shared.w_down")]
+        [True, False, False]
+    """
+    parts = path.split(".")
+    return len(parts) >= 2 and parts[-2] == "moe" and parts[-1] not in WEIGHTS
 
 
 class RouterState(NamedTuple):

@@ -30,7 +30,7 @@ checks a :class:`fmoe.model.Model` with the same code path. In this order, each 
 - ``"remat"``: under each of the model's ``remat_blocks`` policies (:func:`fmoe.nn.remat.policy`)
   logits and gradients equal the plain run.
 
-A leaf named ``expert_bias`` is state, not a parameter (as the trainer has it): it gets no
+A router-state leaf (:func:`fmoe.routing.state.is_state`, e.g. ``expert_bias``) is state, not a parameter (as the trainer has it): it gets no
 gradient, and the checkpoint comparison writes its value on both sides.
 
 Tolerance: fp32 throughout; a tensor passes when ``max |got - want| <= rtol * max |want|``
@@ -58,6 +58,7 @@ from fmoe import tree as _tree
 from fmoe.model import Model, model_of
 from fmoe.model.generate import generate, left_pad
 from fmoe.nn import cross_entropy, remat
+from fmoe.routing.state import is_state
 from fmoe.testing.parity import assert_parity, parse_mesh
 from fmoe.testing.pool import Pool
 
@@ -118,7 +119,7 @@ def check_model(model: Any, cfg: Any = None, hf_class: Any = None,
             hf.save_pretrained(os.path.join(tmp, "hf"))
             loaded, loaded_cfg = model.load_hf(os.path.join(tmp, "hf"))
             assert loaded_cfg == cfg, f"check_model hf: load_hf read {loaded_cfg}, not {cfg}"
-            zero = [k for k, t in _tree.flatten(loaded).items() if _state(k) and not t.abs().sum() > 0]
+            zero = [k for k, t in _tree.flatten(loaded).items() if is_state(k) and not t.abs().sum() > 0]
             assert not zero, f"check_model hf: state leaves {zero} did not load the redrawn buffers"
             params = loaded
             if "generate" in checks and model.init_cache is not None:
@@ -134,10 +135,10 @@ def check_model(model: Any, cfg: Any = None, hf_class: Any = None,
         worst["meshes"] = rtol          # assert_parity reports no number: every error is within rtol of its scale
     eager = _run(forward, params, tokens)
     if "grad" in checks:
-        state = {k: t for k, t in _tree.flatten(_detached(params)).items() if _state(k)}
-        trained = {k: t for k, t in _tree.flatten(_detached(params)).items() if not _state(k)}
+        state = {k: t for k, t in _tree.flatten(_detached(params)).items() if is_state(k)}
+        trained = {k: t for k, t in _tree.flatten(_detached(params)).items() if not is_state(k)}
         grads = torch.func.grad(lambda p: _loss(forward(_tree.unflatten({**p, **state}), tokens), tokens))(trained)
-        want = {k: g for k, g in _tree.flatten(eager["grads"]).items() if not _state(k)}
+        want = {k: g for k, g in _tree.flatten(eager["grads"]).items() if not is_state(k)}
         worst["grad"] = _compare("grad", grads, want, rtol)
     if "compile" in checks:
         torch.compiler.reset()
@@ -169,17 +170,12 @@ def _detached(params: dict) -> dict:
     return _tree.map_with_path(lambda _, t: t.detach().clone(), params)
 
 
-def _state(path: str) -> bool:
-    """A leaf that is state, not a parameter: no gradient (``expert_bias``, as the trainer has it)."""
-    return path.endswith("expert_bias")
-
-
 def _run(forward: Callable, params: dict, tokens: torch.Tensor) -> dict:
     """Logits and the loss's gradient of every parameter, by ``.backward()`` (a state leaf: its value)."""
-    p = _tree.map_with_path(lambda k, t: t.detach().clone().requires_grad_(not _state(k)), params)
+    p = _tree.map_with_path(lambda k, t: t.detach().clone().requires_grad_(not is_state(k)), params)
     logits = forward(p, tokens)
     _loss(logits, tokens).backward()
-    return {"logits": logits.detach(), "grads": _tree.map_with_path(lambda k, t: t.detach() if _state(k) else t.grad, p)}
+    return {"logits": logits.detach(), "grads": _tree.map_with_path(lambda k, t: t.detach() if is_state(k) else t.grad, p)}
 
 
 def _compare(check: str, got: dict, want: dict, rtol: float) -> float:

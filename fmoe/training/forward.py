@@ -2,7 +2,7 @@
 with its aux, the loss, and the mean of a value over the ranks.
 
 :func:`compute_params` casts the fp32 master weights to the compute dtype once per step (bf16:
-every floating leaf but :data:`KEEP_MASTER`, on its local shard, before any gather);
+every floating leaf but router state, on its local shard, before any gather);
 :func:`forward_with_aux` calls a model through its declared interface (logits and
 ``{"moe": [per-layer aux]}``); :func:`forward_loss` adds the mean next-token cross-entropy
 (the part of a step ``StepConfig(compile=True)`` compiles whole on one process). On a pipeline
@@ -26,12 +26,10 @@ from ..model import model_of
 from ..nn import ContextParallel, cross_entropy
 from ..nn.chunked_loss import chunked_cross_entropy
 from ..precision import DTYPES, dtype_of, upcast
+from ..routing.state import is_state
+from .. import tree as _tree
 
-__all__ = ["KEEP_MASTER", "autocast", "compute_params", "forward_with_aux", "forward_loss", "world_mean"]
-
-#: Leaves the compute copy keeps in their master dtype: the routing bias, added to fp32 scores.
-KEEP_MASTER = ("**.expert_bias",)
-
+__all__ = ["autocast", "compute_params", "forward_with_aux", "forward_loss", "world_mean"]
 
 def autocast(dtype: str, device: torch.device):
     """``torch.autocast`` to ``dtype`` on ``device``'s type, or a no-op for fp32 (evaluation on
@@ -43,10 +41,13 @@ def autocast(dtype: str, device: torch.device):
 
 def compute_params(params: Any, dtype: str) -> Any:
     """The weights a step computes with: ``params`` itself for fp32, else every floating leaf
-    but :data:`KEEP_MASTER` cast to ``dtype`` on its local shard (:func:`fmoe.fsdp.cast_shards`;
-    differentiable, gradients arrive in fp32)."""
+    cast to ``dtype`` on its local shard (:func:`fmoe.fsdp.cast_shards`; differentiable, gradients
+    arrive in fp32) but router state (:func:`fmoe.routing.state.is_state`: ``expert_bias``,
+    ReMoE's ``l1_coef``, ...), which the router reads in its master dtype."""
     target = dtype_of(dtype)
-    return params if target == torch.float32 else cast_shards(params, target, skip=KEEP_MASTER)
+    if target == torch.float32:
+        return params
+    return cast_shards(params, target, skip=[p for p in _tree.paths(params) if is_state(p)])
 
 
 def forward_with_aux(model: Any, params: Any, tokens: torch.Tensor, cfg: Any, mesh: Optional[RankLayout],

@@ -20,6 +20,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from ..precision import dtype_of
+from ..routing.state import is_state
 from . import balancing, options, router_state
 from . import observe, settings
 from .threads import threads_of
@@ -138,7 +139,6 @@ def run(rank: int, world: int, job: Any) -> dict:
     cfg = model.with_aux_loss(cfg, 0.0)                # declared switch, no probing
     full = balancing.with_expert_bias(full, job)      # --balance bias on any MoE model
     full = router_state.with_states(full, balancing.run_router(job))   # a stateful router's entries (ReMoE)
-    frozen = {"expert_bias", *router_state.declared(balancing.run_router(job))}     # router state: no gradient
     model_plan = model.build_plan(cfg, mesh=mesh)      # default plan, model checks
     plan = model.build_plan(cfg, model_plan, mesh, full, data_parallel=True)
     stages = (mesh.stage, mesh.pp, stage_sizes(job.pp_layers))   # --pp
@@ -151,12 +151,17 @@ def run(rank: int, world: int, job: Any) -> dict:
         need = sum(all_gather_objects(need)) * mesh.pp // world
     ckpt.on_rank0(lambda: check_room(job.out, need), f"checking --out {job.out}")
     params = fmoe.shard(fmoe.tree.map_with_path(
-        lambda p, t: t.detach().requires_grad_(p.rsplit(".", 1)[-1] not in frozen), full), plan, mesh)
+        lambda p, t: t.detach().requires_grad_(not is_state(p)), full), plan, mesh)     # router state: no gradient
     del full
     opt_state = adamw_init(params, dtype=dtype_of(job.optim_dtype))
     start = 0
-    if job.resume_path:
-        start = ckpt.load(job.resume_path, params, opt_state, packed, progress=rank == 0 and not job.quiet)["step"]
+    if job.resume_path:                               # a new router's state the checkpoint lacks: its init
+        fresh, notes = router_state.on_resume(job.resume_path, job.resume_meta["settings"].get("router"), job.router,
+                                              ckpt.saved_paths(job.resume_path), fmoe.tree.paths(params))
+        for note in notes if rank == 0 else ():
+            print(f"fmoe train: note: {note}", file=sys.stderr)
+        start = ckpt.load(job.resume_path, params, opt_state, packed, progress=rank == 0 and not job.quiet,
+                          fresh=fresh)["step"]
     step_cfg = job.step_config or StepConfig(   # fmoe.training.run(cfg, step_config=...) replaces it
         opt=AdamWConfig(weight_decay=job.weight_decay, max_grad_norm=job.clip or None),
         impl=job.impl, **balancing.step_options(job, cfg, options.step_options(job), model))

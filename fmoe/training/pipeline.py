@@ -43,6 +43,7 @@ from ..mesh import stage_layers
 from ..collectives import Pipe, all_gather_objects, recv_forward, send_forward
 from ..precision import dtype_of
 from ..routing.metrics import load_metrics
+from ..routing.state import is_state
 from ..sharding import Plan
 from .grads import accumulate
 
@@ -197,7 +198,7 @@ def run_stage(micro: Callable[[int, Optional[torch.Tensor], bool], StageOut], le
     seq = tokens.shape[1] // mesh.cp                                          # cp: this rank's two chunks
     seq = seq // mesh.tp if mesh.sp else seq                                  # sp: the stream's sequence shard
     dtype = (dtype_of(step_cfg.dtype) if dtype_of(step_cfg.dtype) != torch.float32 else
-             next(t.dtype for p, t in flat.items() if t.is_floating_point() and not p.endswith("expert_bias")))
+             next(t.dtype for p, t in flat.items() if t.is_floating_point() and not is_state(p)))
     last = mesh.stage == mesh.pp - 1
     return run_schedule(lambda m, hidden: micro(m, hidden, last), leaves, n, mesh, step_cfg.pp_schedule,
                         (tokens.shape[0] // n, seq, hidden_size), dtype, tokens.device)

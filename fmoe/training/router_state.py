@@ -7,7 +7,10 @@ bias when the parameters hold ``expert_bias``, moved at ``StepConfig.bias_rate``
 by the same loop, from the same per-layer statistics: the layer's ``load`` over the step's
 micro-batches and global batch, and every statistic the router reports, averaged over the
 micro-batches. The state entries are parameter leaves, so checkpoints save them and ``--resume``
-continues them bitwise.
+continues them bitwise. A resume into a stateful router from a checkpoint without its state
+(``--router remoe --router-changed`` on a top-k run) starts the missing entries from the router's
+``init``, and a state the new router does not read is dropped; both said on stderr
+(:func:`on_resume`, with the router change itself).
 
 Example:
     >>> import fmoe
@@ -18,14 +21,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 
-from ..routing.state import RouterState, bias_state, init_layer, scalars, state_of, update_layer
+from ..routing.state import RouterState, bias_state, init_layer, is_state, scalars, state_of, update_layer
 from ..sharding import gather
 
-__all__ = ["run_states", "names", "declared", "with_states", "update", "metrics"]
+__all__ = ["run_states", "names", "with_states", "on_resume", "update", "metrics"]
 
 
 def run_states(router: Any, flat: dict, bias_rate: float, bias_update: str) -> list[RouterState]:
@@ -39,18 +42,6 @@ def run_states(router: Any, flat: dict, bias_rate: float, bias_update: str) -> l
 def names(states: Sequence[RouterState], num_experts: int) -> list[str]:
     """The entries the states declare (their ``init`` keys)."""
     return [n for s in states for n in s.init(num_experts)]
-
-
-def declared(router: Any) -> list[str]:
-    """The entries a router's own state declares (none for a stateless router or None).
-
-    Example:
-        >>> import fmoe
-        >>> declared(fmoe.routing.remoe()), declared(None)
-        (['l1_coef'], [])
-    """
-    state = state_of(router) if router is not None else None
-    return [] if state is None else list(state.init(1))
 
 
 def with_states(full: dict, router: Any) -> dict:
@@ -68,6 +59,34 @@ def with_states(full: dict, router: Any) -> dict:
     layers = [{**layer, "moe": init_layer(layer["moe"], state)} if layer is not None and "moe" in layer else layer
               for layer in full["layers"]]
     return {**full, "layers": layers}
+
+
+def on_resume(where: str, old: Optional[str], new: Optional[str], saved: Collection[str],
+              paths: Sequence[str]) -> tuple[list[str], list[str]]:
+    """What a resume does with router state: the state leaves of ``paths`` (this rank's
+    parameters) that the checkpoint's ``saved`` paths lack, which keep their ``init`` values,
+    and the notes to print (the router change ``old`` -> ``new``, the entries started fresh, those dropped).
+
+    Example:
+        >>> fresh, notes = on_resume("run/step-2", "topk:k=2", "remoe", {"layers.0.moe.router"},
+        ...                          ["layers.0.moe.router", "layers.0.moe.l1_coef"])
+        >>> fresh
+        ['layers.0.moe.l1_coef']
+        >>> print(notes[1])
+        --resume run/step-2 holds no router state l1_coef: 1 leaf starts from --router remoe's init
+    """
+    name = lambda p: p.rsplit(".", 1)[-1]                                    # noqa: E731
+    own = "(the model's own)"
+    fresh = [p for p in paths if is_state(p) and p not in saved]
+    notes = [f"--router-changed: --resume {where} trained with --router {old or own}; continuing with --router "
+             f"{new or own}"] if old != new else []
+    if fresh:
+        notes.append(f"--resume {where} holds no router state {', '.join(sorted({name(p) for p in fresh}))}: "
+                     f"{len(fresh)} lea{'f starts' if len(fresh) == 1 else 'ves start'} from --router {new or own}'s init")
+    dropped = sorted({name(p) for p in saved if is_state(p)} - {name(p) for p in paths if is_state(p)})
+    if dropped and any(p.endswith("moe.router") for p in paths):          # (a pipeline stage without MoE layers: none)
+        notes.append(f"--resume {where}: router state {', '.join(dropped)} is not read by --router {new or own}; dropped")
+    return fresh, notes
 
 
 def update(states: Sequence[RouterState], flat: dict, moe_paths: Sequence[str], loads: Optional[list],

@@ -11,8 +11,8 @@ Aux losses (every :class:`fmoe.routing.Loss` entry of a MoE layer's aux, already
 computed on global statistics by ``fmoe.moe``; :mod:`fmoe.training.router_aux`, which also logs
 every statistic entry) enter as ``mesh.num_batches * total``: the gradient reduction divides
 by the number of batches, which is right for the per-batch-mean LM loss but would shrink the
-global aux loss (see :mod:`fmoe.routing.aux_losses`). Leaves that do not require grad (``expert_bias``)
-get no gradient and no optimizer update.
+global aux loss (see :mod:`fmoe.routing.aux_losses`). Leaves that do not require grad (router state,
+:func:`fmoe.routing.state.is_state`) get no gradient and no optimizer update.
 
 Token accounting counts each batch once, whatever ``tp`` is: a step processes
 ``batch * seq * dp_replicate * fsdp`` tokens.
@@ -24,7 +24,7 @@ reduce-scatters move half the bytes), and the forward and backward run on those 
 (attention projections, router, experts on every path, lm_head) takes bf16 operands and
 accumulates in fp32 inside the kernel (oneDNN/AMX on CPU, cuBLAS on CUDA), activations travel in
 bf16, while norms, softmax and router scores, the loss and statistics compute in fp32 (the "at
-least fp32" rule of :mod:`fmoe.nn` and :mod:`fmoe.routing`; ``expert_bias`` is not cast). The
+least fp32" rule of :mod:`fmoe.nn` and :mod:`fmoe.routing`; router state is not cast). The
 cast's backward returns fp32 gradients, so micro-batch accumulation, the data-parallel gradient
 reduction, clipping and the AdamW moments are fp32. Checkpoints therefore hold fp32.
 
@@ -200,8 +200,8 @@ def train_step(model: Any, cfg: Any, params: Any, opt_state: dict, batch: tuple[
         >>> from fmoe.models import qwen3_moe
         >>> from fmoe.optim import adamw
         >>> cfg = qwen3_moe.Config.tiny()
-        >>> params = fmoe.tree.map_with_path(lambda p, t: t.requires_grad_(not p.endswith("expert_bias")),
-        ...                                  qwen3_moe.init(cfg))
+        >>> from fmoe.routing.state import is_state
+        >>> params = fmoe.tree.map_with_path(lambda p, t: t.requires_grad_(not is_state(p)), qwen3_moe.init(cfg))
         >>> tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
         >>> params, opt_state, m = train_step(qwen3_moe, cfg, params, adamw.init(params), (tokens, tokens),
         ...                                   mesh=fmoe.Mesh(), step_cfg=StepConfig(), lr=1e-3)

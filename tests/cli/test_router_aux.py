@@ -92,9 +92,11 @@ def test_router_state_moves_every_step_and_resumes_bitwise(tmp_path):
     assert saved["settings"]["router"] == flags["router"]
 
 
-def test_the_router_changes_on_resume_only_behind_router_changed(tmp_path):
+def test_the_router_changes_on_resume_only_behind_router_changed(tmp_path, capfd):
     """``--resume R --router X`` is refused (the router is kept); with ``--router-changed`` the run
-    continues with X on the checkpoint's parameters and optimizer state, the new router recorded."""
+    continues with X on the checkpoint's parameters and optimizer state, the new router recorded
+    and the change said on stderr. A stateful router (ReMoE) resumed from a top-k checkpoint starts
+    its state from its own ``init``, said on stderr too."""
     import json
 
     from fmoe.training import JobConfigError
@@ -109,3 +111,13 @@ def test_the_router_changes_on_resume_only_behind_router_changed(tmp_path):
     assert row["step"] == 3 and [sum(layer) for layer in row["expert_load"]] == [2 * 16] * 2     # top-1 now
     meta = json.load(open(tmp_path / "c" / "step-3" / "meta.json"))
     assert meta["settings"]["router"] == "topk:k=1"
+    where = tmp_path / "a" / "step-2"
+    assert (f"note: --router-changed: --resume {where} trained with --router topk:k=2; continuing with --router "
+            "topk:k=1\n") in capfd.readouterr().err
+    remoe = "remoe:k=2,l1_init=0.01"
+    fmoe.training.run(JobConfig(out=str(tmp_path / "d"), router_changed=True, **dict(resume, router=remoe)))
+    err = capfd.readouterr().err
+    assert f"trained with --router topk:k=2; continuing with --router {remoe}" in err, err
+    assert f"--resume {where} holds no router state l1_coef: 2 leaves start from --router {remoe}'s init" in err, err
+    row = read_log(tmp_path / "d")[-1]
+    assert row["step"] == 3 and row["l1_coef"] == pytest.approx([0.012 if a > 2 else 0.01 / 1.2 for a in row["active"]])
