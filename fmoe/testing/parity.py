@@ -60,6 +60,7 @@ import re
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fmoe import tree as _tree
 from fmoe.collectives import sum_over_world
@@ -153,6 +154,8 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
     batches = {m: RankLayout(world, 0, **s).num_batches if per_batch else 1 for m, s in specs.items()}
     refs = {n: _reference(fn, params, inputs, grads, seed, n, aux, stats) for n in sorted(set(batches.values()))}
     ref = next(iter(refs.values()))
+    shares = {m: _aux.shares(fn, params, inputs, RankLayout(world, 0, **s).num_batches) if aux and grads else None
+              for m, s in specs.items()}                  # each batch's share of the aux-loss gradients
     dtype = ref["out"].dtype if ref["out"].is_floating_point() else torch.float32
     rtol = 100 * torch.finfo(dtype).eps if rtol is None else rtol
     atol = rtol * 1e-3 if atol is None else atol
@@ -162,8 +165,8 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
     checks = 0
     try:
         for name, sizes in specs.items():
-            results = pool.run(_on_rank, fn, params, inputs, plan, sizes, refs[batches[name]], grads, rtol, atol,
-                               aux, stats, timeout=timeout, world=world)
+            results = pool.run(_on_rank, fn, params, inputs, plan, sizes, dict(refs[batches[name]], shares=shares[name]),
+                               grads, rtol, atol, aux, stats, timeout=timeout, world=world)
             checks += sum(n for n, _ in results)
             lines = {f"{name} (ranks summed): {what}" if "ranks summed" in what else f"{name} rank {r}: {what}": ratio
                      for r, (_, fails) in enumerate(results) for ratio, what in fails}   # a sum: named once
@@ -178,15 +181,6 @@ def assert_parity(fn: Callable[..., torch.Tensor], params: Any, inputs: Any,
             "\n  (gradients not compared on a mesh whose output differs: no rank ran backward)")
         raise AssertionError(f"assert_parity: {len(failures)} of {checks} checks differ from the one-process "
                              f"run (rtol {rtol:.1e}, atol {atol:.1e}); worst: {failures[0][1]}\n{lines}{skipped}")
-
-
-def _batch(t: torch.Tensor, b: int, n: int) -> torch.Tensor:
-    return torch.tensor_split(t, n, dim=0)[b]
-
-
-def _leaves(tree: Any, grads: bool) -> Any:
-    """Fresh copies of the leaves, floating ones requiring grad (when grads are compared)."""
-    return _tree.map_with_path(lambda _, t: t.detach().clone().requires_grad_(grads and t.is_floating_point()), tree)
 
 
 def _grads(tree: Any) -> dict[str, Any]:
@@ -204,7 +198,7 @@ def _reference(fn, params, inputs, grads, seed, batches: int = 1, aux=False, sta
     """The one-process run: output, cotangent probe, gradients of every leaf (zeros if unused);
     with ``batches > 1``, ``fn`` on each of the ``batches`` pieces of the inputs, concatenated;
     with ``aux``, its aux values and each aux loss's gradients."""
-    p, x = _leaves(params, grads), _leaves(inputs, grads)
+    p, x = _aux.leaves(params, grads), _aux.leaves(inputs, grads)
     ref: dict = {}
     if aux:
         out, extra = _call(fn, p, x, None, aux)
@@ -212,7 +206,7 @@ def _reference(fn, params, inputs, grads, seed, batches: int = 1, aux=False, sta
     elif batches == 1:
         out = _call(fn, p, x, None)
     else:
-        out = torch.cat([_call(fn, p, _tree.map_with_path(lambda _, t: _batch(t, b, batches), x), None)
+        out = torch.cat([_call(fn, p, _tree.map_with_path(lambda _, t: _aux.batch(t, b, batches), x), None)
                          for b in range(batches)])
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
     ref.update({"out": out.detach(), "probe": probe})
@@ -244,12 +238,12 @@ def _on_rank(rank: int, world: int, fn, params, inputs, plan, sizes, ref, grads,
              stats=()) -> tuple:
     """One rank of one mesh: run, compare with the reference; ``(number of checks, failures)``."""
     mesh = Mesh(**sizes)
-    sharded = shard(_leaves(params, grads), plan(mesh) if callable(plan) and not isinstance(plan, Plan) else plan,
+    sharded = shard(_aux.leaves(params, grads), plan(mesh) if callable(plan) and not isinstance(plan, Plan) else plan,
                     mesh)
     b, n = mesh.batch_index, mesh.num_batches
-    x = _leaves(_tree.map_with_path(lambda _, t: _batch(t, b, n), inputs), grads)
+    x = _aux.leaves(_tree.map_with_path(lambda _, t: _aux.batch(t, b, n), inputs), grads)
     out, extra = _call(fn, sharded, x, mesh, aux) if aux else (_call(fn, sharded, x, mesh), None)
-    results = [_compare("output", out, _batch(ref["out"], b, n), rtol, atol)]
+    results = [_compare("output", out, _aux.batch(ref["out"], b, n), rtol, atol)]
     got_aux = _aux.values(extra, stats) if aux else {}
     for k, want in ref.get("aux", {}).items():       # global values: every rank holds the one-process value
         results.append((float("inf"), f"aux {k}: missing") if k not in got_aux else
@@ -259,28 +253,29 @@ def _on_rank(rank: int, world: int, fn, params, inputs, plan, sizes, ref, grads,
         for k, loss in (_aux.losses(extra).items() if aux else ()):        # each rank: its copy of the global loss
             if loss.requires_grad:
                 loss.backward(retain_graph=True)
-            results += _param_grads(f"grad of aux {k}: ", sharded, ref["aux_grads"][k], rtol, atol, mesh, True)
+            share = {} if mesh.sp or not ref["shares"] else ref["shares"][b][k]     # sp: a tp rank's piece
+            results += _param_grads(f"grad of aux {k}: ", sharded, ref["aux_grads"][k], rtol, atol, mesh, share)
             for t in _tree.leaves(x):
                 t.grad = None
         if out.requires_grad:
-            (out * _batch(ref["probe"], b, n)).sum().backward()
+            (out * _aux.batch(ref["probe"], b, n)).sum().backward()
         results += _param_grads("grad ", sharded, ref["grads"], rtol, atol, mesh)
         for p, g in _grads(x).items():
-            want = _batch(ref["input_grads"][p], b, n)
+            want = _aux.batch(ref["input_grads"][p], b, n)
             name = f"grad inputs.{p}" if p else "grad inputs"
             results.append((float("inf"), f"{name}: no gradient") if g is None else _compare(name, g, want, rtol, atol))
     return len(results), [r for r in results if r is not None]
 
 
 def _param_grads(prefix: str, sharded: Any, want: dict, rtol: float, atol: float, mesh: Mesh,
-                 unused_is_zero: bool = False) -> list:
+                 share: Optional[dict] = None) -> list:
     """Compare the gathered gradients of every leaf with ``want`` (then clear them): a sharded
     leaf's own slice on this rank (a failure names the rank that computed it), a replicated leaf's
     whole gradient (the sum of every rank's share: ``ranks summed``); each failure names the
-    gradient's placement. ``unused_is_zero``: a leaf without a gradient has a zero one (an aux loss
-    does not reach the experts)."""
+    gradient's placement. ``share`` (aux losses: a leaf without a gradient has a zero one): this
+    rank's batch's share of a replicated leaf's gradient, against its pending sum (naming the rank)."""
     flat, got = _tree.flatten(sharded), _grads(sharded)
-    if unused_is_zero:
+    if share is not None:
         got = {p: g if g is not None else torch.zeros_like(flat[p]) for p, g in got.items()}
     places = {p: _aux.grad_place(g) for p, g in got.items()}
     full = gather({p: g if g is not None else torch.zeros_like(flat[p]) for p, g in got.items()})
@@ -295,6 +290,11 @@ def _param_grads(prefix: str, sharded: Any, want: dict, rtol: float, atol: float
         r = _compare(f"{prefix}params.{p}", mine if split else full[p], own if split else w, rtol, atol)
         where = "this rank's slice" if split else "ranks summed"
         results.append(None if r is None else (r[0], f"{r[1]}; gradient {places[p]}, {where}"))
+        if p in (share or {}) and not split and isinstance(got[p], DTensor) and any(
+                q.is_partial() for q in got[p].placements):          # its pending sum: this rank's own share
+            r = _compare(f"{prefix}params.{p}", got[p].to_local(), share[p], rtol, atol)
+            results.append(None if r is None else (r[0], f"{r[1]}; gradient {places[p]}, this rank's share "
+                                                          f"(batch {mesh.batch_index} of {mesh.num_batches})"))
     for t in flat.values():
         t.grad = None
     return results

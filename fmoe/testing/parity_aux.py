@@ -11,7 +11,13 @@ dotted name (``moe.1.load_balance_loss``):
   router's plain-tensor statistic is its rank's own value, so only the named ones are compared);
 - the gradient of each loss key (summed over the layers) with respect to every parameter leaf:
   each rank backpropagates its copy of the global loss, and ``fmoe.gather`` sums the ranks'
-  shares, which must equal the one-process gradient (:mod:`fmoe.routing.aux_losses`).
+  shares, which must equal the one-process gradient (:mod:`fmoe.routing.aux_losses`);
+- each rank's own share of a replicated leaf's gradient (its pending sum, ``P(sum)``), against
+  its batch's share in one process (:func:`shares`), so a bug on one rank names that rank.
+
+A batch's share in one process: ``fn`` on that batch's inputs alone, each ``GlobalStat``'s sums
+completed by the other batches' sums (detached), as a rank's all-reduce completes them (backward:
+identity); the other batches' sums come from a first pass over every batch.
 
 Example:
     >>> import torch
@@ -22,17 +28,29 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
+from unittest import mock
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from fmoe import tree as _tree
+from fmoe.routing import global_stats as _stats
 
-__all__ = ["split", "values", "losses", "reference", "loss_grads", "grad_place", "GLOBAL_KEYS"]
+__all__ = ["batch", "leaves", "split", "values", "losses", "reference", "shares", "loss_grads", "grad_place", "GLOBAL_KEYS"]
 
 #: the entries ``fmoe.moe`` writes that hold the global batch's value on every rank.
 GLOBAL_KEYS = ("load", "imbalance", "computed_slots")
+
+
+def batch(t: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Data-parallel batch ``b`` of ``n`` of an input (dim 0, as ``torch.tensor_split``)."""
+    return torch.tensor_split(t, n, dim=0)[b]
+
+
+def leaves(tree: Any, grads: bool) -> Any:
+    """Fresh copies of the leaves, floating ones requiring grad (when grads are compared)."""
+    return _tree.map_with_path(lambda _, t: t.detach().clone().requires_grad_(grads and t.is_floating_point()), tree)
 
 
 def split(result: Any, aux: Any) -> tuple[torch.Tensor, Any]:
@@ -84,6 +102,49 @@ def reference(aux: Any, tree: Any, stats: Sequence[str], grads: bool) -> dict:
     if grads:
         ref["aux_grads"] = {k: loss_grads(loss, tree) for k, loss in losses(aux).items()}
     return ref
+
+
+def shares(fn: Callable, params: Any, inputs: Any, batches: int) -> list[dict]:
+    """Each data-parallel batch's share of every aux loss's gradient, as the rank holding that
+    batch computes it (module docstring): ``[{loss key: {path: gradient}}]``, one per batch.
+
+    Args:
+        fn: ``fn(params, inputs, mesh=None) -> (out, aux)``, run on one process.
+        params: tree of full parameter tensors.
+        inputs: a tensor or tree of tensors, split into ``batches`` along dim 0 (:func:`batch`).
+        batches: the mesh's number of data-parallel batches.
+    Returns:
+        one dict per batch.
+    """
+    def run(b: int) -> tuple[Any, Any]:
+        p = leaves(params, True)
+        return p, split(fn(p, leaves(_tree.map_with_path(lambda _, t: batch(t, b, batches), inputs), False),
+                           mesh=None), True)[1]
+
+    sums: list[list[torch.Tensor]] = [[] for _ in range(batches)]
+
+    def recorded(b: int) -> Callable:
+        def reduce(tensors, mesh, summed_over_fsdp=None):
+            sums[b].append(_stats.pack(list(tensors)).detach())
+            return list(tensors)
+        return reduce
+
+    for b in range(batches):
+        with mock.patch.object(_stats, "reduce_over_batches", recorded(b)):
+            run(b)
+    totals = [sum(s[i] for s in sums) for i in range(len(sums[0]))]
+    out = []
+    for b in range(batches):
+        calls = iter(range(len(totals)))
+
+        def completed(tensors, mesh, summed_over_fsdp=None, b=b, calls=calls):
+            i, tensors = next(calls), list(tensors)
+            return _stats._unpack(_stats.pack(tensors) + (totals[i] - sums[b][i]), tensors)
+
+        with mock.patch.object(_stats, "reduce_over_batches", completed):
+            p, aux = run(b)
+            out.append({k: loss_grads(loss, p) for k, loss in losses(aux).items()})
+    return out
 
 
 def loss_grads(loss: torch.Tensor, tree: Any) -> dict:

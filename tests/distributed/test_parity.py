@@ -162,7 +162,8 @@ def aux_layer(params, x, mesh=None, **bugs):
 def test_aux_values_and_aux_loss_gradients_are_compared_naming_key_and_rank(pool):
     """aux=True: a correct router passes (values and gradients of its aux loss on every mesh); a
     value off on rank 1 names the key and rank 1; a doubled aux-loss gradient on rank 1 names the
-    key and the leaf (the router's gradient is the sum of every rank's share: ranks summed)."""
+    key, the leaf and rank 1: the router's gradient, the sum of every rank's share, differs (ranks
+    summed), and so does rank 1's own share against its batch's share in one process."""
     from functools import partial
 
     x = torch.randn(32, D, generator=torch.Generator().manual_seed(1))
@@ -176,7 +177,9 @@ def test_aux_values_and_aux_loss_gradients_are_compared_naming_key_and_rank(pool
         assert_parity(partial(aux_layer, grad_bug=True), moe_params(), x, MOE_PLAN, meshes=["tp1/ep2"], world=2,
                       pool=pool, aux=True)
     msg = str(info.value)
-    assert "worst: tp1/ep2 (ranks summed): grad of aux z_penalty: params.router" in msg, msg
+    assert "tp1/ep2 (ranks summed): grad of aux z_penalty: params.router" in msg, msg
+    assert "tp1/ep2 rank 1: grad of aux z_penalty: params.router" in msg and "rank 0" not in msg, msg
+    assert "this rank's share (batch 1 of 2)" in msg, msg
     assert "fsdp=P(sum)" in msg and ": aux z_penalty" not in msg and "grad params." not in msg, msg
 
 
