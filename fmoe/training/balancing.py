@@ -46,8 +46,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional
 
-import torch
-
 from ..model import Model
 
 __all__ = ["METHODS", "parse_methods", "resolve", "record", "router_for", "run_router", "with_expert_bias",
@@ -278,12 +276,10 @@ def with_expert_bias(full: Any, args: Any) -> Any:
         >>> p["layers"][0]["moe"]["expert_bias"].tolist()
         [0.0, 0.0, 0.0, 0.0]
     """
+    from ..routing.state import bias_state, init_layer
+
     if "bias" not in parse_methods(args.balance):      # a dense model resolves to "none"
         return full
-    layers = []
-    for layer in full["layers"]:
-        if "moe" in layer and "expert_bias" not in layer["moe"]:
-            r = layer["moe"]["router"]
-            layer = {**layer, "moe": {**layer["moe"], "expert_bias": torch.zeros(r.shape[0], device=r.device)}}
-        layers.append(layer)
-    return {**full, "layers": layers}
+    state = bias_state(0.0)                            # the bias as router state: its init, one path
+    return {**full, "layers": [{**layer, "moe": init_layer(layer["moe"], state)} if "moe" in layer else layer
+                               for layer in full["layers"]]}
