@@ -80,7 +80,8 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
     if missing:
         raise ValueError(f"moe: params is missing {missing}; expected keys router [E, D], "
                          f"w_gate_up [E, 2I, D], w_down [E, D, I]")
-    bad = sorted(k for k in state_keys(params) if not isinstance(params[k], torch.Tensor)
+    state = state_keys(params)
+    bad = sorted(k for k in state if not isinstance(params[k], torch.Tensor)
                  or not params[k].dtype.is_floating_point)
     if bad:
         raise ValueError(f"moe: unexpected params {bad}; valid keys: router, router_bias, shared, "
@@ -107,7 +108,7 @@ def _check_params(params: Any, x: torch.Tensor) -> tuple[int, int, int]:
     if "shared" in params:
         check_shared(params["shared"], D, x.dtype)
     for key in params:
-        if key == "shared" or key in state_keys(params):      # checked above; router state may stay fp32
+        if key == "shared" or key in state:      # checked above; router state may stay fp32
             continue
         if params[key].dtype != x.dtype:
             raise ValueError(f"moe: x dtype {x.dtype} differs from params[{key!r}] dtype "
