@@ -57,17 +57,11 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str = "", rtol: Optional[float
 
 
 def hf_model(cfg, cls_name: str, seed: int = 0):
-    """A transformers model built from ``cfg.to_hf()``, with weights redrawn at a larger scale."""
-    import transformers
+    """A transformers model built from ``cfg.to_hf()``, with weights (and persistent float buffers,
+    e.g. DeepSeek-V3's expert bias) redrawn at a larger scale: the conformance suite's own model."""
+    from fmoe.testing.conformance import _hf_model
 
-    cls = getattr(transformers, cls_name)
-    model = cls(cls.config_class(**cfg.to_hf(), attn_implementation="eager")).float().eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g) * 0.2
-            p.copy_(1 + noise if "norm" in name else noise)
-    return model
+    return _hf_model(cls_name, cfg, seed)
 
 
 def read_all(path: str) -> dict:

@@ -26,17 +26,6 @@ PLAIN_Q = ds.Config.tiny(q_lora_rank=None, rope_scaling=YARN, n_shared_experts=2
                          routed_scaling_factor=2.5, rope_interleave=False, n_group=2, topk_group=1)
 
 
-def hf_deepseek(cfg, seed=0):
-    """transformers' model with weights (and the expert bias buffer) redrawn at a larger scale."""
-    hf = hf_model(cfg, "DeepseekV3ForCausalLM", seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.rand(b.shape, generator=g) * 0.5)
-    return hf
-
-
 def test_bias_selects_presets_round_trip_and_config_errors():
     for c in (ds.Config.tiny(), ds.Config.small(), ds.Config(), PLAIN_Q):
         assert ds.Config.from_hf(json.loads(json.dumps(c.to_hf()))) == c
@@ -107,7 +96,7 @@ def test_main_job_from_a_transformers_checkpoint(tmp_path):
     exports a checkpoint transformers loads."""
     from fmoe.cli.train import main
     cfg = ds.Config.tiny(vocab_size=256)
-    hf_deepseek(cfg).save_pretrained(tmp_path / "hf")
+    hf_model(cfg, "DeepseekV3ForCausalLM").save_pretrained(tmp_path / "hf")
     argv = ["--model", "deepseek_v3", "--init-hf", str(tmp_path / "hf"), "--nproc", "2", "--ep", "2", "--steps", "2",
             "--batch", "2", "--seq", "16", "--out", str(tmp_path / "run"), "--export-hf", str(tmp_path / "out"),
             "--quiet"]
