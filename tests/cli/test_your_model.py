@@ -8,6 +8,7 @@ continues bitwise, ``--export-hf`` loads in transformers with equal logits, ``fm
 bad ``--model`` is one line, exit 2, before any rank starts."""
 
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -33,6 +34,8 @@ def write_package(root, module="byom_moe", name="byom_moe"):
     pkg.mkdir(exist_ok=True)
     (pkg / "__init__.py").write_text("")
     (pkg / f"{module}.py").write_text(src.replace('kit.Model("mixtral",', f'kit.Model("{name}",'))
+    importlib.invalidate_caches()   # the path finder caches a directory's listing by its mtime (1 s on some
+    #                                 filesystems): a module written in the second byom_pkg was imported is unseen
 
 
 @pytest.fixture(scope="module")
