@@ -54,6 +54,9 @@ resume: --resume continues the job meta.json records: every flag left out takes 
   Schedule rule: warmup + cosine over the --steps of the run that was started; extending a run
   with a larger --steps trains the extra steps at the final lr (0.1 * --lr).
 
+job file (--config FILE): a flag overrides the file's value; --no-X undoes its switch X and
+  --X default its number X (--microbatches default): the setting is then not given.
+
 OUT (default {DEFAULT_OUT}): holds log.jsonl and step-N/ checkpoints of one run, locked by
   OUT/.lock while a job runs. A new run refuses an OUT holding another run unless it resumes
   that run (--resume of a checkpoint in OUT) or --overwrite (which removes only that run's
@@ -76,9 +79,17 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+#: the word that undoes a job file's number on the command line (``--microbatches default``): the
+#: field is then not given, so it takes its default (or, on ``--resume``, the checkpoint's value).
+UNSET = "default"
+
+
 def _number(kind: str):
-    """A word as an int / float; a word that is none is passed on, for the field to refuse by name."""
+    """A word as an int / float; :data:`UNSET` as not given (None); any other word is passed on,
+    for the field to refuse by name."""
     def conv(s: str):
+        if s == UNSET:
+            return None
         try:
             return int(s) if kind == "int" else float(s)
         except ValueError:
@@ -100,12 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         g = groups[meta["group"]]
         if kind == "bool":                             # --sp / --no-sp: a job file's switch can be undone
             g.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=None, help=meta["help"])
+        elif kind in ("int", "float", "fraction"):     # --microbatches default: a job file's number undone
+            g.add_argument(flag(name), metavar=meta["metavar"], default=None, help=meta["help"],
+                           type=_number("int" if kind == "int" else "float"))
         elif kind == "choice":
             g.add_argument(flag(name), choices=arg[0], default=None, help=meta["help"])
         else:
-            g.add_argument(flag(name), metavar=meta["metavar"], default=None, help=meta["help"],
-                           type=_number("int" if kind == "int" else "float") if kind in ("int", "float", "fraction")
-                           else None)
+            g.add_argument(flag(name), metavar=meta["metavar"], default=None, help=meta["help"])
     return ap
 
 

@@ -55,7 +55,8 @@ from ..fsdp import data_parallel_plan
 from ..mesh import Mesh
 from ..sharding import Plan
 from ..sharding import shard as _shard
-from .config import NOT_PASSED, ModelConfig, check_config, from_hf_fields, rope, rope_from_hf, to_hf_fields
+from .config import (NOT_PASSED, ModelConfig, check_config, from_hf_fields, positions_warning, rope, rope_from_hf,
+                     to_hf_fields)
 from .decoder import AUX_LOSS_FIELDS, Context, Outputs, lm_head, mlp, moe, start, with_aux_loss
 from .hf_names import HF_TOP, Experts, Names, hf_names, hf_specs
 from .plan_checks import check_sequence_parallel, check_tp_splits
@@ -64,7 +65,7 @@ from .widths import WIDTH_FIELDS, Widths, field_of, read_widths
 
 __all__ = ["Model", "model_of", "Widths", "WIDTH_FIELDS", "PRESETS", "EXPORTS",
            "ModelConfig", "check_config", "rope", "rope_from_hf", "from_hf_fields", "to_hf_fields", "NOT_PASSED",
-           "TP_FIELDS", "decoder_shapes", "attention_shapes", "init_params", "init_kv_cache",
+           "positions_warning", "TP_FIELDS", "decoder_shapes", "attention_shapes", "init_params", "init_kv_cache",
            "AUX_LOSS_FIELDS", "Context", "Outputs", "start", "moe", "mlp", "lm_head", "with_aux_loss",
            "HF_TOP", "Names", "Experts", "hf_specs", "hf_names"]
 

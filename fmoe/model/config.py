@@ -32,7 +32,8 @@ import torch
 
 from ..nn import rope_frequencies
 
-__all__ = ["ModelConfig", "check_config", "rope", "rope_from_hf", "from_hf_fields", "to_hf_fields", "NOT_PASSED"]
+__all__ = ["ModelConfig", "check_config", "rope", "rope_from_hf", "from_hf_fields", "to_hf_fields", "NOT_PASSED",
+           "positions_warning"]
 
 #: ``config.json`` keys read or written as the rope, and those describing the file rather than the
 #: model (its weights' dtype, the writer's version): never passed through as unused fields.
@@ -82,6 +83,33 @@ def check_config(cfg: Any, *, kv_heads: Optional[str] = "num_key_value_heads", e
         raise ValueError(f"Config: num_experts_per_tok={cfg.num_experts_per_tok} exceeds "
                          f"{experts}={getattr(cfg, experts)}")
     rope(cfg, rope_dim)
+
+
+def positions_warning(cfg: Any, positions: int, what: str) -> Optional[str]:
+    """The warning for a sequence of ``positions`` longer than the model's ``max_position_embeddings``.
+
+    transformers warns the same way and runs on: positions past the trained length are rope
+    extrapolation, which a checkpoint trained at that length has never seen.
+
+    Args:
+        cfg: a model config (one not built on :class:`ModelConfig` states no limit).
+        positions: the sequence's length (a prompt and its new tokens, or ``--seq``).
+        what: how the caller names that length (``"--seq 4096"``).
+    Returns:
+        the warning text, or None when the length is within the model's (or it states none).
+
+    Example:
+        >>> from fmoe.models import llama
+        >>> positions_warning(llama.Config.tiny(), 300, "--seq 300")
+        "--seq 300 is longer than the model's max_position_embeddings=256: positions past it are extrapolated by the rope, never trained"
+        >>> positions_warning(llama.Config.tiny(), 256, "--seq 256") is None
+        True
+    """
+    limit = cfg.max_position_embeddings if isinstance(cfg, ModelConfig) else None
+    if limit is None or positions <= limit:
+        return None
+    return (f"{what} is longer than the model's max_position_embeddings={limit}: positions past it are "
+            "extrapolated by the rope, never trained")
 
 
 def rope(cfg: Any, dim: Optional[int] = None) -> tuple[torch.Tensor, float]:
@@ -199,6 +227,9 @@ class ModelConfig:
             the token whose embedding row gets no gradient (:func:`fmoe.model.start` passes it to
             ``fmoe.nn.embedding(padding_idx=)``, as transformers' ``nn.Embedding(padding_idx=)``);
             None: every row learns. A subclass may redeclare its default (OLMoE's is 1).
+        max_position_embeddings: the longest sequence the model was trained for, as transformers'
+            field (None: not stated). fmoe does not refuse longer sequences (rope extrapolates), but
+            ``fmoe train --seq`` and :func:`fmoe.generate` warn past it (:func:`positions_warning`).
         hf_extra: the ``config.json`` fields the model does not use (sorted ``(key, value)``
             pairs, :func:`from_hf_fields`), written back by :meth:`to_hf` so a loaded and saved
             checkpoint keeps them (``bos_token_id``, ``use_cache``, ...); not compared.
@@ -207,6 +238,7 @@ class ModelConfig:
     HF: ClassVar[Mapping[str, Any]] = {}
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     pad_token_id: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
     hf_extra: tuple = field(default=(), compare=False, repr=False)
 
     @classmethod

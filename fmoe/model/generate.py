@@ -30,12 +30,14 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from ..collectives import broadcast_from
 from . import model_of
+from .config import positions_warning
 from ..tree import leaves
 
 __all__ = ["generate", "sample", "left_pad", "cache_bytes"]
@@ -179,6 +181,9 @@ def generate(model: Any, params: Any, cfg: Any, prompts: Union[torch.Tensor, Seq
     if router is not None and not declared.routed:
         raise ValueError(f"generate: model {declared.name!r} has no MoE layers, so it takes no router")
     kwargs = ({"impl": impl} | ({"router": router} if router is not None else {})) if declared.routed else {}
+    long = positions_warning(cfg, S + max_new_tokens, f"generate: {S} prompt + {max_new_tokens} new positions")
+    if long and (mesh is None or mesh.rank == 0):          # said once, not by every rank
+        warnings.warn(long, stacklevel=2)
     dtype = next(t for t in leaves(params) if t.dtype.is_floating_point).dtype
     need = cache_bytes(model, cfg, B, S + max_new_tokens, dtype)                     # before allocating it
     if need > _memory():

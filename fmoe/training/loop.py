@@ -19,6 +19,7 @@ import sys
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
+from .. import model as kit
 from ..precision import dtype_of
 from ..routing.state import is_state
 from . import balancing, options, router_state
@@ -169,6 +170,9 @@ def run(rank: int, world: int, job: Any) -> dict:
     rank0 = rank == 0
     if rank0:                                          # --quiet keeps only its warning
         options.print_memory_plan(job, model, cfg, model_plan, world)
+        long = kit.positions_warning(cfg, job.seq, f"--seq {job.seq}")       # not hidden by --quiet either
+        if long:
+            print(f"fmoe train: warning: {long}", file=sys.stderr)
     meta = {**_job_meta(job, model, hf_cfg, mesh), **options.run_meta(job, tokenizer, device),
             **balancing.record(job), "upcycle": job.upcycle, **settings.record(job)}
     bar = _Progress(job.steps, start, rank0 and not job.quiet)

@@ -65,7 +65,7 @@ def check_options(job: Any, error: Callable[[str], Any]) -> None:
             error(f"--pp-layers {job.pp_layers} sizes the stages of a pipeline; it needs --pp > 1")
         if job.microbatches is not None:
             error(f"--microbatches {job.microbatches} splits the batch of a pipeline; it needs --pp > 1 (without a "
-                   "pipeline, --grad-accum N runs micro-batches)")
+                   "pipeline, --grad-accum N runs micro-batches; --microbatches default undoes a job file's value)")
         return
     given = job.microbatches is not None
     job.microbatches = job.microbatches if given else job.pp

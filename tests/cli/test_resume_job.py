@@ -264,6 +264,10 @@ def test_small_usage_errors_name_the_field(tmp_path, capsys):
     from fmoe.cli.train import parse_args
     assert parse_args(["--config", str(job), "--no-sp", "--no-optim-in-backward"]) == JobConfig(
         sp=False, optim_in_backward=False, microbatches=2)
+    assert parse_args(["--config", str(job), "--microbatches", "default"]).microbatches is None   # a number undone
+    job.write_text("pp = 2\nnproc = 2\nmicrobatches = 2\nmodel = 'qwen3_moe'\npreset = 'tiny'\n")
+    assert resolve(parse_args(["--config", str(job), "--pp", "1", "--microbatches", "default",
+                               "--out", str(tmp_path / "m")])).microbatches is None      # (with 2: refused)
     import pathlib
     cfg = JobConfig(steps=np.int64(3), lr=np.float32(0.5), out=pathlib.Path(tmp_path), sp=np.bool_(False))
     assert (cfg.steps, cfg.lr, cfg.out, cfg.sp) == (3, 0.5, str(tmp_path), False) and type(cfg.steps) is int
@@ -308,3 +312,23 @@ def test_generate_on_two_ranks_leaves_no_semaphore(base):
                           "--max-new-tokens", "2", "--nproc", "2", "--ep", "2"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "leaked semaphore" not in out.stderr, out.stderr[-2000:]
+
+
+def test_sequences_past_max_position_embeddings_are_warned(base, tmp_path, capsys):
+    """Issue 44's low item: ``--seq`` and a prompt plus its new tokens past the model's
+    ``max_position_embeddings`` (256 in the tiny presets) ran without a word; now a warning each
+    (not an error: transformers runs on too), and none at the limit."""
+    from fmoe.cli import generate
+
+    got = train_cli("--model", "llama", "--preset", "tiny", "--seq", "264", "--batch", "1", "--steps", "1", "--quiet",
+                    "--threads", "1", "--out", str(tmp_path / "long"))
+    assert "fmoe train: warning: --seq 264 is longer than the model's max_position_embeddings=256" in got.stderr
+    argv = ["--ckpt", base, "--bytes", "--max-new-tokens", "2", "--json"]
+    with pytest.warns(UserWarning, match=r"generate: 255 prompt \+ 2 new positions is longer than the model's "
+                                         r"max_position_embeddings=256"):
+        assert generate.main([*argv, "--prompt", "x" * 255]) == 0
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # 254 + 2 = 256 positions: within the limit
+        assert generate.main([*argv, "--prompt", "x" * 254]) == 0
+    capsys.readouterr()
