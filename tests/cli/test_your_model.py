@@ -34,14 +34,23 @@ def write_package(root, module="byom_moe", name="byom_moe"):
     pkg.mkdir(exist_ok=True)
     (pkg / "__init__.py").write_text("")
     (pkg / f"{module}.py").write_text(src.replace('kit.Model("mixtral",', f'kit.Model("{name}",'))
-    importlib.invalidate_caches()   # the path finder caches a directory's listing by its mtime (1 s on some
-    #                                 filesystems): a module written in the second byom_pkg was imported is unseen
+    importlib.invalidate_caches()   # the path finder caches a directory's listing by its mtime (a coarse
+    #                                 clock): a module written in the tick byom_pkg was last listed is unseen
+
+
+def forget_package():
+    """Drop ``byom_pkg`` and its modules from ``sys.modules``: a package imported from an earlier
+    ``user_model`` (a module fixture set up again when xdist interleaves another file's tests) would
+    still look for its modules in that fixture's folder."""
+    for name in [n for n in sys.modules if n == "byom_pkg" or n.startswith("byom_pkg.")]:
+        del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
 def user_model(tmp_path_factory):
     """The package on ``sys.path`` (spawned ranks take the caller's), and one 4-rank run of it."""
     root = tmp_path_factory.mktemp("outside")
+    forget_package()
     write_package(root)
     (root / "byom_pkg" / "broken.py").write_text("raise ImportError('the user module is broken')\n")
     sys.path.insert(0, str(root))
@@ -50,6 +59,7 @@ def user_model(tmp_path_factory):
               str(root / "export"))
     yield root, out
     sys.path.remove(str(root))
+    forget_package()
 
 
 def test_train_resume_and_export(user_model, tmp_path):
