@@ -181,14 +181,14 @@ def generate(model: Any, params: Any, cfg: Any, prompts: Union[torch.Tensor, Seq
     if router is not None and not declared.routed:
         raise ValueError(f"generate: model {declared.name!r} has no MoE layers, so it takes no router")
     kwargs = ({"impl": impl} | ({"router": router} if router is not None else {})) if declared.routed else {}
-    long = positions_warning(cfg, S + max_new_tokens, f"generate: {S} prompt + {max_new_tokens} new positions")
-    if long and (mesh is None or mesh.rank == 0):          # said once, not by every rank
-        warnings.warn(long, stacklevel=2)
     dtype = next(t for t in leaves(params) if t.dtype.is_floating_point).dtype
     need = cache_bytes(model, cfg, B, S + max_new_tokens, dtype)                     # before allocating it
     if need > _memory():
         raise ValueError(f"generate: the cache of {B} rows x {S + max_new_tokens} positions needs {need / 1e9:.3g} GB, "
                          f"more than this machine's {_memory() / 1e9:.3g} GB; lower max_new_tokens")
+    long = positions_warning(cfg, S + max_new_tokens, f"generate: {S} prompt + {max_new_tokens} new positions")
+    if long and (mesh is None or mesh.rank == 0):          # said once (not by every rank), for a run that starts
+        warnings.warn(long, stacklevel=2)
     cache = declared.init_cache(cfg, B, S + max_new_tokens, mesh, dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
     out, done = [tokens], torch.zeros(B, dtype=torch.bool, device=device)
